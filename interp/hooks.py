@@ -1,0 +1,255 @@
+"""Hook points: an identity module at every activation, named from the module tree.
+
+A hook is `fn(tensor, hook) -> tensor | None` (TransformerLens's signature): return a tensor to
+replace the activation, or None to leave it. Backward hooks get the gradient of the activation.
+
+Hooks are global state, so every way of adding one has a way of scoping it: `model.hooks(...)`
+and `run_with_hooks` remove exactly what they added, even when the forward raises; a handle from
+`add_hook` removes its hook (and is a context manager).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import warnings
+from typing import Callable, Iterable, Iterator, Literal, Sequence, Union
+
+from torch import Tensor, nn
+
+HookFn = Callable[..., Union[Tensor, None]]
+Direction = Literal["fwd", "bwd"]
+NamesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
+
+
+class HookHandle:
+    """Removes one hook. Usable as a context manager."""
+
+    def __init__(self, hook_list: list, entry) -> None:
+        self._list, self._entry = hook_list, entry
+
+    def remove(self) -> None:
+        if self._entry in self._list:
+            self._list.remove(self._entry)
+
+    def __enter__(self) -> "HookHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+class HookPoint(nn.Module):
+    """Identity on the forward pass, unless hooks are attached. `name` is set by the root model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.name: str | None = None
+        self._fwd: list[HookFn] = []
+        self._bwd: list[HookFn] = []
+
+    @property
+    def active(self) -> bool:
+        """True when any hook is attached (used to switch attention to the instrumented path)."""
+        return bool(self._fwd or self._bwd)
+
+    def add_hook(self, fn: HookFn, dir: Direction = "fwd", prepend: bool = False) -> HookHandle:
+        if dir not in ("fwd", "bwd"):
+            raise ValueError(f"hook direction must be 'fwd' or 'bwd', got {dir!r}")
+        if not callable(fn):
+            raise TypeError(f"a hook must be callable as fn(tensor, hook), got {type(fn).__name__}")
+        hooks = self._fwd if dir == "fwd" else self._bwd
+        entry = _Entry(fn)
+        hooks.insert(0, entry) if prepend else hooks.append(entry)
+        return HookHandle(hooks, entry)
+
+    def remove_hooks(self, dir: Literal["fwd", "bwd", "both"] = "both") -> None:
+        if dir in ("fwd", "both"):
+            self._fwd.clear()
+        if dir in ("bwd", "both"):
+            self._bwd.clear()
+
+    def forward(self, x: Tensor) -> Tensor:
+        for entry in list(self._fwd):
+            out = entry.fn(x, hook=self)
+            if out is not None:
+                if not isinstance(out, Tensor):
+                    raise TypeError(f"forward hook on {self.name} returned {type(out).__name__}; return a tensor or None")
+                if out.shape != x.shape:
+                    raise ValueError(f"forward hook on {self.name} changed the shape {tuple(x.shape)} -> {tuple(out.shape)}")
+                x = out
+        if self._bwd and x.requires_grad:
+            for entry in list(self._bwd):
+                x.register_hook(_BackwardCall(entry.fn, self))
+        return x
+
+    def extra_repr(self) -> str:
+        return f"name={self.name!r}, fwd={len(self._fwd)}, bwd={len(self._bwd)}"
+
+
+class _Entry:
+    """A list entry compared by identity, so the same function can be added twice and removed once."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: HookFn) -> None:
+        self.fn = fn
+
+
+class _BackwardCall:
+    def __init__(self, fn: HookFn, hook: HookPoint) -> None:
+        self.fn, self.hook = fn, hook
+
+    def __call__(self, grad: Tensor):
+        return self.fn(grad, hook=self.hook)
+
+
+# TransformerLens's short names: cache["pattern", 0] -> "blocks.0.attn.hook_pattern".
+_ATTN = {"q", "k", "v", "z", "rot_q", "rot_k", "attn_scores", "pattern", "result"}
+_MLP = {"pre", "post", "pre_linear"}
+_ALIASES = {"attn": "pattern", "attn_logits": "attn_scores", "resid": "resid_post", "attn_out": "attn_out", "mlp_out": "mlp_out"}
+
+
+def act_name(name: str, layer: int | None = None, sub: str | None = None) -> str:
+    """Full hook name from TransformerLens's short form, e.g. act_name("pattern", 0), act_name("normalized", 3, "ln2")."""
+    if "." in name or name.startswith("hook_"):
+        return name
+    name = _ALIASES.get(name, name)
+    if layer is None:
+        if name in ("embed", "pos_embed"):
+            return f"hook_{name}"
+        if name in ("scale", "normalized"):
+            return f"ln_final.hook_{name}"
+        raise KeyError(f"{name!r} needs a layer index, e.g. ({name!r}, 0)")
+    if name in _ATTN:
+        return f"blocks.{layer}.attn.hook_{name}"
+    if name in _MLP:
+        return f"blocks.{layer}.mlp.hook_{name}"
+    if name in ("scale", "normalized"):
+        return f"blocks.{layer}.{sub or 'ln1'}.hook_{name}"
+    return f"blocks.{layer}.hook_{name}"
+
+
+class HookedRootModule(nn.Module):
+    """Mixin for a model built of HookPoints: names them, adds, scopes and removes hooks."""
+
+    hook_dict: dict[str, HookPoint]
+
+    def setup_hooks(self) -> None:
+        self.hook_dict = {}
+        for name, module in self.named_modules():
+            if isinstance(module, HookPoint):
+                module.name = name
+                self.hook_dict[name] = module
+        self.mod_dict = dict(self.named_modules())
+
+    def hook_points(self) -> list[HookPoint]:
+        return list(self.hook_dict.values())
+
+    def resolve_hook_names(self, names: NamesFilter) -> list[str]:
+        """Hook names matching `names` (None = all; a name; a list of names; a predicate).
+
+        A name that is not a hook point raises a KeyError naming the closest hook points."""
+        if names is None:
+            return list(self.hook_dict)
+        if callable(names) and not isinstance(names, str):
+            return [n for n in self.hook_dict if names(n)]
+        if isinstance(names, str):
+            names = [names]
+        out = []
+        for n in names:
+            self._check_name(n)
+            out.append(n)
+        return out
+
+    def _check_name(self, name: str) -> None:
+        if name not in self.hook_dict:
+            close = difflib.get_close_matches(name, list(self.hook_dict), n=3, cutoff=0.5)
+            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise KeyError(
+                f"{name!r} is not a hook point of this model.{hint} "
+                f"List them with `list(model.hook_dict)` ({len(self.hook_dict)} hook points)."
+            )
+
+    def add_hook(
+        self, name: str | Callable[[str], bool], fn: HookFn, dir: Direction = "fwd", prepend: bool = False
+    ) -> HookHandle | "_MultiHandle":
+        """Attach `fn` to the hook point `name` (or to every hook point the predicate accepts)."""
+        if callable(name) and not isinstance(name, str):
+            return _MultiHandle([self.hook_dict[n].add_hook(fn, dir, prepend) for n in self.resolve_hook_names(name)])
+        self._check_name(name)
+        return self.hook_dict[name].add_hook(fn, dir, prepend)
+
+    def reset_hooks(self, direction: Literal["fwd", "bwd", "both"] = "both", including_permanent: bool = True) -> None:
+        for hp in self.hook_dict.values():
+            hp.remove_hooks(direction)
+
+    @contextlib.contextmanager
+    def hooks(
+        self,
+        fwd_hooks: Iterable[tuple[str | Callable, HookFn]] = (),
+        bwd_hooks: Iterable[tuple[str | Callable, HookFn]] = (),
+        reset_hooks_end: bool = True,
+    ) -> Iterator["HookedRootModule"]:
+        """Attach hooks for the duration of a `with` block; they are removed even if it raises.
+
+        Only the hooks added here are removed (hooks added elsewhere stay)."""
+        handles = []
+        try:
+            for name, fn in fwd_hooks:
+                handles.append(self.add_hook(name, fn, "fwd"))
+            for name, fn in bwd_hooks:
+                handles.append(self.add_hook(name, fn, "bwd"))
+            yield self
+        finally:
+            if reset_hooks_end:
+                for h in handles:
+                    h.remove()
+
+    def run_with_hooks(
+        self,
+        *model_args,
+        fwd_hooks: Iterable[tuple[str | Callable, HookFn]] = (),
+        bwd_hooks: Iterable[tuple[str | Callable, HookFn]] = (),
+        reset_hooks_end: bool = True,
+        clear_contexts: bool = False,
+        **model_kwargs,
+    ):
+        """Run the model with hooks attached for this call only."""
+        bwd_hooks = list(bwd_hooks)
+        if bwd_hooks and reset_hooks_end:
+            warnings.warn(
+                "backward hooks are removed when run_with_hooks returns, before you can call backward(); "
+                "pass reset_hooks_end=False (and call model.reset_hooks() after) or use `with model.hooks(...)`",
+                stacklevel=2,
+            )
+        with self.hooks(fwd_hooks, bwd_hooks, reset_hooks_end):
+            return self(*model_args, **model_kwargs)
+
+
+class _MultiHandle:
+    def __init__(self, handles: list[HookHandle]) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def caching_hook(store: dict, name_key: str | None = None, detach: bool = True, device=None) -> HookFn:
+    """A hook that stores the activation in `store` under its hook's name (or `name_key`)."""
+
+    def hook(x: Tensor, hook: HookPoint) -> None:
+        t = x.detach() if detach else x
+        store[name_key or hook.name] = t.to(device) if device is not None else t
+
+    return hook
+
+
+__all__ = ["HookPoint", "HookHandle", "HookedRootModule", "HookFn", "act_name", "caching_hook"]

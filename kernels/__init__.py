@@ -1,0 +1,2 @@
+
+from .stats import AttentionStats, attention_stats

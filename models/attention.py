@@ -1,0 +1,148 @@
+"""The attention layer: projections, rotary, the backend call (fused or instrumented), output.
+
+Weights live in two matrices so the projections are one GEMM each (`W_qkv: [d_model, (head + 2
+kv_head) * d_head]`, `W_O_flat: [head * d_head, d_model]`); the TransformerLens per-head views
+`W_Q: [head, d_model, d_head]`, `W_K / W_V: [kv_head, d_model, d_head]`, `W_O: [head, d_head,
+d_model]` are views of them (no copy; in-place edits through them change the model).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from torch import Tensor, nn
+
+from interp.hooks import HookPoint
+from interp.kernels.attention import AttentionMask, get_backend
+
+from .config import ModelConfig
+from .positions import Rotary, alibi_slopes
+
+if TYPE_CHECKING:
+    from interp.cache import KVCache
+
+BackendChoice = Literal["auto", "fused", "instrumented"]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        h, kv, dh = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.d_head = h, kv, dh
+        self.window = cfg.window(layer)
+        self.scale = cfg.scale
+        self.W_qkv = nn.Parameter(torch.empty(cfg.d_model, (h + 2 * kv) * dh))
+        self.b_qkv = nn.Parameter(torch.zeros((h + 2 * kv) * dh)) if cfg.qkv_bias else None
+        self.W_O_flat = nn.Parameter(torch.empty(h * dh, cfg.d_model))
+        self.b_O = nn.Parameter(torch.zeros(cfg.d_model)) if cfg.attn_out_bias else None
+        self.rotary = cfg.positional == "rotary"
+        if cfg.positional == "alibi":
+            self.register_buffer("alibi_slopes", alibi_slopes(h), persistent=False)
+        else:
+            self.alibi_slopes = None
+        self.backend: BackendChoice = "auto"
+
+        self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
+        if self.rotary:
+            self.hook_rot_q, self.hook_rot_k = HookPoint(), HookPoint()
+        self.hook_attn_scores = HookPoint()
+        self.hook_pattern = HookPoint()
+        self.hook_z = HookPoint()
+        self.hook_result = HookPoint()
+
+    # ---- TransformerLens weight views -------------------------------------------------------
+    def _split(self, t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
+        return t.split([h * dh, kv * dh, kv * dh], dim=-1)
+
+    @property
+    def W_Q(self) -> Tensor:
+        return self._split(self.W_qkv)[0].unflatten(-1, (self.n_heads, self.d_head)).permute(1, 0, 2)
+
+    @property
+    def W_K(self) -> Tensor:
+        return self._split(self.W_qkv)[1].unflatten(-1, (self.n_kv_heads, self.d_head)).permute(1, 0, 2)
+
+    @property
+    def W_V(self) -> Tensor:
+        return self._split(self.W_qkv)[2].unflatten(-1, (self.n_kv_heads, self.d_head)).permute(1, 0, 2)
+
+    @property
+    def W_O(self) -> Tensor:
+        return self.W_O_flat.view(self.n_heads, self.d_head, -1)
+
+    def _bias(self, i: int, n: int) -> Tensor:
+        if self.b_qkv is None:
+            return self.W_qkv.new_zeros(n, self.d_head)
+        return self._split(self.b_qkv)[i].view(n, self.d_head)
+
+    @property
+    def b_Q(self) -> Tensor:
+        return self._bias(0, self.n_heads)
+
+    @property
+    def b_K(self) -> Tensor:
+        return self._bias(1, self.n_kv_heads)
+
+    @property
+    def b_V(self) -> Tensor:
+        return self._bias(2, self.n_kv_heads)
+
+    # ---- forward ------------------------------------------------------------------------------
+    def instrumented_now(self) -> bool:
+        """Whether this call will take the instrumented path."""
+        if self.backend == "auto":
+            return self.hook_attn_scores.active or self.hook_pattern.active
+        return self.backend == "instrumented"
+
+    def forward(
+        self,
+        x: Tensor,
+        mask: AttentionMask,
+        rope: tuple[Tensor, Tensor] | None = None,
+        kv_cache: "KVCache | None" = None,
+    ) -> Tensor:
+        """x: [batch, pos, d_model] -> [batch, pos, d_model]."""
+        b, p, _ = x.shape
+        h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
+        qkv = torch.matmul(x, self.W_qkv) if self.b_qkv is None else torch.addmm(
+            self.b_qkv, x.reshape(b * p, -1), self.W_qkv
+        ).view(b, p, -1)
+        q, k, v = self._split(qkv)
+        q = self.hook_q(q.view(b, p, h, dh))
+        k = self.hook_k(k.view(b, p, kv, dh))
+        v = self.hook_v(v.view(b, p, kv, dh))
+        if self.rotary:
+            cos, sin = rope
+            q = self.hook_rot_q(Rotary.rotate(q, cos, sin))
+            k = self.hook_rot_k(Rotary.rotate(k, cos, sin))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [batch, head, pos, d_head]
+        if kv_cache is not None:
+            k, v = kv_cache.append(self.layer, k, v, q)
+
+        if self.instrumented_now():
+            z = get_backend("instrumented")(
+                q, k, v, mask, scale=self.scale, window=self.window, alibi_slopes=self.alibi_slopes,
+                scores_hook=self.hook_attn_scores if self.hook_attn_scores.active else None,
+                pattern_hook=self.hook_pattern if self.hook_pattern.active else None,
+            )
+        else:
+            if self.hook_attn_scores.active or self.hook_pattern.active:
+                raise RuntimeError(
+                    f"layer {self.layer} is forced to the fused attention backend, which never materialises "
+                    "scores or patterns, but a hook is attached to hook_attn_scores / hook_pattern; use "
+                    "model.attention('auto') (the default) or model.attention('instrumented')"
+                )
+            z = get_backend("fused")(q, k, v, mask, scale=self.scale, window=self.window, alibi_slopes=self.alibi_slopes)
+
+        z = self.hook_z(z.transpose(1, 2))  # [batch, pos, head, d_head]
+        if self.hook_result.active:
+            result = self.hook_result(torch.einsum("bphd,hdm->bphm", z, self.W_O))
+            out = result.sum(2)
+            return out if self.b_O is None else out + self.b_O
+        z = z.reshape(b, p, h * dh)
+        if self.b_O is None:
+            return torch.matmul(z, self.W_O_flat)
+        return torch.addmm(self.b_O, z.view(b * p, -1), self.W_O_flat).view(b, p, -1)

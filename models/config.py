@@ -1,0 +1,218 @@
+"""`ModelConfig`: every architectural choice of the transformer, as one frozen, JSON-serialisable dataclass.
+
+Axis names used across the package (and in einops patterns):
+
+    batch  : sequences in a batch
+    pos    : token positions (query positions `q`, key positions `k` when they differ)
+    d_model: residual stream width
+    head   : attention heads; kv_head: key/value heads (== head for MHA, 1 for MQA, else GQA)
+    d_head : width of one head
+    d_mlp  : MLP hidden width
+    vocab  : vocabulary
+
+The config is pure data: choices are made once, when the model is built (see `models/transformer.py`),
+never by branching on strings inside a forward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Activation = Literal["gelu", "gelu_new", "gelu_fast", "relu", "silu"]
+Normalization = Literal["layernorm", "rmsnorm"]
+Positional = Literal["learned", "sinusoidal", "rotary", "alibi"]
+LayerType = Literal["full", "sliding"]
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary scaling, as Hugging Face configs express it (`rope_scaling` / `rope_parameters`).
+
+    kind:
+      - "linear": positions are divided by `factor` (position interpolation, Chen et al. 2023).
+      - "dynamic": NTK-aware; once the sequence is longer than `original_max_position`, the base is
+        raised to base * ((factor * seq / orig) - (factor - 1)) ** (rot / (rot - 2)).
+      - "ntk": static NTK-aware scaling: base * factor ** (rot / (rot - 2)).
+      - "yarn": YaRN (Peng et al. 2023): per-frequency interpolation between the original and the
+        `factor`-interpolated frequencies with ramp (beta_fast, beta_slow), and an attention
+        temperature `attention_factor` (default 0.1 * ln(factor) + 1) applied to cos/sin.
+      - "llama3": Llama-3.1's piecewise frequency scaling (low_freq_factor, high_freq_factor).
+    """
+
+    kind: Literal["linear", "dynamic", "ntk", "yarn", "llama3"]
+    factor: float = 1.0
+    original_max_position: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of one transformer. All fields are plain data; `to_json`/`from_json` round-trip.
+
+    Derived sizes (`n_params`, `kv_cache_bytes_per_token`, `flops_per_token`) are methods, so the
+    dataclass holds no derivable state.
+    """
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    d_vocab: int
+    n_ctx: int
+    d_head: int | None = None  # None: d_model // n_heads
+    n_kv_heads: int | None = None  # None: n_heads (MHA); 1 is MQA; anything dividing n_heads is GQA
+    d_mlp: int | None = None  # None: attention-only (no MLP in the blocks)
+    act_fn: Activation = "gelu_new"
+    gated_mlp: bool = False  # SwiGLU / GeGLU: act(x W_gate) * (x W_in)
+    normalization: Normalization | None = "layernorm"
+    norm_eps: float = 1e-5
+    positional: Positional | None = "learned"
+    rotary_dim: int | None = None  # None: the whole head (partial rotary for GPT-NeoX/Pythia)
+    rotary_base: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None  # a query sees keys p - window < j <= p (Hugging Face's rule)
+    layer_types: tuple[LayerType, ...] | None = None  # per layer; None: every layer "sliding" if a window is set
+    parallel_attn_mlp: bool = False  # GPT-NeoX / GPT-J: x + attn(ln1(x)) + mlp(ln2(x))
+    qkv_bias: bool = True
+    attn_out_bias: bool = True
+    mlp_bias: bool = True
+    unembed_bias: bool = False
+    tie_embeddings: bool = False
+    attn_scale: float | None = None  # None: 1 / sqrt(d_head)
+    init_range: float = 0.02
+    model_type: str = "interp"  # provenance only (e.g. "gpt2", "llama"); never branched on in forward
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.d_head is None and self.d_model % self.n_heads:
+            problems.append(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; set d_head")
+        if self.n_heads % self.kv_heads:
+            problems.append(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.kv_heads}")
+        if self.positional == "rotary" and self.rot_dim % 2:
+            problems.append(f"rotary_dim={self.rot_dim} must be even")
+        if self.positional == "rotary" and self.rot_dim > self.head_dim:
+            problems.append(f"rotary_dim={self.rot_dim} exceeds d_head={self.head_dim}")
+        if self.layer_types is not None and len(self.layer_types) != self.n_layers:
+            problems.append(f"layer_types has {len(self.layer_types)} entries for {self.n_layers} layers")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            problems.append(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if problems:
+            raise ValueError("invalid ModelConfig: " + "; ".join(problems))
+
+    # ---- resolved sizes -------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.d_head if self.d_head is not None else self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def rot_dim(self) -> int:
+        return self.rotary_dim if self.rotary_dim is not None else self.head_dim
+
+    @property
+    def attn_only(self) -> bool:
+        return self.d_mlp is None
+
+    @property
+    def scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer`, or None for full attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding":
+            return self.sliding_window
+        return None
+
+    # ---- accounting -----------------------------------------------------------------------
+    def n_params(self) -> int:
+        """Number of parameters.
+
+        embed  = vocab * d_model  (+ n_ctx * d_model if learned positions)
+        attn   = d_model * (n_heads + 2 * kv_heads) * d_head + n_heads * d_head * d_model
+                 (+ (n_heads + 2 * kv_heads) * d_head qkv bias, + d_model out bias)
+        mlp    = (3 if gated else 2) * d_model * d_mlp (+ d_mlp * (2 if gated else 1) + d_model biases)
+        norm   = 2 * d_model for LayerNorm, d_model for RMSNorm; two per block (one if attn-only), one final
+        unembed= d_model * vocab unless tied (+ vocab bias)
+        """
+        d, h, kv, dh = self.d_model, self.n_heads, self.kv_heads, self.head_dim
+        norm = {"layernorm": 2 * d, "rmsnorm": d, None: 0}[self.normalization]
+        attn = d * (h + 2 * kv) * dh + h * dh * d
+        attn += (h + 2 * kv) * dh * self.qkv_bias + d * self.attn_out_bias
+        block = attn + norm
+        if not self.attn_only:
+            n_in = 2 if self.gated_mlp else 1
+            block += (n_in + 1) * d * self.d_mlp + norm
+            block += (n_in * self.d_mlp + d) * self.mlp_bias
+        total = self.d_vocab * d + self.n_layers * block + norm
+        total += self.n_ctx * d * (self.positional == "learned")
+        total += d * self.d_vocab * (not self.tie_embeddings) + self.d_vocab * self.unembed_bias
+        return total
+
+    def kv_cache_bytes_per_token(self, dtype_bytes: int = 4) -> int:
+        """Bytes one token adds to a KV cache: 2 (K and V) * n_layers * kv_heads * d_head * dtype_bytes.
+
+        Keys are stored after RoPE and only for the kv-heads (GQA/MQA share them across heads).
+        """
+        return 2 * self.n_layers * self.kv_heads * self.head_dim * dtype_bytes
+
+    def flops_per_token(self, context: int) -> dict[str, int]:
+        """Forward FLOPs (multiply-add = 2) to process one token that attends to `context` keys.
+
+        attention (per layer) = 2 * d_model * (n_heads + 2 * kv_heads) * d_head    (q, k, v projections)
+                              + 2 * n_heads * d_head * d_model                     (output projection)
+                              + 2 * 2 * n_heads * d_head * context                 (q k^T and pattern @ v)
+        mlp (per layer)       = 2 * (3 if gated else 2) * d_model * d_mlp
+        unembed               = 2 * d_model * vocab
+        Norms, softmax, activations and biases are not counted (they are O(d) per token).
+        """
+        d, h, kv, dh = self.d_model, self.n_heads, self.kv_heads, self.head_dim
+        attn = 2 * d * (h + 2 * kv) * dh + 2 * h * dh * d + 4 * h * dh * context
+        mlp = 0 if self.attn_only else 2 * (3 if self.gated_mlp else 2) * d * self.d_mlp
+        out = {"attention": self.n_layers * attn, "mlp": self.n_layers * mlp, "unembed": 2 * d * self.d_vocab}
+        out["total"] = sum(out.values())
+        return out
+
+    # ---- serialisation --------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        if self.layer_types is not None:
+            out["layer_types"] = list(self.layer_types)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields {unknown}; known fields: {sorted(known)}")
+        data = dict(data)
+        if data.get("rope_scaling") is not None and not isinstance(data["rope_scaling"], RopeScaling):
+            data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+        if data.get("layer_types") is not None:
+            data["layer_types"] = tuple(data["layer_types"])
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelConfig":
+        return cls.from_dict(json.loads(text))
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+__all__ = ["ModelConfig", "RopeScaling"]

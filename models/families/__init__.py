@@ -1,0 +1,12 @@
+"""Model families: each maps a Hugging Face `model_type` to our config and weights.
+
+A family is registered once, in its own file, with the HF config keys it understands; anything
+it cannot represent raises instead of loading a silently different model.
+"""
+
+from .registry import FAMILIES, Family, get_family, register
+
+# Importing the family modules registers them.
+from . import gpt2, llamalike, neox  # noqa: E402,F401
+
+__all__ = ["FAMILIES", "Family", "get_family", "register"]

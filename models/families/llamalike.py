@@ -1,0 +1,82 @@
+"""The Llama-like families share one builder: RMSNorm, SwiGLU, rotary, GQA, separate q/k/v
+projections. Llama (Touvron et al. 2023), Mistral (sliding window; Jiang et al. 2023) and Qwen2
+(q/k/v biases, per-layer sliding window) differ only in their defaults, given as data below."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import ModelConfig
+from .registry import Family, TensorGetter, qkv, register, reject, require, rotary_from_hf, t
+
+
+def _config(d: dict, mt: str, *, qkv_bias: bool, out_bias: bool, window: bool) -> ModelConfig:
+    reject(d, mt, attn_logit_softcapping=bool, final_logit_softcapping=bool)
+    d_model, n_heads = require(d, "hidden_size", mt), require(d, "num_attention_heads", mt)
+    head_dim = d.get("head_dim") or d_model // n_heads
+    n_ctx = d.get("max_position_embeddings", 2048)
+    attention_bias = d.get("attention_bias")
+    sliding: Any = None
+    layer_types = None
+    if window and d.get("sliding_window") is not None and d.get("use_sliding_window", True):
+        sliding = int(d["sliding_window"])
+        if d.get("layer_types"):
+            kinds = {"full_attention": "full", "sliding_attention": "sliding"}
+            unknown = set(d["layer_types"]) - set(kinds)
+            if unknown:
+                raise NotImplementedError(f"{mt} layer_types {sorted(unknown)} are not supported")
+            layer_types = tuple(kinds[k] for k in d["layer_types"])
+    return ModelConfig(
+        n_layers=require(d, "num_hidden_layers", mt),
+        d_model=d_model,
+        n_heads=n_heads,
+        d_head=head_dim,
+        n_kv_heads=d.get("num_key_value_heads") or n_heads,
+        d_vocab=require(d, "vocab_size", mt),
+        n_ctx=n_ctx,
+        d_mlp=require(d, "intermediate_size", mt),
+        act_fn=d.get("hidden_act", "silu"),
+        gated_mlp=True,
+        normalization="rmsnorm",
+        norm_eps=d.get("rms_norm_eps", 1e-6),
+        positional="rotary",
+        **rotary_from_hf(d, head_dim, n_ctx),
+        sliding_window=sliding,
+        layer_types=layer_types,
+        qkv_bias=qkv_bias if attention_bias is None else bool(attention_bias),
+        attn_out_bias=out_bias if attention_bias is None else bool(attention_bias),
+        mlp_bias=bool(d.get("mlp_bias", False)),
+        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+        model_type=mt,
+    )
+
+
+def weights(cfg: ModelConfig, get: TensorGetter) -> dict:
+    sd = {"embed.W_E": get("model.embed_tokens.weight")}
+    for l in range(cfg.n_layers):
+        p, o = f"model.layers.{l}.", f"blocks.{l}."
+        a, m = p + "self_attn.", p + "mlp."
+        sd |= {
+            o + "ln1.w": get(p + "input_layernorm.weight"),
+            o + "attn.W_qkv": qkv(get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")),
+            o + "attn.W_O_flat": t(get(a + "o_proj.weight")),
+            o + "ln2.w": get(p + "post_attention_layernorm.weight"),
+            o + "mlp.W_gate": t(get(m + "gate_proj.weight")),
+            o + "mlp.W_in": t(get(m + "up_proj.weight")),
+            o + "mlp.W_out": t(get(m + "down_proj.weight")),
+        }
+        if cfg.qkv_bias:
+            sd[o + "attn.b_qkv"] = qkv(get(a + "q_proj.bias")[:, None], get(a + "k_proj.bias")[:, None], get(a + "v_proj.bias")[:, None])[0]
+        if cfg.attn_out_bias:
+            sd[o + "attn.b_O"] = get(a + "o_proj.bias")
+        if cfg.mlp_bias:
+            sd |= {o + "mlp.b_gate": get(m + "gate_proj.bias"), o + "mlp.b_in": get(m + "up_proj.bias"), o + "mlp.b_out": get(m + "down_proj.bias")}
+    sd["ln_final.w"] = get("model.norm.weight")
+    if not cfg.tie_embeddings:
+        sd["unembed.W_U"] = t(get("lm_head.weight"))
+    return sd
+
+
+register(Family("llama", ("llama",), lambda d: _config(d, "llama", qkv_bias=False, out_bias=False, window=False), weights))
+register(Family("mistral", ("mistral",), lambda d: _config(d, "mistral", qkv_bias=False, out_bias=False, window=True), weights))
+register(Family("qwen2", ("qwen2",), lambda d: _config(d, "qwen2", qkv_bias=True, out_bias=False, window=True), weights))

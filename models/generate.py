@@ -1,0 +1,93 @@
+"""Generation through the KV cache: prefill once, then one token per step."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from interp.cache import KVCache
+
+    from .transformer import HookedTransformer
+
+
+def sample_next(
+    logits: Tensor,
+    *,
+    do_sample: bool,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """logits [batch, vocab] -> token ids [batch]. Greedy unless do_sample (then temperature,
+    top-k, then top-p / nucleus filtering, in that order, as Hugging Face applies them)."""
+    if not do_sample or temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+@torch.no_grad()
+def generate(
+    model: "HookedTransformer",
+    tokens,
+    max_new_tokens: int = 20,
+    *,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop_tokens: int | Iterable[int] | None = None,
+    pad_token_id: int | None = None,
+    attention_mask: Tensor | None = None,
+    capture_queries: bool = False,
+    return_kv_cache: bool = False,
+) -> Tensor | tuple[Tensor, "KVCache"]:
+    """Continue `tokens` ([batch, pos]; rows of different lengths left-padded with `attention_mask`).
+
+    Greedy by default; `do_sample=True` samples with temperature / top_k / top_p, reproducibly for a
+    `seed`. A row stops at any of `stop_tokens` and is padded with `pad_token_id` (default: the stop
+    token) afterwards; generation ends when every row has stopped. Returns [batch, pos + new]
+    (and the KV cache with `return_kv_cache=True`, e.g. to read queries/keys back for analysis).
+    """
+    tokens = model._as_tokens(tokens)
+    batch, n = tokens.shape
+    if attention_mask is not None:
+        am = attention_mask.to(model.device).bool()
+        if (am[:, -1] == 0).any():
+            raise ValueError("generation needs left padding: the last position of every row must be a real token")
+    stops = torch.tensor(sorted({stop_tokens} if isinstance(stop_tokens, int) else set(stop_tokens or ())), device=model.device)
+    pad = pad_token_id if pad_token_id is not None else (int(stops[0]) if len(stops) else 0)
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=model.device).manual_seed(seed)
+
+    cache = model.new_kv_cache(batch, n + max_new_tokens, capture_queries=capture_queries)
+    logits = model(tokens, attention_mask=attention_mask, kv_cache=cache)[:, -1]
+    out = [tokens]
+    done = torch.zeros(batch, dtype=torch.bool, device=model.device)
+    for step in range(max_new_tokens):
+        nxt = sample_next(logits, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+        out.append(nxt[:, None])
+        if len(stops):
+            done |= torch.isin(nxt, stops)
+        if bool(done.all()) or step == max_new_tokens - 1:
+            break
+        logits = model(nxt[:, None], kv_cache=cache)[:, -1]
+    result = torch.cat(out, dim=1)
+    return (result, cache) if return_kv_cache else result

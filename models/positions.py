@@ -1,0 +1,130 @@
+"""Positional schemes: learned and sinusoidal embeddings, rotary (with scaling), ALiBi.
+
+Rotary is the GPT-NeoX / Llama layout ("rotate half"): the first `rotary_dim` dimensions of each
+head are split into two halves that rotate as (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin); the
+rest pass through (partial rotary, as in Pythia).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from .config import ModelConfig, RopeScaling
+
+
+def sinusoidal_table(n_ctx: int, d_model: int) -> Tensor:
+    """Vaswani et al. (2017): PE[p, 2i] = sin(p / 10000^(2i/d)), PE[p, 2i+1] = cos(...). [n_ctx, d_model]"""
+    pos = torch.arange(n_ctx, dtype=torch.float64)[:, None]
+    div = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
+    table = torch.zeros(n_ctx, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(pos * div)
+    table[:, 1::2] = torch.cos(pos * div)[:, : d_model // 2]
+    return table.float()
+
+
+def alibi_slopes(n_heads: int) -> Tensor:
+    """Press et al. (2022): geometric slopes 2^(-8 i / n) for i = 1..n, with the interleaving rule
+    for head counts that are not powers of two. [n_heads]"""
+
+    def powers(n: int) -> list[float]:
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start ** (i + 1) for i in range(n)]
+
+    if math.log2(n_heads).is_integer():
+        return torch.tensor(powers(n_heads))
+    closest = 2 ** math.floor(math.log2(n_heads))
+    extra = powers(2 * closest)[0::2][: n_heads - closest]
+    return torch.tensor(powers(closest) + extra)
+
+
+def _inv_freq(base: float, dim: int) -> Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def rope_frequencies(cfg: ModelConfig, seq_len: int | None = None) -> tuple[Tensor, float]:
+    """Inverse frequencies [rotary_dim / 2] and the cos/sin scale (YaRN's attention factor), as
+    Hugging Face computes them for each `rope_type`. `seq_len` matters only for "dynamic"."""
+    dim, base, s = cfg.rot_dim, cfg.rotary_base, cfg.rope_scaling
+    if s is None:
+        return _inv_freq(base, dim), 1.0
+    if s.kind == "linear":
+        return _inv_freq(base, dim) / s.factor, 1.0
+    if s.kind == "ntk":
+        return _inv_freq(base * s.factor ** (dim / (dim - 2)), dim), 1.0
+    if s.kind == "dynamic":
+        orig = s.original_max_position or cfg.n_ctx
+        n = max(seq_len or orig, orig)
+        return _inv_freq(base * ((s.factor * n / orig) - (s.factor - 1)) ** (dim / (dim - 2)), dim), 1.0
+    if s.kind == "yarn":
+        return _yarn(base, dim, s, s.original_max_position or cfg.n_ctx)
+    if s.kind == "llama3":
+        return _llama3(base, dim, s), 1.0
+    raise ValueError(f"unknown rope scaling {s.kind!r}")
+
+
+def _yarn(base: float, dim: int, s: RopeScaling, orig: int) -> tuple[Tensor, float]:
+    """YaRN (Peng et al. 2023): interpolate low frequencies, keep high ones, ramp in between."""
+    factor = s.factor
+    attn = s.attention_factor if s.attention_factor is not None else (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(s.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(s.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1: keep the original frequency
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv, attn
+
+
+def _llama3(base: float, dim: int, s: RopeScaling) -> Tensor:
+    inv = _inv_freq(base, dim)
+    old = s.original_max_position
+    low_wavelen, high_wavelen = old / s.low_freq_factor, old / s.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / s.factor, inv)
+    smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Rotary(nn.Module):
+    """Computes cos/sin once per forward (shared by all layers) and rotates q and k."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        inv, self.attention_factor = rope_frequencies(cfg)
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self.dynamic = cfg.rope_scaling is not None and cfg.rope_scaling.kind == "dynamic"
+
+    def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """positions: [batch, pos] -> cos, sin: [batch, pos, 1, rotary_dim] in `dtype`.
+
+        For "dynamic" scaling the frequencies follow the longest position in the call (stateless;
+        Hugging Face keeps the largest length seen so far instead)."""
+        inv = self.inv_freq
+        if self.dynamic:
+            inv = rope_frequencies(self.cfg, int(positions.max()) + 1)[0].to(inv.device)
+        freqs = positions[..., None].float() * inv.float()
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+        return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
+
+    @staticmethod
+    def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x: [batch, pos, head, d_head]; rotates the first rotary_dim dims."""
+        rot = cos.shape[-1]
+        if rot == x.shape[-1]:
+            x1, x2 = x.chunk(2, dim=-1)
+            return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+        x_rot, x_pass = x[..., :rot], x[..., rot:]
+        x1, x2 = x_rot.chunk(2, dim=-1)
+        return torch.cat((x_rot * cos + torch.cat((-x2, x1), dim=-1) * sin, x_pass), dim=-1)
