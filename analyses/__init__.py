@@ -1,1 +1,51 @@
+"""Analyzers: head detection, induction, attention sinks, ablation, importance, pruning, composition.
 
+Each takes a model and data and returns a tidy `pandas.DataFrame` (one row per layer/head/metric,
+plus the settings that produced it); `plot_head_scores`, `plot_curve` and `plot_composition` draw
+them. Published definitions are cited in each module's docstring.
+"""
+
+from .ablation import ablate_heads, ablation_values
+from .composition import composition_matrix, composition_scores
+from .detect import detect_head, detect_head_frame, detection_pattern
+from .heads import detect_heads, icl_score, induction_scores, repeated_random_tokens
+from .importance import attribution_correlation, head_importance
+from .plotting import plot_composition, plot_curve, plot_head_scores
+from .pruning import pruning_curve
+from .sinks import attention_sinks, sink_rate, sliding_window, window_eval
+from .stats_model import (
+    attention_logsumexp,
+    attention_weights_at,
+    for_each_layer_qk,
+    kv_cache_attention_stats,
+    model_attention_stats,
+)
+
+__all__ = [
+    "ablate_heads",
+    "ablation_values",
+    "attention_logsumexp",
+    "attention_sinks",
+    "attention_weights_at",
+    "attribution_correlation",
+    "composition_matrix",
+    "composition_scores",
+    "detect_head",
+    "detect_head_frame",
+    "detect_heads",
+    "detection_pattern",
+    "for_each_layer_qk",
+    "head_importance",
+    "icl_score",
+    "induction_scores",
+    "kv_cache_attention_stats",
+    "model_attention_stats",
+    "plot_composition",
+    "plot_curve",
+    "plot_head_scores",
+    "pruning_curve",
+    "repeated_random_tokens",
+    "sink_rate",
+    "sliding_window",
+    "window_eval",
+]

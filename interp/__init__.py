@@ -8,6 +8,7 @@ from interp.cache import ActivationCache, KVCache
 from interp.hooks import HookPoint, act_name
 from interp.models import HookedTransformer, ModelConfig, RopeScaling
 from interp.loading import CheckpointError, from_hf, load, save_model
+from interp.interop import from_transformer_lens  # imports transformer_lens only when called
 
 __version__ = "0.1.0"
 
@@ -21,6 +22,7 @@ __all__ = [
     "RopeScaling",
     "act_name",
     "from_hf",
+    "from_transformer_lens",
     "load",
     "save_model",
 ]

@@ -162,6 +162,8 @@ class KVCache:
     queries      : [n_layers, batch, heads, max_len, d_head]      (only with capture_queries=True)
     key_valid    : [batch, max_len]  True where a real (non-padding) token was written
     length       : tokens written so far (shared by the batch; padding keeps rows aligned)
+    n_sink       : keys j < n_sink stay visible past a sliding window in forwards through this
+                   cache (StreamingLLM's attention sinks, Xiao et al. 2023); 0 for a plain window
 
     Memory: 2 * n_layers * kv_heads * d_head * max_len * batch * dtype_bytes (`nbytes`).
     """
@@ -178,7 +180,11 @@ class KVCache:
         capture_queries: bool = False,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        n_sink: int = 0,
     ) -> None:
+        if isinstance(n_sink, bool) or not isinstance(n_sink, int) or n_sink < 0:
+            raise ValueError(f"n_sink must be an int >= 0 (keys kept visible past a sliding window), got {n_sink!r}")
+        self.n_sink = n_sink
         shape = (n_layers, batch_size, n_kv_heads, max_len, d_head)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)

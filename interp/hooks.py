@@ -15,6 +15,7 @@ import difflib
 import warnings
 from typing import Callable, Iterable, Iterator, Literal, Sequence, Union
 
+import torch
 from torch import Tensor, nn
 
 HookFn = Callable[..., Union[Tensor, None]]
@@ -78,7 +79,12 @@ class HookPoint(nn.Module):
                 if out.shape != x.shape:
                     raise ValueError(f"forward hook on {self.name} changed the shape {tuple(x.shape)} -> {tuple(out.shape)}")
                 x = out
-        if self._bwd and x.requires_grad:
+        if self._bwd and torch.is_grad_enabled():
+            if not x.requires_grad:
+                # Frozen weights (model.requires_grad_(False), attribution) or a buffer (sinusoidal
+                # positions): make the activation a leaf that needs a gradient, so the hook still
+                # receives d(output)/d(activation) instead of silently never firing.
+                x = x.detach().requires_grad_(True)
             for entry in list(self._bwd):
                 x.register_hook(_BackwardCall(entry.fn, self))
         return x

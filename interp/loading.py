@@ -73,7 +73,7 @@ def load(path, *, dtype: torch.dtype = torch.float32, device: torch.device | str
         family = get_family(raw.get("model_type"))
         cfg = family.config(raw)
         tensors = _read_state_dict(path)
-        sd = family.weights(cfg, _getter(tensors, str(path)))
+        sd = _convert(family, cfg, tensors, str(path))
         model = _build(cfg, sd, str(path), dtype, device)
     model.tokenizer = tokenizer if tokenizer is not None else _local_tokenizer(path)
     return model
@@ -85,7 +85,7 @@ def from_hf(hf_model, *, tokenizer=None, dtype: torch.dtype | None = None, devic
     family = get_family(config.get("model_type"))
     cfg = family.config(config)
     tensors = dict(hf_model.state_dict())
-    sd = family.weights(cfg, _getter(tensors, f"{type(hf_model).__name__} state_dict"))
+    sd = _convert(family, cfg, tensors, f"{type(hf_model).__name__} state_dict")
     first = next(iter(tensors.values()))
     model = _build(cfg, sd, type(hf_model).__name__, dtype or first.dtype, device or first.device)
     model.tokenizer = tokenizer
@@ -139,16 +139,48 @@ def _getter(tensors: dict[str, Tensor], source: str) -> Callable[[str], Tensor]:
     base-model prefix."""
 
     def get(*names: str) -> Tensor:
+        get.last = names[0]
         for name in names:
-            if name in tensors:
-                return tensors[name]
             short = name.split(".", 1)[1] if "." in name else name
-            for cand in (short, f"model.{short}", f"transformer.{short}", f"gpt_neox.{short}"):
+            for cand in (name, short, f"model.{short}", f"transformer.{short}", f"gpt_neox.{short}"):
                 if cand in tensors:
+                    get.used.add(cand)
                     return tensors[cand]
         raise CheckpointError(f"{source} has no tensor {' or '.join(map(repr, names))} (it holds {len(tensors)} tensors)")
 
+    get.used, get.last = set(), None  # what the conversion read: unread tensors are an error (see _convert)
     return get
+
+
+# Buffers some checkpoints carry that hold no weights (causal masks, rotary frequencies).
+_NOT_WEIGHTS = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias", "rotary_emb.inv_freq")
+
+
+def _convert(family, cfg: ModelConfig, tensors: dict[str, Tensor], source: str) -> dict[str, Tensor]:
+    """A family's weight mapping, failing loudly: a tensor it cannot convert, or a checkpoint tensor it
+    does not read (a weight the config does not describe, e.g. a bias the config turns off), raises."""
+    get = _getter(tensors, source)
+    try:
+        sd = family.weights(cfg, get)
+    except CheckpointError:
+        raise
+    except (RuntimeError, ValueError, IndexError) as e:
+        raise CheckpointError(
+            f"{source}: could not convert the {family.name} weights at tensor {get.last!r} ({e}); "
+            "do config.json and the weights belong to the same model?"
+        ) from e
+    unread = sorted(k for k in tensors if k not in get.used and not k.endswith(_NOT_WEIGHTS))
+    tied = [k for k in unread if k.endswith("lm_head.weight") and cfg.tie_embeddings]
+    for k in tied:  # transformers keeps the tied head in state_dict(); it must be the embedding
+        if not torch.equal(tensors[k], sd["embed.W_E"]):
+            raise CheckpointError(f"{source}: the config ties the embeddings but {k!r} differs from the embedding matrix")
+        unread.remove(k)
+    if unread:
+        raise CheckpointError(
+            f"{source} has tensors the {family.name} conversion does not use: {unread[:5]}{' ...' if len(unread) > 5 else ''}; "
+            "the config does not describe these weights (e.g. a bias or norm the config turns off)"
+        )
+    return sd
 
 
 def _build(cfg: ModelConfig, sd: dict[str, Tensor], source: str, dtype, device) -> HookedTransformer:
@@ -186,7 +218,12 @@ def _rebuild_buffers(model: HookedTransformer, cfg: ModelConfig) -> None:
 
 
 def _local_tokenizer(path: Path):
-    """The tokenizer saved beside a checkpoint (Hugging Face files), or None."""
+    """The tokenizer saved beside a checkpoint (ours, e.g. the zoo's bytes; else Hugging Face files), or None."""
+    from interp.tokenizer import load_tokenizer
+
+    ours = load_tokenizer(path)
+    if ours is not None:
+        return ours
     if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         return None
     try:

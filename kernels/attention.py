@@ -16,8 +16,9 @@ n_q = 2, n_k = 5, offset = n_k - n_q = 3): query i sits at absolute position off
     query 1 (p=4) x x x x x
 
 A key j is visible to the query at position p iff  j <= p  (causal),  p - j < window  (sliding
-window, Hugging Face's convention: the query and window - 1 keys before it), and the key is not
-padding.  A query that sees no key at all (a padding query under left padding) is given its own
+window, Hugging Face's convention: the query and window - 1 keys before it) or  j < n_sink  (the
+first keys kept past the window: StreamingLLM's attention sinks, Xiao et al. 2023), and the key is
+not padding.  A query that sees no key at all (a padding query under left padding) is given its own
 key, so that no row is empty: its output is finite and meaningless, and analyses skip it.
 """
 
@@ -42,6 +43,8 @@ class AttentionMask:
     n_q, n_k     query and key counts; queries are the last n_q of the n_k positions.
     key_valid    bool [batch, n_k], True for real tokens, or None when nothing is padded.
     causal       False for bidirectional attention.
+    n_sink       keys j < n_sink stay visible past a sliding window (StreamingLLM, Xiao et al.
+                 2023); 0 (the default) keeps the plain window.
 
     Boolean masks and ALiBi biases are built lazily, once per (window, slopes), and reused by every
     layer of the forward pass.
@@ -51,6 +54,7 @@ class AttentionMask:
     n_k: int
     key_valid: Tensor | None = None
     causal: bool = True
+    n_sink: int = 0
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -75,6 +79,9 @@ class AttentionMask:
             ok = rel >= 0 if self.causal else torch.ones_like(rel, dtype=torch.bool)
             if window is not None:
                 ok = ok & (rel < window) if self.causal else ok & (rel.abs() < window)
+                if self.n_sink:
+                    first = k_pos < self.n_sink
+                    ok = ok | (first & (rel >= 0) if self.causal else first.expand_as(rel))
             ok = ok[None, None]
             if self.key_valid is not None:
                 ok = ok & self.key_valid[:, None, None, :].to(device)

@@ -20,12 +20,13 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 Activation = Literal["gelu", "gelu_new", "gelu_fast", "relu", "silu"]
 Normalization = Literal["layernorm", "rmsnorm"]
 Positional = Literal["learned", "sinusoidal", "rotary", "alibi"]
 LayerType = Literal["full", "sliding"]
+RopeKind = Literal["linear", "dynamic", "ntk", "yarn", "llama3"]
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class RopeScaling:
       - "llama3": Llama-3.1's piecewise frequency scaling (low_freq_factor, high_freq_factor).
     """
 
-    kind: Literal["linear", "dynamic", "ntk", "yarn", "llama3"]
+    kind: RopeKind
     factor: float = 1.0
     original_max_position: int | None = None
     beta_fast: float = 32.0
@@ -91,6 +92,30 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         problems = []
+        sizes = dict(n_layers=self.n_layers, d_model=self.d_model, n_heads=self.n_heads, d_vocab=self.d_vocab, n_ctx=self.n_ctx)
+        sizes |= {k: v for k, v in dict(d_head=self.d_head, n_kv_heads=self.n_kv_heads, d_mlp=self.d_mlp).items() if v is not None}
+        bad = [f"{k}={v!r}" for k, v in sizes.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1]
+        if bad:  # nothing below is meaningful (or even computable) with these
+            raise ValueError(f"invalid ModelConfig: sizes must be positive integers, got {', '.join(bad)} (d_mlp=None means attention-only)")
+        for field, value, choices in (
+            ("act_fn", self.act_fn, get_args(Activation)),
+            ("normalization", self.normalization, (*get_args(Normalization), None)),
+            ("positional", self.positional, (*get_args(Positional), None)),
+        ):
+            if value not in choices:
+                problems.append(f"{field}={value!r} is not one of {list(choices)}")
+        if self.layer_types is not None and set(self.layer_types) - set(get_args(LayerType)):
+            problems.append(f"layer_types must hold {list(get_args(LayerType))}, got {sorted(set(self.layer_types))}")
+        if self.rope_scaling is not None:
+            s = self.rope_scaling
+            if self.positional != "rotary":
+                problems.append(f"rope_scaling is set but positional={self.positional!r}; it needs positional='rotary'")
+            if s.kind not in get_args(RopeKind):
+                problems.append(f"rope_scaling.kind={s.kind!r} is not one of {list(get_args(RopeKind))}")
+            if not s.factor > 0:
+                problems.append(f"rope_scaling.factor must be > 0, got {s.factor}")
+            if s.kind == "llama3" and s.original_max_position is None:
+                problems.append("llama3 rope scaling needs original_max_position (HF: original_max_position_embeddings)")
         if self.d_head is None and self.d_model % self.n_heads:
             problems.append(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; set d_head")
         if self.n_heads % self.kv_heads:
@@ -134,6 +159,72 @@ class ModelConfig:
         if self.layer_types is None or self.layer_types[layer] == "sliding":
             return self.sliding_window
         return None
+
+    # ---- TransformerLens names (read-only) --------------------------------------------------
+    # TransformerLens's utilities (`patching`, `head_detector`, its `ActivationCache`) read these
+    # off `model.cfg`. They are derived, never stored or serialised, and describe how *this*
+    # package behaves: `default_prepend_bos` is False because our `to_tokens` adds BOS only when
+    # asked; `use_attn_result` is True because `hook_result` fires whenever it is hooked.
+    default_prepend_bos = False
+    tokenizer_prepends_bos = False  # our to_tokens never lets the tokenizer add special tokens
+    use_attn_result = True
+    use_split_qkv_input = False  # no hook_q_input / hook_k_input / hook_v_input
+    use_attn_in = False
+    use_hook_mlp_in = False
+    use_hook_tokens = False
+    n_devices = 1
+
+    @property
+    def n_key_value_heads(self) -> int | None:
+        """`n_kv_heads` (None: one per query head)."""
+        return self.n_kv_heads
+
+    @property
+    def normalization_type(self) -> str | None:
+        """"LN", "RMS" or None (we never fold norms, so never "LNPre" / "RMSPre")."""
+        return {"layernorm": "LN", "rmsnorm": "RMS", None: None}[self.normalization]
+
+    @property
+    def final_rms(self) -> bool:
+        return self.normalization == "rmsnorm"
+
+    @property
+    def positional_embedding_type(self) -> str:
+        """"standard" (learned), "sinusoidal", "rotary", "alibi" or "none"."""
+        return {"learned": "standard", None: "none"}.get(self.positional, self.positional)
+
+    @property
+    def eps(self) -> float:
+        return self.norm_eps
+
+    @property
+    def d_vocab_out(self) -> int:
+        return self.d_vocab
+
+    @property
+    def device(self) -> str:
+        """The device of the model holding this config (`model.cfg`); see `attached`."""
+        if "_device" not in self.__dict__:
+            raise AttributeError("device: this config is not held by a model; read model.cfg.device")
+        return self.__dict__["_device"]
+
+    @property
+    def dtype(self):
+        """The dtype of the model holding this config (`model.cfg`); see `attached`."""
+        if "_dtype" not in self.__dict__:
+            raise AttributeError("dtype: this config is not held by a model; read model.cfg.dtype")
+        return self.__dict__["_dtype"]
+
+    def attached(self, device, dtype) -> "ModelConfig":
+        """An equal copy that also reports the device and dtype of the model holding it.
+
+        TransformerLens reads `model.cfg.device` / `.dtype`; the model re-attaches its config
+        whenever it moves or casts, so the config itself stays immutable and shareable. Not part
+        of equality, hashing or `to_dict`."""
+        out = dataclasses.replace(self)
+        object.__setattr__(out, "_device", str(device))
+        object.__setattr__(out, "_dtype", dtype)
+        return out
 
     # ---- accounting -----------------------------------------------------------------------
     def n_params(self) -> int:

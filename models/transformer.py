@@ -56,7 +56,14 @@ class TransformerBlock(nn.Module):
 
     def forward(self, resid: Tensor, mask: AttentionMask, rope=None, kv_cache: KVCache | None = None) -> Tensor:
         resid = self.hook_resid_pre(resid)
-        attn_out = self.hook_attn_out(self.attn(self.ln1(resid), mask, rope, kv_cache))
+        return self.after_attention(resid, self.attn(self.ln1(resid), mask, rope, kv_cache))
+
+    def after_attention(self, resid: Tensor, attn_out: Tensor) -> Tensor:
+        """The rest of the block, given resid_pre and the attention output: -> resid_post.
+
+        Lets an analysis that changes only the attention output resume mid-block (the head-ablation
+        sweep adds one head's change of output to a cached attn_out instead of re-running attention)."""
+        attn_out = self.hook_attn_out(attn_out)
         if self.mlp is None:
             return self.hook_resid_post(resid + attn_out)
         if self.parallel:
@@ -90,6 +97,7 @@ class HookedTransformer(HookedRootModule):
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         init_weights(self, cfg, generator)
         self.setup_hooks()
+        self.cfg = cfg.attached(self.device, self.dtype)  # cfg.device / cfg.dtype, read by TransformerLens
 
     # ---- weights, TransformerLens names -------------------------------------------------------
     @property
@@ -121,6 +129,24 @@ class HookedTransformer(HookedRootModule):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.W_E.dtype
+
+    def _apply(self, fn, *args, **kwargs):
+        # Every move or cast (.to, .cuda, .half, to_empty) goes through here: keep cfg.device/.dtype true.
+        out = super()._apply(fn, *args, **kwargs)
+        self.cfg = self.cfg.attached(self.device, self.dtype)
+        return out
+
+    def accumulated_bias(self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True) -> Tensor:
+        """[d_model]: the attention (b_O) and MLP (b_out) output biases added to the residual stream
+        before block `layer` (with mlp_input, also block `layer`'s b_O). TransformerLens's signature."""
+        total = torch.zeros(self.cfg.d_model, device=self.device, dtype=self.dtype)
+        for i, block in enumerate(self.blocks[: layer + 1 if mlp_input else layer]):
+            if block.attn.b_O is not None:
+                total = total + block.attn.b_O
+            mlp = block.mlp
+            if include_mlp_biases and i < layer and mlp is not None and mlp.b_out is not None:
+                total = total + mlp.b_out
+        return total
 
     # ---- attention backend --------------------------------------------------------------------
     @property
@@ -164,14 +190,14 @@ class HookedTransformer(HookedRootModule):
             )
         if tokens.dim() == 1:
             tokens = tokens[None]
-        if tokens.dim() != 2:
-            raise ValueError(f"tokens must be [batch, pos] (or [pos]), got shape {tuple(tokens.shape)}")
+        if tokens.dim() != 2 or tokens.shape[1] == 0:
+            raise ValueError(f"tokens must be [batch, pos] (or [pos]) with at least one position, got shape {tuple(tokens.shape)}")
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.d_vocab):
             bad = tokens[(tokens < 0) | (tokens >= self.cfg.d_vocab)]
             raise ValueError(
                 f"token ids must lie in [0, {self.cfg.d_vocab}) for this model's vocabulary; got {bad.unique()[:5].tolist()}"
             )
-        return tokens.to(self.device)
+        return tokens.to(device=self.device, dtype=torch.long)  # int8/16/32 ids index the embedding too
 
     def _positions(self, valid: Tensor, kv_cache: KVCache | None) -> Tensor:
         """Position ids [batch, pos]: real tokens count 0, 1, 2, ... per row (left padding is skipped)."""
@@ -227,7 +253,7 @@ class HookedTransformer(HookedRootModule):
         key_valid = None
         if attention_mask is not None or (kv_cache is not None and not bool(kv_cache.valid().all())):
             key_valid = valid if kv_cache is None else torch.cat([kv_cache.valid(), valid], dim=1)
-        mask = AttentionMask(n_q=n, n_k=past + n, key_valid=key_valid)
+        mask = AttentionMask(n_q=n, n_k=past + n, key_valid=key_valid, n_sink=kv_cache.n_sink if kv_cache is not None else 0)
 
         if start_at_layer is None:
             resid = self.hook_embed(self.embed(tokens))
@@ -256,7 +282,10 @@ class HookedTransformer(HookedRootModule):
         if attention_mask is None:
             return torch.ones(batch, n, dtype=torch.bool, device=self.device)
         if tuple(attention_mask.shape) != (batch, n):
-            raise ValueError(f"attention_mask must be [batch, pos] = {(batch, n)}, got {tuple(attention_mask.shape)}")
+            raise ValueError(
+                f"attention_mask must be [batch, pos] = {(batch, n)}, one entry per token of this call (with a "
+                f"kv_cache: the new tokens only, the cache remembers earlier padding); got {tuple(attention_mask.shape)}"
+            )
         return attention_mask.to(device=self.device, dtype=torch.bool)
 
     # ---- caches -------------------------------------------------------------------------------
@@ -269,13 +298,19 @@ class HookedTransformer(HookedRootModule):
         incl_bwd: bool = False,
         reset_hooks_end: bool = True,
         return_cache_object: bool = True,
+        cache_type: Literal["interp", "transformer_lens"] = "interp",
         **model_kwargs,
     ):
         """Run the model and keep activations: returns (output, ActivationCache).
 
+        cache_type="transformer_lens" returns TransformerLens's own ActivationCache instead (for its
+        helpers: decompose_resid, logit_attrs, ...; needs transformer-lens installed).
+
         names_filter: None (every hook point: all layers go instrumented), a name, a list of names, or a
         predicate. Only layers whose attention scores/pattern are named leave the fused path.
         incl_bwd: also cache gradients (the output must be a scalar, e.g. return_type="loss")."""
+        if cache_type not in ("interp", "transformer_lens"):
+            raise ValueError(f"cache_type must be 'interp' or 'transformer_lens', got {cache_type!r}")
         names = self.resolve_hook_names(names_filter)
         store: dict[str, Tensor] = {}
         fwd = [(n, caching_hook(store, device=device)) for n in names]
@@ -283,11 +318,17 @@ class HookedTransformer(HookedRootModule):
         with self.hooks(fwd, bwd, reset_hooks_end=reset_hooks_end):
             out = self(*model_args, **model_kwargs)
             if incl_bwd:
+                if not (isinstance(out, Tensor) and out.dim() == 0):
+                    raise ValueError("incl_bwd=True differentiates the output, which must be a scalar: pass return_type='loss'")
                 out.backward()
         store = {n: store[n] for n in sorted(store, key=self._hook_order().get)}
         cache = ActivationCache(store, self) if return_cache_object else store
         if remove_batch_dim and return_cache_object:
             cache = cache.remove_batch_dim()
+        if cache_type == "transformer_lens" and return_cache_object:
+            from interp.interop import to_tl_cache
+
+            cache = to_tl_cache(cache)
         return out, cache
 
     def _hook_order(self) -> dict[str, int]:
@@ -295,12 +336,17 @@ class HookedTransformer(HookedRootModule):
         order.update({f"{n}_grad": len(order) + i for i, n in enumerate(self.hook_dict)})
         return order
 
-    def new_kv_cache(self, batch_size: int, max_len: int | None = None, capture_queries: bool = False) -> KVCache:
-        """A preallocated KV cache for `max_len` tokens (default n_ctx), in the model's dtype and device."""
+    def new_kv_cache(
+        self, batch_size: int, max_len: int | None = None, capture_queries: bool = False, n_sink: int = 0
+    ) -> KVCache:
+        """A preallocated KV cache for `max_len` tokens (default n_ctx), in the model's dtype and device.
+
+        n_sink > 0 keeps the first n_sink keys visible past sliding windows (StreamingLLM)."""
         cfg = self.cfg
         return KVCache(
             cfg.n_layers, batch_size, max_len or cfg.n_ctx, cfg.kv_heads, cfg.head_dim,
             n_heads=cfg.n_heads, capture_queries=capture_queries, dtype=self.dtype, device=self.device,
+            n_sink=n_sink,
         )
 
     def generate(self, tokens, max_new_tokens: int = 20, **kwargs) -> Tensor:
@@ -343,6 +389,23 @@ class HookedTransformer(HookedRootModule):
         tok = self._need_tokenizer()
         t = self.to_tokens(input)[0] if isinstance(input, str) else torch.as_tensor(input).reshape(-1)
         return [tok.decode([i]) for i in t.tolist()]
+
+    def to_single_token(self, string: str) -> int:
+        """The id of the one token `string` encodes to (raises if it is not exactly one token)."""
+        ids = self.to_tokens(string)[0]
+        if ids.numel() != 1:
+            raise ValueError(f"{string!r} is {ids.numel()} tokens, not one: {ids.tolist()}")
+        return int(ids.item())
+
+    def tokens_to_residual_directions(self, tokens) -> Tensor:
+        """The unembedding directions W_U[:, token]: [*tokens.shape, d_model], or [d_model] for a single
+        token (a str, an int or any one-element tensor, as TransformerLens does)."""
+        if isinstance(tokens, str):
+            tokens = self.to_single_token(tokens)
+        t = torch.as_tensor(tokens, device=self.device)
+        if t.numel() == 1:
+            return self.W_U[:, int(t.item())]
+        return self.W_U[:, t].movedim(0, -1)
 
     # ---- saving -------------------------------------------------------------------------------
     def save(self, path) -> None:

@@ -88,6 +88,8 @@ def rotary_from_hf(d: dict[str, Any], head_dim: int, n_ctx: int) -> dict[str, An
     )
     if kind == "yarn" and (params.get("mscale") or params.get("mscale_all_dim")) and params.get("attention_factor") is None:
         raise NotImplementedError("YaRN with mscale / mscale_all_dim is not supported; set attention_factor explicitly")
+    if kind == "yarn" and params.get("truncate", True) is False:
+        raise NotImplementedError("YaRN with truncate=False (an unrounded correction range) is not supported")
     return out
 
 

@@ -1,0 +1,112 @@
+"""Helpers shared by the analyzers: token batches, padding checks, tidy frames, progress bars.
+
+Axis names follow `interp.models.config`: batch, pos, layer, head, kv_head, d_head, d_model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, Iterator, Sequence
+
+import pandas as pd
+import torch
+from torch import Tensor
+
+HeadList = Sequence[tuple[int, int]]
+
+
+def token_batch(model, tokens) -> Tensor:
+    """Token ids as an int tensor [batch, pos] on the model's device (text needs a tokenizer)."""
+    return model._as_tokens(tokens)
+
+
+def valid_mask(tokens: Tensor, attention_mask: Tensor | None, *, right_padded_only: bool = False) -> Tensor:
+    """bool [batch, pos], True for real tokens. With `right_padded_only`, left or inner padding raises."""
+    if attention_mask is None:
+        return torch.ones(tokens.shape, dtype=torch.bool, device=tokens.device)
+    if tuple(attention_mask.shape) != tuple(tokens.shape):
+        raise ValueError(
+            f"attention_mask must be [batch, pos] = {tuple(tokens.shape)} like the tokens, got {tuple(attention_mask.shape)}"
+        )
+    valid = attention_mask.to(device=tokens.device, dtype=torch.bool)
+    if right_padded_only and bool((valid[:, 1:] & ~valid[:, :-1]).any()):
+        raise ValueError(
+            "this analysis scores positions by their index (position 0 is the first token, as in "
+            "TransformerLens), so it needs right padding: real tokens first, padding after. Re-pad the "
+            "batch on the right (tokenizer.padding_side = 'right') or pass sequences of equal length."
+        )
+    return valid
+
+
+def pair_mask(valid: Tensor) -> Tensor:
+    """bool [batch, pos - 1]: next-token pairs (i, i + 1) where both are real tokens (what lm_loss averages)."""
+    return valid[:, :-1] & valid[:, 1:]
+
+
+def resolve_heads(n_layers: int, n_heads: int, heads) -> list[tuple[int, int]]:
+    """(layer, head) pairs from None (all), a list of pairs, or {layer: [heads]}; checked against the model."""
+    if heads is None:
+        return [(l, h) for l in range(n_layers) for h in range(n_heads)]
+    pairs = [(l, h) for l, hs in heads.items() for h in hs] if isinstance(heads, dict) else [tuple(x) for x in heads]
+    for pair in pairs:
+        if len(pair) != 2 or not (0 <= pair[0] < n_layers and 0 <= pair[1] < n_heads):
+            raise ValueError(
+                f"head {pair} is not a (layer, head) of this model ({n_layers} layers x {n_heads} heads); "
+                "give heads as [(layer, head), ...] or {layer: [head, ...]}"
+            )
+    return sorted(set((int(l), int(h)) for l, h in pairs))
+
+
+def head_frame(values: Tensor, value_name: str, **columns) -> pd.DataFrame:
+    """A tidy frame from a [layer, head] tensor: columns layer, head, `value_name`, then `columns` (constants)."""
+    n_layers, n_heads = values.shape
+    frame = pd.DataFrame(
+        {
+            "layer": torch.arange(n_layers).repeat_interleave(n_heads).numpy(),
+            "head": torch.arange(n_heads).repeat(n_layers).numpy(),
+            value_name: values.detach().float().cpu().reshape(-1).numpy(),
+        }
+    )
+    for name, value in columns.items():
+        frame[name] = [value] * len(frame) if isinstance(value, (tuple, list)) else value
+    return frame
+
+
+def progress(iterable: Iterable, *, total: int | None = None, desc: str = "", enabled: bool | None = None) -> Iterator:
+    """tqdm over `iterable`. enabled=None shows the bar only on a terminal (tqdm's disable=None)."""
+    if enabled is False:
+        return iter(iterable)
+    from tqdm.auto import tqdm
+
+    return iter(tqdm(iterable, total=total, desc=desc, disable=None if enabled is None else False, leave=False))
+
+
+@contextlib.contextmanager
+def frozen_params(model) -> Iterator[None]:
+    """Turn off requires_grad on the model's parameters for the block (gradients w.r.t. activations
+    only), restoring each flag afterwards."""
+    saved = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        for p, _ in saved:
+            p.requires_grad_(False)
+        yield
+    finally:
+        for p, flag in saved:
+            p.requires_grad_(flag)
+
+
+def kv_group(model) -> int:
+    """Query heads per key/value head (1 for MHA; GQA head h reads kv head h // group)."""
+    return model.cfg.n_heads // model.cfg.kv_heads
+
+
+def pearson(x: Tensor, y: Tensor) -> float:
+    x, y = x.double() - x.double().mean(), y.double() - y.double().mean()
+    denom = x.norm() * y.norm()
+    return float("nan") if denom == 0 else float((x * y).sum() / denom)
+
+
+def spearman(x: Tensor, y: Tensor) -> float:
+    """Spearman's rho: Pearson on average ranks (ties share their mean rank)."""
+    rank = lambda t: torch.tensor(pd.Series(t.double().cpu().numpy()).rank(method="average").to_numpy(dtype=float))
+    return pearson(rank(x), rank(y))

@@ -1,0 +1,108 @@
+"""Q-, K- and V-composition scores between heads (Elhage et al. 2021, "A Mathematical Framework for
+Transformer Circuits", Sec. "Virtual attention heads" / the composition-score appendix).
+
+An earlier head A writes x W_OV^A into the residual stream (row vectors, TransformerLens layout:
+W_OV = W_V W_O, [d_model, d_model]); a later head B reads it through
+    Q-composition   W_OV^A W_QK^B       (A's output feeds B's queries;  W_QK = W_Q W_K^T)
+    K-composition   W_OV^A W_QK^B^T     (A's output feeds B's keys)
+    V-composition   W_OV^A W_OV^B       (A's output feeds B's values)
+and the score of a product W_A W_B is ||W_A W_B||_F / (||W_A||_F ||W_B||_F), in [0, 1].
+
+No d_model x d_model matrix is formed: with W_A = U P V^T-style factors every norm reduces to traces
+of d_head x d_head Gram matrices, ||V_A (O_A X_B) Y_B^T||_F^2 = tr(P^T (V_A^T V_A) P (Y_B^T Y_B)),
+P = O_A X_B. Biases and layer norms are ignored (as in the paper). GQA/MQA: a query head uses the
+key/value head of its group (h // (n_heads / n_kv_heads)).
+
+Random baseline: the mean score of the same products built from i.i.d. Gaussian factors of the same
+shapes (one value for Q, K and V: the three products have the same distribution), as in
+TransformerLens's composition demos; subtract it to read scores as "above chance".
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import pandas as pd
+import torch
+from torch import Tensor
+
+KINDS = ("q", "k", "v")
+
+
+def _gram(x: Tensor) -> Tensor:
+    """[..., d_model, d_head] -> [..., d_head, d_head]: x^T x."""
+    return x.transpose(-1, -2) @ x
+
+
+def _scores(V_a: Tensor, O_a: Tensor, X_b: Tensor, Y_b: Tensor) -> Tensor:
+    """Scores [A, B] of (V_a O_a)(X_b Y_b^T) for every pair.
+
+    V_a [A, d_model, d_head], O_a [A, d_head, d_model], X_b, Y_b [B, d_model, d_head]."""
+    P = torch.einsum("aim,bmj->abij", O_a, X_b)  # [A, B, d_head, d_head]
+    G_v, G_y = _gram(V_a)[:, None], _gram(Y_b)[None]
+    sq = ((G_v @ P) * (P @ G_y)).sum((-1, -2)).clamp(min=0)
+    norm_a = ((_gram(V_a)) * (O_a @ O_a.transpose(-1, -2))).sum((-1, -2)).clamp(min=0).sqrt()  # ||V O||_F
+    norm_b = (_gram(X_b) * _gram(Y_b)).sum((-1, -2)).clamp(min=0).sqrt()  # ||X Y^T||_F
+    return sq.sqrt() / (norm_a[:, None] * norm_b[None, :])
+
+
+def _factors(model) -> dict[str, Tensor]:
+    """Per-head factors in float64, kv heads expanded to their query heads: Q, K, V [layer, head,
+    d_model, d_head], O [layer, head, d_head, d_model]."""
+    group = model.cfg.n_heads // model.cfg.kv_heads
+    with torch.no_grad():
+        return dict(
+            Q=model.W_Q.double(), K=model.W_K.double().repeat_interleave(group, dim=1),
+            V=model.W_V.double().repeat_interleave(group, dim=1), O=model.W_O.double(),
+        )
+
+
+def composition_matrix(model, kind: str) -> Tensor:
+    """[layer_a, head_a, layer_b, head_b] composition scores of `kind` ("q", "k", "v"); NaN unless
+    layer_a < layer_b."""
+    if kind not in KINDS:
+        raise ValueError(f"composition kind must be one of {KINDS}, got {kind!r}")
+    f = _factors(model)
+    L, H = model.cfg.n_layers, model.cfg.n_heads
+    X, Y = {"q": (f["Q"], f["K"]), "k": (f["K"], f["Q"]), "v": (f["V"], f["O"].transpose(-1, -2))}[kind]
+    out = torch.full((L, H, L, H), float("nan"), dtype=torch.float64)
+    for la in range(L - 1):
+        later = slice(la + 1, L)
+        s = _scores(f["V"][la], f["O"][la], X[later].flatten(0, 1), Y[later].flatten(0, 1))
+        out[la, :, later] = s.view(H, L - la - 1, H)
+    return out.float()
+
+
+def random_baseline(d_model: int, d_head: int, n_samples: int = 200, seed: int = 0) -> float:
+    """Mean composition score of products of i.i.d. Gaussian factors of the model's shapes."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)
+    V, O, X, Y = r(n_samples, d_model, d_head), r(n_samples, d_head, d_model), r(n_samples, d_model, d_head), r(n_samples, d_model, d_head)
+    P = O @ X
+    sq = ((_gram(V) @ P) * (P @ _gram(Y))).sum((-1, -2))
+    norm_a = (_gram(V) * (O @ O.transpose(-1, -2))).sum((-1, -2)).sqrt()
+    norm_b = (_gram(X) * _gram(Y)).sum((-1, -2)).sqrt()
+    return float((sq.sqrt() / (norm_a * norm_b)).mean())
+
+
+def composition_scores(
+    model, kinds: Sequence[str] = KINDS, *, subtract_baseline: bool = False, n_baseline_samples: int = 200, seed: int = 0
+) -> pd.DataFrame:
+    """Composition scores between every earlier head A and later head B.
+
+    Returns one row per (kind, A, B) with layer_a < layer_b: layer_a, head_a, layer_b, head_b, kind,
+    score, raw_score, baseline, subtract_baseline. `score` is raw_score - baseline when
+    `subtract_baseline`, else raw_score."""
+    cfg = model.cfg
+    baseline = random_baseline(cfg.d_model, cfg.head_dim, n_baseline_samples, seed)
+    frames = []
+    for kind in ([kinds] if isinstance(kinds, str) else kinds):
+        m = composition_matrix(model, kind)
+        idx = (~m.isnan()).nonzero()
+        raw = m[~m.isnan()].numpy()
+        frames.append(pd.DataFrame({
+            "layer_a": idx[:, 0].numpy(), "head_a": idx[:, 1].numpy(), "layer_b": idx[:, 2].numpy(),
+            "head_b": idx[:, 3].numpy(), "kind": kind, "score": raw - baseline if subtract_baseline else raw,
+            "raw_score": raw, "baseline": baseline, "subtract_baseline": subtract_baseline,
+        }))
+    return pd.concat(frames, ignore_index=True)

@@ -1,0 +1,261 @@
+"""Head-type scores over a batch: previous-token, duplicate-token and induction heads; induction on
+repeated random tokens (Olsson et al. 2022); the in-context-learning score.
+
+`detect_heads` gives TransformerLens's `detect_head` scores (definitions in `analyses/detect.py`) for
+a whole batch, two ways that agree to float32 round-off:
+
+* method="streaming": one fused forward; each layer's q/k go through the streaming kernel
+  (`interp.kernels.attention_stats`) as the layer is computed, and only per-query numbers are kept.
+  No pattern exists at any point, so it runs at long context. The score's sums follow from per-query
+  statistics: with a = attention on key 0, c = attention on the query's own position,
+      sum_K A   = sum_p 1 - a [exclude_bos] - c [exclude_current] (+ a at p = 0 when both)
+      sum_K A*D = sum_p stat_kind - (the excluded entries of D that the stat counted)
+      sum_K D   = token counts (p >= 1, or earlier occurrences of tok[p]) minus excluded entries.
+* method="pattern": the instrumented path; each layer's pattern is scored inside its hook and dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import pandas as pd
+import torch
+from torch import Tensor
+
+from interp.kernels import attention_stats
+
+from ._common import head_frame, pair_mask, token_batch, valid_mask
+from .detect import DETECTION_PATTERNS, ErrorMeasure, canonical_kind, pattern_scores
+from .stats_model import _layer_geometry, attention_logsumexp, attention_weights_at, for_each_layer_qk
+
+METHODS = ("streaming", "pattern")
+
+
+def earlier_occurrences(tokens: Tensor) -> Tensor:
+    """long [batch, pos]: how many j < p hold tokens[b, p]. O(n log n) by a stable sort, no [pos, pos] table."""
+    batch, n = tokens.shape
+    pos = torch.arange(n, device=tokens.device)
+    order = torch.argsort(tokens.long() * n + pos, dim=1)  # by token, then position
+    sorted_tok = tokens.gather(1, order)
+    starts = torch.ones_like(sorted_tok, dtype=torch.bool)
+    starts[:, 1:] = sorted_tok[:, 1:] != sorted_tok[:, :-1]
+    group_start = torch.where(starts, pos, torch.zeros_like(pos)).cummax(dim=1).values
+    return torch.empty_like(order).scatter_(1, order, pos - group_start)
+
+
+def _stream_terms(kind: str, st, a0: Tensor, diag: Tensor, tokens: Tensor, count: Tensor, xb: float, xc: float):
+    """(sum_K A * D, sum_K D) per query [batch, head, pos] for one kind; see the module docstring."""
+    n = tokens.shape[1]
+    p = torch.arange(n, device=tokens.device)
+    if kind == "previous_token":
+        at_one = (p == 1).float()
+        return st.previous - xb * at_one * a0, ((p >= 1).float() - xb * at_one)[None, None]
+    if kind == "duplicate_token":
+        first = ((p > 0) & (tokens == tokens[:, :1])).float()[:, None]  # D[p, 0] = 1
+        return st.duplicate - xb * first * a0, count[:, None] - xb * first
+    own = torch.zeros_like(tokens, dtype=torch.bool)
+    own[:, 1:] = tokens[:, 1:] == tokens[:, :-1]  # induction's D[p, p] = 1
+    own = own.float()[:, None]
+    return st.induction - xc * own * diag, count[:, None] - xc * own
+
+
+def detect_heads(
+    model,
+    tokens,
+    kinds: Sequence[str] = ("previous_token", "duplicate_token", "induction"),
+    method: str = "streaming",
+    *,
+    exclude_bos: bool = False,
+    exclude_current_token: bool = False,
+    error_measure: ErrorMeasure = "mul",
+    attention_mask: Tensor | None = None,
+    backend: str = "torch",
+) -> pd.DataFrame:
+    """TransformerLens `detect_head` scores of every head for several kinds, over a batch.
+
+    tokens [batch, pos] (each row a prompt; scores are the mean of the per-row scores, as
+    `detect_head` averages a list of prompts). Right padding may be given by `attention_mask`.
+    method: "streaming" (no pattern; long context) or "pattern" (materialised, one layer at a time).
+    backend: the kernel backend for "streaming" ("torch", "triton", "auto").
+
+    Returns a DataFrame: layer, head, kind, score, method, exclude_bos, exclude_current_token,
+    error_measure, n_sequences, seq_len."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if error_measure not in ("mul", "abs"):
+        raise ValueError(f"error_measure must be 'mul' or 'abs', got {error_measure!r}")
+    kinds = [canonical_kind(k) for k in ([kinds] if isinstance(kinds, str) else kinds)]
+    tokens = token_batch(model, tokens)
+    valid = valid_mask(tokens, attention_mask, right_padded_only=True)
+    runner = _streaming_scores if method == "streaming" else _pattern_scores
+    scores = runner(model, tokens, valid, kinds, exclude_bos, exclude_current_token, error_measure, attention_mask, backend)
+    settings = dict(
+        method=method, exclude_bos=exclude_bos, exclude_current_token=exclude_current_token,
+        error_measure=error_measure, n_sequences=tokens.shape[0], seq_len=tokens.shape[1],
+    )
+    frames = [head_frame(scores[k], "score", kind=k, **settings) for k in kinds]
+    return pd.concat(frames, ignore_index=True)[["layer", "head", "kind", "score", *settings]]
+
+
+def _streaming_scores(model, tokens, valid, kinds, xb, xc, measure, attention_mask, backend) -> dict[str, Tensor]:
+    cfg = model.cfg
+    out = {k: torch.empty(cfg.n_layers, cfg.n_heads) for k in kinds}
+    padding = None if bool(valid.all()) else valid
+    count = earlier_occurrences(tokens).float()
+    qmask = valid[:, None].float()  # [batch, 1, pos]
+    size = valid.sum(-1, keepdim=True).float()  # [batch, 1]
+
+    def fn(layer, q, k, v):
+        geometry = _layer_geometry(model, layer)
+        st = attention_stats(q, k, tokens, n_sink=1, key_padding_mask=padding, backend=backend, **geometry)
+        a0 = st.sink
+        diag = torch.zeros_like(a0)
+        if xc:
+            lse = attention_logsumexp(q, k, key_padding_mask=padding, **geometry)
+            diag = attention_weights_at(q, k, lse, None, key_padding_mask=padding, **geometry)
+        p0 = torch.zeros_like(a0)
+        p0[..., 0] = 1.0
+        row_a = 1 - xb * a0 - xc * diag + xb * xc * p0 * a0
+        sum_a = (torch.nan_to_num(row_a) * qmask).sum(-1)
+        for kind in kinds:
+            ad, d = _stream_terms(kind, st, a0, diag, tokens, count, float(xb), float(xc))
+            sum_ad = (torch.nan_to_num(ad) * qmask).sum(-1)
+            if measure == "mul":
+                per_seq = sum_ad / sum_a
+            else:
+                sum_d = (d * qmask).sum(-1)
+                per_seq = 1 - (sum_a + sum_d - 2 * sum_ad) / size
+            out[kind][layer] = per_seq.mean(0).cpu()
+
+    for_each_layer_qk(model, tokens, fn, attention_mask=attention_mask)
+    return out
+
+
+def _pattern_scores(model, tokens, valid, kinds, xb, xc, measure, attention_mask, backend) -> dict[str, Tensor]:
+    cfg = model.cfg
+    out = {k: torch.empty(cfg.n_layers, cfg.n_heads) for k in kinds}
+    detections = {k: DETECTION_PATTERNS[k](tokens) for k in kinds}
+    qvalid = None if bool(valid.all()) else valid
+
+    def score(x: Tensor, hook) -> None:
+        layer = int(hook.name.split(".")[1])
+        for k in kinds:
+            s = pattern_scores(
+                x, detections[k], exclude_bos=xb, exclude_current_token=xc, error_measure=measure, query_valid=qvalid
+            )
+            out[k][layer] = s.mean(0).cpu()
+
+    hooks = [(f"blocks.{l}.attn.hook_pattern", score) for l in range(cfg.n_layers)]
+    with torch.no_grad():
+        model.run_with_hooks(tokens, fwd_hooks=hooks, attention_mask=attention_mask, stop_at_layer=cfg.n_layers)
+    return out
+
+
+# ---- induction on repeated random tokens (Olsson et al. 2022) -----------------------------------
+
+
+def repeated_random_tokens(
+    d_vocab: int, seq_len: int, n_repeats: int, batch_size: int, *, seed: int = 0, bos_token_id: int | None = None
+) -> Tensor:
+    """long [batch, (1 +) seq_len * n_repeats]: a uniform random sequence (never the BOS id) repeated,
+    after BOS when `bos_token_id` is given."""
+    if seq_len < 1 or n_repeats < 2 or batch_size < 1:
+        raise ValueError(f"need seq_len >= 1, n_repeats >= 2, batch_size >= 1; got {seq_len}, {n_repeats}, {batch_size}")
+    g = torch.Generator().manual_seed(seed)
+    low = 0 if bos_token_id is None else 1
+    seq = torch.randint(low, d_vocab, (batch_size, seq_len), generator=g)
+    if bos_token_id is not None:
+        seq = torch.where(seq == bos_token_id, torch.zeros_like(seq), seq)  # 0 is free: ids start at 1
+    tokens = seq.repeat(1, n_repeats)
+    if bos_token_id is not None:
+        tokens = torch.cat([torch.full((batch_size, 1), bos_token_id), tokens], dim=1)
+    return tokens
+
+
+def induction_scores(
+    model, seq_len: int = 50, n_repeats: int = 2, batch_size: int = 10, seed: int = 0, prepend_bos: bool = True,
+    bos_token_id: int | None = None,
+) -> pd.DataFrame:
+    """Olsson et al. (2022) head scores on repeated random tokens, averaged over the destinations in
+    the repeats only (copies 2..n_repeats; never the first copy, where nothing can be matched).
+
+    With L = seq_len and destination p in copy r >= 1 (of copies 0..n_repeats-1):
+        induction       A[p, p - L + 1]: the token after the current token's previous occurrence
+                        (the induction stripe, as in TransformerLens's tutorials).
+        prefix_matching sum over every earlier copy m = 1..r of A[p, p - mL + 1] (Olsson's "prefix
+                        matching": attention to tokens that followed earlier copies of the current
+                        token); equals `induction` when n_repeats = 2.
+        duplicate_token A[p, p - L]: the current token's previous occurrence.
+        previous_token  A[p, p - 1].
+    BOS (`bos_token_id`, default the tokenizer's or 0) is prepended when `prepend_bos`.
+
+    Returns layer, head, kind, score and the settings; `.attrs` holds the mean next-token loss on the
+    first copy ("loss_first_copy") and on the repeats ("loss_repeats"), which should be far lower
+    for a model with induction heads."""
+    cfg = model.cfg
+    if bos_token_id is None and prepend_bos:
+        bos_token_id = getattr(model.tokenizer, "bos_token_id", None) or 0
+    tokens = repeated_random_tokens(
+        cfg.d_vocab, seq_len, n_repeats, batch_size, seed=seed, bos_token_id=bos_token_id if prepend_bos else None
+    ).to(model.device)
+    off, L, n = int(prepend_bos), seq_len, tokens.shape[1]
+    dest = torch.arange(off + L, n, device=model.device)
+    copy = (dest - off) // L
+    names = ("induction", "prefix_matching", "duplicate_token", "previous_token")
+    out = {k: torch.empty(cfg.n_layers, cfg.n_heads) for k in names}
+
+    def stripe(a: Tensor, src: Tensor, ok: Tensor) -> Tensor:
+        idx = src.clamp(min=0).view(1, 1, -1, 1).expand(a.shape[0], a.shape[1], -1, 1)
+        return a[:, :, dest].gather(-1, idx)[..., 0] * ok  # [batch, head, dest]
+
+    def score(a: Tensor, hook) -> None:
+        layer = int(hook.name.split(".")[1])
+        every = torch.ones_like(dest, dtype=torch.bool)
+        prefix = sum(stripe(a, dest - m * L + 1, copy >= m) for m in range(1, n_repeats))
+        for k, v in zip(names, (stripe(a, dest - L + 1, every), prefix, stripe(a, dest - L, every), stripe(a, dest - 1, every))):
+            out[k][layer] = v.mean((0, 2)).cpu()
+
+    hooks = [(f"blocks.{l}.attn.hook_pattern", score) for l in range(cfg.n_layers)]
+    with torch.no_grad():
+        nll = model.run_with_hooks(tokens, fwd_hooks=hooks, return_type="loss", loss_per_token=True)
+    target = torch.arange(1, n, device=nll.device)  # nll[:, t - 1] is the loss of token t
+    settings = dict(seq_len=seq_len, n_repeats=n_repeats, batch_size=batch_size, seed=seed, prepend_bos=prepend_bos)
+    frame = pd.concat([head_frame(out[k], "score", kind=k, **settings) for k in names], ignore_index=True)
+    frame.attrs["loss_first_copy"] = float(nll[:, target < off + L].mean()) if L > 1 or off else float("nan")
+    frame.attrs["loss_repeats"] = float(nll[:, target >= off + L].mean())
+    return frame
+
+
+# ---- in-context learning score (Olsson et al. 2022) ---------------------------------------------
+
+
+def icl_score(model, tokens, early: int = 50, late: int = 500, *, attention_mask: Tensor | None = None) -> pd.DataFrame:
+    """Olsson et al. (2022)'s in-context learning score: the loss on the token at index `late` minus
+    the loss on the token at index `early` (0-based positions in the context; the loss of token t is
+    the cross-entropy of predicting it from tokens[:t]), averaged over sequences.
+
+    Sign: NEGATIVE means in-context learning (later tokens are predicted better). `late` is clipped
+    to the last position of the context (reported in the `late` column); early must be in [1, late).
+    With `attention_mask`, sequences where either token is padding are skipped.
+
+    Returns one row: early, late, loss_early, loss_late, icl_score, n_sequences."""
+    tokens = token_batch(model, tokens)
+    n = tokens.shape[1]
+    late = min(late, n - 1)
+    if not 1 <= early < late:
+        raise ValueError(
+            f"need 1 <= early < late within the context; got early={early}, late={late} (clipped to the "
+            f"{n}-token context). Use longer sequences or a smaller `early`."
+        )
+    valid = valid_mask(tokens, attention_mask)
+    with torch.no_grad():
+        nll = model(tokens, return_type="loss", loss_per_token=True, attention_mask=attention_mask)
+    ok = pair_mask(valid)
+    rows = ok[:, early - 1] & ok[:, late - 1]
+    if not bool(rows.any()):
+        raise ValueError("no sequence has real tokens at both `early` and `late`")
+    loss_early, loss_late = float(nll[rows, early - 1].mean()), float(nll[rows, late - 1].mean())
+    return pd.DataFrame(
+        [dict(early=early, late=late, loss_early=loss_early, loss_late=loss_late,
+              icl_score=loss_late - loss_early, n_sequences=int(rows.sum()))]
+    )

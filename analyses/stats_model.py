@@ -1,0 +1,203 @@
+"""Head statistics from a model without materialising any attention pattern.
+
+`for_each_layer_qk` runs ONE forward on the fused attention path and, as each layer finishes,
+hands that layer's queries and keys (after RoPE) and values to a callback, then drops them: the
+peak memory is one layer's q/k/v plus whatever the callback keeps. On top of it:
+
+* `model_attention_stats(model, tokens)`: the streaming kernel (`interp.kernels.attention_stats`)
+  for every layer: {layer: AttentionStats [batch, head, pos]}.
+* `kv_cache_attention_stats(model, cache)`: the same from a `KVCache` made with
+  `capture_queries=True` (after a forward or a generation), without re-running the model.
+* `attention_logsumexp` / `attention_weights_at`: exact single entries of the pattern (a column such
+  as key 0, or the diagonal) from q, k and each row's log-sum-exp, in O(n) memory.
+
+Masks follow `interp.kernels.attention.AttentionMask` and the kernel: key j is visible to the query
+at p iff j <= p, p - j < window, and the key is real.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from interp.kernels import AttentionStats, attention_stats
+
+from ._common import token_batch, valid_mask
+
+LayerFn = Callable[[int, Tensor, Tensor, Tensor], None]
+
+
+def _layer_geometry(model, layer: int) -> dict:
+    attn = model.blocks[layer].attn
+    return dict(scale=attn.scale, window=attn.window, alibi_slopes=attn.alibi_slopes)
+
+
+@torch.no_grad()
+def for_each_layer_qk(model, tokens, fn: LayerFn, *, attention_mask: Tensor | None = None, layers=None) -> None:
+    """One fused forward; call fn(layer, q [batch, head, pos, d_head], k, v [batch, kv_head, pos, d_head])
+    as each requested layer is computed (q and k after RoPE), then release them.
+
+    The forward stops after the last requested layer (no unembedding). Hooks already on the model
+    (e.g. ones that edit q or k) run first, so the callback sees what attention saw.
+    """
+    tokens = token_batch(model, tokens)
+    layers = sorted(range(model.cfg.n_layers) if layers is None else set(layers))
+    if not layers:
+        return
+    rotary = model.rotary is not None
+    held: dict[str, Tensor] = {}
+
+    def keep(key: str):
+        def hook(x: Tensor, hook) -> None:
+            held[key] = x.transpose(1, 2)  # [batch, pos, head, d] -> [batch, head, pos, d]
+
+        return hook
+
+    def done(layer: int):
+        def hook(x: Tensor, hook) -> None:
+            q, k, v = held.pop("q"), held.pop("k"), held.pop("v")
+            fn(layer, q, k, v)
+
+        return hook
+
+    hooks = []
+    for l in layers:
+        a = f"blocks.{l}.attn."
+        hooks += [
+            (a + ("hook_rot_q" if rotary else "hook_q"), keep("q")),
+            (a + ("hook_rot_k" if rotary else "hook_k"), keep("k")),
+            (a + "hook_v", keep("v")),
+            (f"blocks.{l}.hook_attn_out", done(l)),
+        ]
+    model.run_with_hooks(tokens, fwd_hooks=hooks, attention_mask=attention_mask, stop_at_layer=layers[-1] + 1)
+
+
+def model_attention_stats(
+    model, tokens, *, attention_mask: Tensor | None = None, layers=None, n_sink: int = 1, backend: str = "torch"
+) -> dict[int, AttentionStats]:
+    """Streaming statistics (sink, previous, duplicate, induction, entropy, max, distance) of every
+    requested layer, float32 [batch, head, pos] each, from one fused forward. Memory O(layers * pos)
+    for the results; no pattern is ever built.
+
+    For long contexts where even the per-query results of all layers are too much, use
+    `for_each_layer_qk` and reduce inside the callback (as `interp.analyses.detect_heads` does)."""
+    tokens = token_batch(model, tokens)
+    padding = None if attention_mask is None else valid_mask(tokens, attention_mask)
+    out: dict[int, AttentionStats] = {}
+
+    def fn(layer, q, k, v):
+        out[layer] = attention_stats(
+            q, k, tokens, n_sink=n_sink, key_padding_mask=padding, backend=backend, **_layer_geometry(model, layer)
+        )
+
+    for_each_layer_qk(model, tokens, fn, attention_mask=attention_mask, layers=layers)
+    return out
+
+
+def kv_cache_attention_stats(model, cache, *, layers=None, n_sink: int = 1, backend: str = "torch") -> dict[int, AttentionStats]:
+    """Streaming statistics of every cached layer from a `KVCache` that kept the queries
+    (`model.new_kv_cache(batch, max_len, capture_queries=True)`), after any number of forwards or a
+    generation through it. Queries are all cached positions: float32 [batch, head, cache.length].
+
+    The tokens are the cache's (`cache.tokens`); padding comes from `cache.valid()`. A cache made with
+    n_sink > 0 (StreamingLLM masks) is refused: the kernel knows plain windows only."""
+    if cache.queries is None:
+        raise ValueError(
+            "this KV cache did not keep the queries; make it with model.new_kv_cache(batch, max_len, capture_queries=True)"
+        )
+    if getattr(cache, "n_sink", 0) and any(b.attn.window is not None for b in model.blocks):
+        raise ValueError("kv_cache_attention_stats cannot express the StreamingLLM sink mask of a cache with n_sink > 0")
+    n = cache.length
+    if n == 0:
+        raise ValueError("the KV cache is empty: run the model through it first (model(tokens, kv_cache=cache))")
+    valid = cache.valid()
+    padding = None if bool(valid.all()) else valid
+    tokens = cache.tokens[:, :n]
+    layers = range(model.cfg.n_layers) if layers is None else layers
+    return {
+        l: attention_stats(
+            cache.q(l), cache.k(l), tokens, n_sink=n_sink, key_padding_mask=padding, backend=backend,
+            **_layer_geometry(model, l),
+        )
+        for l in layers
+    }
+
+
+# ---- exact single pattern entries in O(n) memory ------------------------------------------------
+
+
+def _scores(q: Tensor, k: Tensor, p: Tensor, j: Tensor, *, scale, window, alibi_slopes, key_padding_mask) -> Tensor:
+    """Masked float32 scores [batch, head, len(p), len(j)] for query positions p and key positions j
+    (absolute positions; queries are the last n_q of the n_k keys)."""
+    batch, heads, n_q, d = q.shape
+    kv_heads, n_k = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    qi = p - (n_k - n_q)
+    qs = q[:, :, qi].float().view(batch, kv_heads, group * len(p), d)
+    s = torch.matmul(qs, k[:, :, j].float().transpose(-1, -2)).view(batch, heads, len(p), len(j)) * scale
+    rel = (p[:, None] - j[None, :]).float()
+    if alibi_slopes is not None:
+        s = s - alibi_slopes.float().view(1, heads, 1, 1) * rel
+    visible = rel >= 0
+    if window is not None:
+        visible = visible & (rel < window)
+    visible = visible[None, None]
+    if key_padding_mask is not None:
+        visible = visible & key_padding_mask[:, None, None, j]
+    return s.masked_fill(~visible, float("-inf"))
+
+
+@torch.no_grad()
+def attention_logsumexp(
+    q: Tensor, k: Tensor, *, scale: float | None = None, window: int | None = None, alibi_slopes: Tensor | None = None,
+    key_padding_mask: Tensor | None = None, budget: int = 1 << 22,
+) -> Tensor:
+    """log sum_j exp(score) per query, float32 [batch, head, n_q] (-inf for a query with no visible key).
+
+    q [batch, head, n_q, d], k [batch, kv_head, n_k, d] (GQA: head h reads kv head h // group),
+    causal with the queries the last n_q keys. Query blocks are sized so that one block's scores hold
+    about `budget` floats: O(n) memory, one attention pass of compute."""
+    batch, heads, n_q, d = q.shape
+    n_k = k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    offset = n_k - n_q
+    block = max(1, budget // max(1, batch * heads * n_k))
+    out = torch.empty(batch, heads, n_q, dtype=torch.float32, device=q.device)
+    for qs in range(0, n_q, block):
+        p = torch.arange(offset + qs, offset + min(qs + block, n_q), device=q.device)
+        lo = 0 if window is None else max(0, int(p[0]) - window + 1)
+        j = torch.arange(lo, int(p[-1]) + 1, device=q.device)
+        s = _scores(q, k, p, j, scale=scale, window=window, alibi_slopes=alibi_slopes, key_padding_mask=key_padding_mask)
+        out[:, :, qs : qs + len(p)] = torch.logsumexp(s, dim=-1)
+    return out
+
+
+@torch.no_grad()
+def attention_weights_at(
+    q: Tensor, k: Tensor, lse: Tensor, keys: Tensor | None = None, *, scale: float | None = None,
+    window: int | None = None, alibi_slopes: Tensor | None = None, key_padding_mask: Tensor | None = None,
+) -> Tensor:
+    """Exact attention weights P[b, h, i, j] = exp(score - lse) at chosen keys, without the pattern.
+
+    keys: long [m] absolute key positions -> [batch, head, n_q, m] (a few columns, e.g. the sink keys);
+          None -> the diagonal P[b, h, i, p_i] (each query's weight on its own position), [batch, head, n_q].
+    Entries a query cannot see are 0. `lse` comes from `attention_logsumexp` with the same arguments."""
+    batch, heads, n_q, d = q.shape
+    n_k = k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    p = torch.arange(n_k - n_q, n_k, device=q.device)
+    geometry = dict(scale=scale, window=window, alibi_slopes=alibi_slopes, key_padding_mask=key_padding_mask)
+    if keys is not None:
+        s = _scores(q, k, p, keys.to(q.device), **geometry)
+        w = torch.exp(s - lse[..., None])
+    else:
+        group = heads // k.shape[1]
+        k_own = k[:, :, p].float().repeat_interleave(group, dim=1)  # [batch, head, n_q, d]
+        s = (q.float() * k_own).sum(-1) * scale  # ALiBi adds -slope * (p - p) = 0 here
+        if key_padding_mask is not None:
+            s = s.masked_fill(~key_padding_mask[:, None, p], float("-inf"))
+        w = torch.exp(s - lse)
+    return torch.nan_to_num(w, nan=0.0)  # -inf - -inf (no visible key) -> 0

@@ -1,0 +1,339 @@
+"""Sweeps: chosen analyses over every checkpoint of one or more training runs, resumably.
+
+    from interp.analyses.sweep import SweepSettings, sweep
+    result = sweep(["attn-only-2l"], "out/attn-only-2l")
+    result.table    # run, checkpoint, step, analysis, layer, head, metric, value
+
+The unit of work and of resumption is one (checkpoint, analysis) pair; the unit of scheduling is
+one checkpoint with all its pending analyses (`CheckpointTask`), so a worker loads each model once.
+Each finished pair is written as its own small file the moment it arrives (`ResultStore`), and the
+parts are merged into `results.parquet`/`results.csv` as checkpoints finish and at the end. A
+sweep killed at any point and started again with the same settings recomputes nothing finished.
+
+A checkpoint that fails to load (truncated or corrupt weights) or an analysis that raises is
+recorded in `errors.json`, shown in the summary and the report, and skipped; the sweep goes on,
+and a later sweep retries it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import platform
+import shutil
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Literal, Sequence
+
+import pandas as pd
+
+from .executors import ExecutorSettings, make_executor
+from .registry import ANALYSES, Context, resolve_analyses
+from .runs import Checkpoint, Run, discover
+from .store import LOAD, ResultStore
+from .sweep_data import DataSpec, build_tokens, prebuild_tokens, resolve_kind
+
+DEFAULT_ANALYSES = ("induction", "previous_token", "duplicate_token", "sinks", "ablation", "pruning", "importance")
+EXPENSIVE_ON = ("last", "all")
+FAIL_AFTER_ENV = "INTERP_SWEEP_FAIL_AFTER"
+_COLLECT_ABOVE_BYTES = 64 * 2**20  # test hook: stop the driver after writing N parts
+
+
+class SettingsMismatch(RuntimeError):
+    """The output folder holds results computed with other settings."""
+
+
+class SweepStopped(RuntimeError):
+    """Raised by the FAIL_AFTER_ENV test hook, as if the sweep had been killed."""
+
+
+@dataclass(frozen=True)
+class SweepSettings:
+    """What the numbers in a sweep folder mean; `settings.json` holds these, and a rerun must match.
+
+    analyses     names from `interp.analyses.registry.ANALYSES`.
+    data         the tokens every checkpoint sees (`DataSpec`; kind "auto" picks the zoo corpus
+                 for byte-level zoo models and repeated random tokens otherwise).
+    expensive_on "last": analyses marked expensive (ablation, pruning, importance: a forward pass
+                 per head or more) run on the last checkpoint of each run only; "all": everywhere.
+    device       where models run (None: CUDA when available); not part of the results' meaning.
+    """
+
+    analyses: tuple[str, ...] = DEFAULT_ANALYSES
+    data: DataSpec = field(default_factory=DataSpec)
+    expensive_on: Literal["last", "all"] = "last"
+    device: str | None = None
+
+    def __post_init__(self) -> None:
+        resolve_analyses(self.analyses)  # raises on unknown names
+        if self.expensive_on not in EXPENSIVE_ON:
+            raise ValueError(f"expensive_on must be one of {EXPENSIVE_ON}, got {self.expensive_on!r}")
+
+    def meaning(self) -> dict:
+        """The part of the settings results depend on (compared against an existing folder)."""
+        meaning = {"data": self.data.to_dict(), "expensive_on": self.expensive_on,
+                   "params": {a: dict(ANALYSES[a].params) for a in self.analyses}}
+        return json.loads(json.dumps(meaning))  # as settings.json will hold it (tuples become lists)
+
+
+@dataclass(frozen=True)
+class CheckpointTask:
+    """One checkpoint and the analyses still to run on it: what a worker receives."""
+
+    checkpoint: Checkpoint
+    analyses: tuple[str, ...]
+    data: DataSpec
+    device: str | None
+    tokens: object = None  # the data, when the driver could build it once for all (`prebuild_tokens`)
+
+
+@dataclass(frozen=True)
+class PartEvent:
+    checkpoint: Checkpoint
+    analysis: str
+    rows: pd.DataFrame
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    checkpoint: Checkpoint
+    analysis: str  # LOAD when the checkpoint did not load: none of its analyses ran
+    error: str
+    message: str
+    n_analyses: int = 1  # how many pending analyses this error accounts for
+
+
+@dataclass
+class SweepResult:
+    out: Path
+    table: pd.DataFrame
+    errors: list[dict]
+    n_run: int
+    n_skipped: int
+    seconds: float
+    report: Path | None = None
+
+
+# ---- the worker side -------------------------------------------------------------------------
+def run_checkpoint(task: CheckpointTask) -> Iterator[PartEvent | ErrorEvent]:
+    """Load one checkpoint, run each pending analysis on it, yield one event per analysis."""
+    import torch
+
+    import interp
+
+    ckpt = task.checkpoint
+    device = task.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        model = interp.load(ckpt.path, device=device)
+        tokens = build_tokens(task.data, model, task.tokens).to(model.device)
+    except Exception as e:  # noqa: BLE001 - any failure to load is reported, and the sweep goes on
+        yield ErrorEvent(ckpt, LOAD, type(e).__name__, str(e), n_analyses=len(task.analyses))
+        return
+    ctx = Context(model=model, tokens=tokens, data=task.data, checkpoint=ckpt)
+    try:
+        for name in task.analyses:
+            start = time.perf_counter()
+            try:
+                rows = ANALYSES[name].run(ctx)  # analyzers set their own grad mode (importance needs gradients)
+            except Exception as e:  # noqa: BLE001 - one analysis failing must not stop the others
+                tb = traceback.format_exc(limit=-3)
+                yield ErrorEvent(ckpt, name, type(e).__name__, f"{e}\n{tb}")
+                continue
+            yield PartEvent(ckpt, name, rows.reset_index(drop=True), time.perf_counter() - start)
+    finally:
+        size = sum(t.numel() * t.element_size() for t in model.parameters())
+        del ctx, model
+        # The model holds reference cycles, so only the cycle collector frees it. A full collection
+        # costs ~0.5 s with torch's modules imported: worth it to hold one big model at a time, not
+        # for the small ones, which the generational collector reclaims soon enough.
+        if size > _COLLECT_ABOVE_BYTES or device.startswith("cuda"):
+            gc.collect()
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+
+
+# ---- the driver ------------------------------------------------------------------------------
+def versions() -> dict:
+    import torch
+
+    import interp
+
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"interp": interp.__version__, "torch": torch.__version__, "pandas": pd.__version__,
+           "python": platform.python_version()}
+    try:  # the installed version, without importing transformers (seconds)
+        out["transformers"] = version("transformers")
+    except PackageNotFoundError:
+        pass
+    return out
+
+
+def plan(runs: Sequence[Run], settings: SweepSettings, done: set) -> tuple[list[CheckpointTask], int]:
+    """The checkpoint tasks still to do, and how many (checkpoint, analysis) pairs are already done."""
+    tasks, skipped = [], 0
+    for run in runs:
+        last = run.checkpoints[-1]
+        for ckpt in run.checkpoints:
+            wanted = [a for a in settings.analyses
+                      if not ANALYSES[a].expensive or settings.expensive_on == "all" or ckpt == last]
+            pending = tuple(a for a in wanted if (run.name, ckpt.name, a) not in done)
+            skipped += len(wanted) - len(pending)
+            if pending:
+                tasks.append(CheckpointTask(ckpt, pending, settings.data, settings.device))
+    return tasks, skipped
+
+
+def _check_settings(store: ResultStore, settings: SweepSettings, runs: Sequence[Run], force: bool) -> dict:
+    """Compare with the folder's settings.json; return the settings to write (runs and analyses accumulate)."""
+    old = store.read_json("settings.json")
+    record = {"analyses": list(settings.analyses), **settings.meaning(),
+              "data_description": settings.data.describe(),
+              "runs": {r.name: {"source": r.source, "checkpoints": [c.name for c in r.checkpoints]} for r in runs},
+              "versions": versions()}
+    if old is None:
+        return record
+    if force:
+        for name in ("parts", "figures"):
+            shutil.rmtree(store.out / name, ignore_errors=True)
+        for name in ("results.parquet", "results.csv", "errors.json", "timing.json", "report.html", "report.md"):
+            (store.out / name).unlink(missing_ok=True)
+        return record
+    old_meaning = {k: old.get(k) for k in ("data", "expensive_on")}
+    new_meaning = {k: record[k] for k in ("data", "expensive_on")}
+    clash = [a for a in settings.analyses if a in old.get("params", {}) and old["params"][a] != record["params"][a]]
+    if old_meaning != new_meaning or clash:
+        diff = {k: (old_meaning[k], new_meaning[k]) for k in old_meaning if old_meaning[k] != new_meaning[k]}
+        diff.update({f"params.{a}": (old["params"][a], record["params"][a]) for a in clash})
+        raise SettingsMismatch(
+            f"{store.out} holds results computed with other settings: "
+            + "; ".join(f"{k}: was {a}, now {b}" for k, (a, b) in diff.items())
+            + ". Use another --out folder, rerun with the old settings, or pass --force to discard the old results."
+        )
+    if old.get("versions") != record["versions"]:
+        print(f"note: {store.out} was started with {old.get('versions')}, continuing with {record['versions']}")
+    record["analyses"] = list(dict.fromkeys([*old.get("analyses", []), *settings.analyses]))
+    record["params"] = {**old.get("params", {}), **record["params"]}
+    record["runs"] = {**old.get("runs", {}), **record["runs"]}
+    return record
+
+
+def sweep(
+    runs: Sequence[str],
+    out,
+    settings: SweepSettings | None = None,
+    executor: ExecutorSettings | None = None,
+    *,
+    force: bool = False,
+    last_only: bool = False,
+    progress: bool = True,
+    report: bool = True,
+    merge_every: float = 5.0,
+    log=print,
+) -> SweepResult:
+    """Run `settings.analyses` over every checkpoint of `runs` into the folder `out` (see module doc);
+    with `last_only`, over the last checkpoint of each (a single model is a run of one checkpoint)."""
+    from tqdm.auto import tqdm
+
+    settings = settings or SweepSettings()
+    executor = executor or ExecutorSettings()
+    start = time.perf_counter()
+    found = [discover(r, last_only=last_only) for r in runs]
+    names = [r.name for r in found]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two runs share a name ({names}); give each run folder a distinct name")
+    settings = _resolve_data(settings, found)
+    store = ResultStore(out)
+    record = _check_settings(store, settings, found, force)
+    store.write_json("settings.json", record)
+    tasks, skipped = plan(found, settings, store.done())
+    if tasks and (tokens := prebuild_tokens(settings.data)) is not None:
+        tasks = [dataclasses.replace(t, tokens=tokens) for t in tasks]
+    n_pairs = sum(len(t.analyses) for t in tasks)
+    n_ckpts = sum(len(r.checkpoints) for r in found)
+    log(f"sweep: {len(found)} run(s), {n_ckpts} checkpoint(s), analyses {','.join(settings.analyses)}; "
+        f"{n_pairs} task(s) to run, {skipped} already done -> {store.out}")
+    fail_after = int(os.environ.get(FAIL_AFTER_ENV, "0") or 0)
+
+    n_run, last_merge = 0, time.perf_counter()
+    remaining = {(t.checkpoint.run, t.checkpoint.name): len(t.analyses) for t in tasks}
+    ex = make_executor(executor) if tasks else None
+    bar = tqdm(total=n_pairs, unit="task", desc="sweep", disable=not progress or not tasks, dynamic_ncols=True)
+    try:
+        for event in ex.run(run_checkpoint, tasks) if ex else ():
+            c = event.checkpoint
+            if isinstance(event, PartEvent):
+                store.write_part(c.run, c.name, c.step, event.analysis, event.rows, event.seconds)
+                n_run += 1
+                store.clear_load_error(c.run, c.name)  # it loaded this time
+                bar.set_postfix_str(f"{c.run}/{c.name} {event.analysis}", refresh=False)
+            else:
+                store.write_error(c.run, c.name, c.step, event.analysis, event.error, event.message, c.path)
+                bar.write(f"error: {c.run}/{c.name} {event.analysis}: {event.error}: {event.message.splitlines()[0]}")
+            n = getattr(event, "n_analyses", 1)
+            bar.update(n)
+            key = (c.run, c.name)
+            remaining[key] -= n
+            if remaining[key] == 0 and time.perf_counter() - last_merge >= merge_every:
+                store.merge()
+                last_merge = time.perf_counter()
+            if fail_after and n_run >= fail_after:
+                raise SweepStopped(f"{FAIL_AFTER_ENV}={fail_after}: stopping after {n_run} parts")
+    finally:
+        bar.close()
+        if ex is not None:
+            ex.close()
+        table = store.merge()
+        seconds = time.perf_counter() - start
+        timing = store.read_json("timing.json", {"invocations": []})
+        timing["invocations"].append({"started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - seconds)),
+                                      "seconds": round(seconds, 2), "executor": ex.description if ex else "none",
+                                      "tasks_run": n_run, "tasks_skipped": skipped})
+        store.write_json("timing.json", timing)
+    errors = store.errors()
+    result = SweepResult(store.out, table, errors, n_run, skipped, seconds)
+    log(summary(result, found))
+    if report:
+        from .report import write_report
+
+        result.report = write_report(store.out)
+        log(f"report: {result.report} (and report.md)")
+    return result
+
+
+def summary(result: SweepResult, runs: Sequence[Run]) -> str:
+    lines = [f"done in {result.seconds:.1f} s: {result.n_run} task(s) run, {result.n_skipped} already done, "
+             f"{len(result.table)} rows in {result.out / 'results.csv'}"]
+    for r in runs:
+        steps = [c.step for c in r.checkpoints if c.step is not None]
+        span = f", steps {min(steps)}..{max(steps)}" if steps else ""
+        lines.append(f"  run {r.name}: {len(r.checkpoints)} checkpoint(s){span}")
+    if result.errors:
+        lines.append(f"  {len(result.errors)} error(s) (skipped; details in {result.out / 'errors.json'}):")
+        for e in result.errors:
+            lines.append(f"    {e['run']}/{e['checkpoint']} {e['analysis']}: {e['error']}: {e['message'].splitlines()[0][:200]}")
+    return "\n".join(lines)
+
+
+def _resolve_data(settings: SweepSettings, runs: Sequence[Run]) -> SweepSettings:
+    """Settle `data.kind == "auto"` before anything is recorded, so settings.json names real data."""
+    kind = resolve_kind(settings.data.kind, [c.path for r in runs for c in r.checkpoints])
+    if kind == settings.data.kind:
+        return settings
+    return dataclasses.replace(settings, data=dataclasses.replace(settings.data, kind=kind))
+
+
+def load_settings(out) -> dict:
+    f = Path(out) / "settings.json"
+    if not f.is_file():
+        raise FileNotFoundError(f"{out} is not a sweep folder (no settings.json)")
+    return json.loads(f.read_text())
+
+
+__all__ = ["CheckpointTask", "DEFAULT_ANALYSES", "SettingsMismatch", "SweepResult", "SweepSettings",
+           "plan", "run_checkpoint", "sweep"]

@@ -1,0 +1,145 @@
+"""`DataSpec`: which tokens a sweep feeds every checkpoint, reproducible from a few fields.
+
+A sweep compares checkpoints, so every checkpoint must see exactly the same tokens. The spec is
+small, frozen and JSON-serialisable; `settings.json` records it, and `build_tokens` rebuilds the
+identical tensor in any process (local workers, Ray workers on other machines) from it alone.
+
+kinds:
+  auto             "corpus" when every checkpoint of the sweep is a byte-level zoo model, else
+                   "repeated_random"; settled (`resolve_kind`) before settings.json is written.
+  repeated_random  `n_seqs` rows of `seq_len` tokens: a random half (uniform over the vocabulary,
+                   from `seed`) followed by the same half again. Previous-token, duplicate-token
+                   and induction behaviour all show on it (Olsson et al. 2022), and it needs no
+                   corpus, so it suits any model.
+  corpus           held-out windows (`<bos>` + bytes) of the zoo's training corpus, the Python
+                   standard library's sources (`interp.models.training.eval_windows`, files never
+                   trained on), drawn with `seed`: natural text, so losses, ablations and ICL
+                   scores mean something. Byte-level (ByteTokenizer) models only. The files are
+                   this machine's standard library: the same for every checkpoint of a sweep, and
+                   across machines only for the same Python version.
+  file             token ids saved at `path` (`.pt` tensor or `.npy` array, [n_seqs, seq_len] or
+                   flat); the first `n_seqs` rows of `seq_len` are used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from interp.tokenizer import ByteTokenizer, load_tokenizer
+
+DataKind = Literal["auto", "repeated_random", "corpus", "file"]
+DATA_KINDS = ("auto", "repeated_random", "corpus", "file")
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    kind: DataKind = "auto"
+    n_seqs: int = 16
+    seq_len: int = 256  # the zoo's context; a model with a shorter one is refused by build_tokens
+    seed: int = 0
+    path: str | None = None  # token file, for kind="file"
+
+    def __post_init__(self) -> None:
+        if self.kind not in DATA_KINDS:
+            raise ValueError(f"unknown data kind {self.kind!r}; choose one of {DATA_KINDS}")
+        if self.n_seqs < 1 or self.seq_len < 4:
+            raise ValueError(f"need n_seqs >= 1 and seq_len >= 4, got {self.n_seqs} x {self.seq_len}")
+        if (self.kind == "file") != (self.path is not None):
+            raise ValueError("kind='file' needs path=...; the other kinds take no path")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DataSpec":
+        return cls(**d)
+
+    def describe(self) -> str:
+        what = {
+            "repeated_random": "random tokens repeated once (first half uniform over the vocabulary, second half a copy)",
+            "corpus": "held-out windows of the zoo training corpus",
+            "file": f"token ids from {self.path}",
+            "auto": "chosen per sweep",
+        }[self.kind]
+        return f"{self.n_seqs} sequences x {self.seq_len} tokens, {what}, seed {self.seed}"
+
+
+def resolve_kind(kind: str, checkpoint_paths: list[str]) -> str:
+    """`kind`, with "auto" settled: "corpus" if every checkpoint has the zoo's byte tokenizer."""
+    if kind != "auto":
+        return kind
+
+    def is_bytes(path: str) -> bool:
+        try:
+            return load_tokenizer(Path(path)) is not None
+        except Exception:  # noqa: BLE001 - a broken tokenizer file just means "not the zoo's"
+            return False
+
+    return "corpus" if checkpoint_paths and all(is_bytes(p) for p in checkpoint_paths) else "repeated_random"
+
+
+def prebuild_tokens(spec: DataSpec) -> Tensor | None:
+    """The tokens of a model-independent kind (corpus, file), built once by the sweep's driver and
+    shipped with each task, so every worker, on any machine, gets the very same tensor (and the
+    corpus is read once, not per worker). None for kinds that depend on the model's vocabulary."""
+    if spec.kind == "auto":
+        raise ValueError("settle data kind 'auto' with resolve_kind() first")
+    return _BUILDERS[spec.kind](spec, None) if spec.kind in ("corpus", "file") else None
+
+
+def build_tokens(spec: DataSpec, model, prebuilt: Tensor | None = None) -> Tensor:
+    """The [n_seqs, seq_len] token ids `spec` names for `model` (`prebuilt`: from `prebuild_tokens`),
+    identical on every call and in every process; checked against the model's vocabulary and context."""
+    if spec.kind == "auto":
+        raise ValueError("settle data kind 'auto' with resolve_kind() first")
+    cfg = model.cfg
+    if cfg.positional in ("learned", "sinusoidal") and spec.seq_len > cfg.n_ctx:
+        raise ValueError(f"the data's sequences ({spec.seq_len} tokens) are longer than this model's context "
+                         f"(n_ctx={cfg.n_ctx}); pass --seq-len {cfg.n_ctx} (or less)")
+    tokens = prebuilt if prebuilt is not None else _cached(spec, cfg.d_vocab)
+    if int(tokens.max()) >= cfg.d_vocab or int(tokens.min()) < 0:
+        raise ValueError(f"the data ({spec.kind}) holds token ids outside this model's vocabulary [0, {cfg.d_vocab})")
+    if spec.kind == "corpus" and not isinstance(model.tokenizer, ByteTokenizer):
+        raise ValueError("data kind 'corpus' is byte-level text for the zoo's ByteTokenizer models; this model has "
+                         f"{type(model.tokenizer).__name__}: use --data repeated_random or --data file")
+    return tokens
+
+
+@functools.lru_cache(maxsize=4)
+def _cached(spec: DataSpec, d_vocab: int) -> Tensor:
+    return _BUILDERS[spec.kind](spec, d_vocab)
+
+
+def _repeated_random(spec: DataSpec, d_vocab: int) -> Tensor:
+    g = torch.Generator().manual_seed(spec.seed)
+    half = (spec.seq_len + 1) // 2
+    first = torch.randint(0, d_vocab, (spec.n_seqs, half), generator=g)
+    return torch.cat([first, first], dim=1)[:, : spec.seq_len].contiguous()
+
+
+def _corpus(spec: DataSpec, d_vocab: int | None) -> Tensor:
+    from interp.models.training import eval_windows, load_corpus
+
+    return eval_windows(load_corpus(), spec.seq_len, spec.n_seqs, seed=spec.seed)
+
+
+def _file(spec: DataSpec, d_vocab: int | None) -> Tensor:
+    import numpy as np
+
+    path = str(spec.path)
+    raw = np.load(path) if path.endswith(".npy") else torch.load(path, map_location="cpu", weights_only=True)
+    tokens = torch.as_tensor(raw, dtype=torch.long).reshape(-1)
+    need = spec.n_seqs * spec.seq_len
+    if tokens.numel() < need:
+        raise ValueError(f"{path} holds {tokens.numel()} tokens; the data spec needs {spec.n_seqs} x {spec.seq_len} = {need}")
+    return tokens[:need].reshape(spec.n_seqs, spec.seq_len)
+
+
+_BUILDERS = {"repeated_random": _repeated_random, "corpus": _corpus, "file": _file}

@@ -1,0 +1,60 @@
+"""The `interp` command. Each subcommand is one module in `interp/commands/` exposing
+
+    HELP: str                           one line for `interp --help`
+    EPILOG: str                         copy-pasteable examples
+    def add_arguments(parser) -> None
+    def run(args) -> int | None
+
+and is listed once in COMMANDS below (imported only when used, so `interp --help` is fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS: dict[str, str] = {
+    "demo": "interp.commands.demo",
+    "info": "interp.commands.info",
+    "train": "interp.commands.train",
+    "zoo": "interp.commands.zoo",
+    "sweep": "interp.commands.sweep",
+    "analyze": "interp.commands.analyze",
+    "report": "interp.commands.report",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="interp",
+        description="Mechanistic interpretability for PyTorch transformers.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(
+            name, help=module.HELP, description=module.HELP, epilog=getattr(module, "EPILOG", None),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Subcommands of the `interp` CLI, one module each (see interp/cli.py)."""

@@ -1,0 +1,29 @@
+"""`interp info MODEL`: the config, parameter count, KV-cache and FLOP figures of a model."""
+
+from __future__ import annotations
+
+HELP = "show a model's config, parameter count, KV-cache bytes per token and FLOPs per token"
+EPILOG = """examples:
+  interp info path/to/checkpoint
+  interp info path/to/checkpoint --context 2048
+"""
+
+
+def add_arguments(p) -> None:
+    p.add_argument("model", help="a checkpoint directory (ours or Hugging Face) or a zoo name")
+    p.add_argument("--context", type=int, default=1024, help="context length for the FLOP figures (default 1024)")
+
+
+def run(args) -> int:
+    import interp
+
+    model = interp.load(args.model)
+    cfg = model.cfg
+    print(model)
+    print(f"parameters             {cfg.n_params():,}")
+    print(f"KV cache per token     {cfg.kv_cache_bytes_per_token(model.dtype.itemsize):,} bytes ({model.dtype})")
+    flops = cfg.flops_per_token(args.context)
+    print(f"FLOPs per token @ {args.context:<6} " + ", ".join(f"{k} {v / 1e6:,.2f}M" for k, v in flops.items()))
+    for k, v in cfg.to_dict().items():
+        print(f"  {k:20s} {v}")
+    return 0

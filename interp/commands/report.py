@@ -1,0 +1,31 @@
+"""`interp report DIR`: the HTML and Markdown report of a sweep folder."""
+
+from __future__ import annotations
+
+HELP = "write DIR/report.html (self-contained) and DIR/report.md from a sweep's results"
+EPILOG = """examples:
+  interp report out/attn-only-2l
+  interp report out/attn-only-2l --title "attn-only-2l, seed 0"
+
+`interp sweep` and `interp analyze` write the report at the end already; run this after changing
+the report code or to re-render a partial sweep (it reads DIR/results.parquet or the parts).
+"""
+
+
+def add_arguments(p) -> None:
+    p.add_argument("out", metavar="DIR", help="a sweep folder (with settings.json)")
+    p.add_argument("--title", default=None, help="report title (default: the runs' names)")
+
+
+def run(args) -> int:
+    import sys
+
+    from interp.analyses.report import write_report
+
+    try:
+        path = write_report(args.out, title=args.title)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {path} and {path.with_suffix('.md')}")
+    return 0

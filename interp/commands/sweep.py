@@ -1,0 +1,105 @@
+"""`interp sweep RUN [RUN ...] --out DIR`: analyses over every checkpoint of training runs, resumably."""
+
+from __future__ import annotations
+
+HELP = "run head analyses over every checkpoint of training runs (resumable; local processes or Ray)"
+EPILOG = """examples:
+  interp sweep attn-only-2l --out out/attn-only-2l
+  interp sweep runs/my-run runs/pythia-70m-revisions --analyses induction,sinks --out out/cmp
+  interp sweep attn-only-2l --out out/x --executor local --workers 2
+  interp sweep attn-only-2l --out out/x --executor ray                      # starts a local Ray cluster
+  interp sweep runs/big --out out/big --executor ray --ray-address auto     # joins `ray start --head`
+  interp sweep attn-only-2l --out out/x --data repeated_random --seq-len 128 --n-seqs 32
+
+A RUN is a zoo name, a run folder (run.json or checkpoint sub-folders, ours or Hugging Face, e.g.
+step1000/ step2000/ ...), or one checkpoint folder. Rerunning with the same --out resumes: finished
+(checkpoint, analysis) pairs are kept, the rest (and earlier errors) are run. Results:
+DIR/results.parquet and .csv (run, checkpoint, step, analysis, layer, head, metric, value),
+DIR/settings.json, DIR/errors.json, DIR/report.html and DIR/report.md. Ablation, pruning and
+importance (a forward pass per head, or more) run on the last checkpoint of each run unless
+--expensive-on all. Exit status: 0; 1 when a checkpoint or an analysis failed (listed in the
+summary and errors.json, skipped, retried by the next run); 2 for bad arguments or settings that
+differ from those already in DIR.
+"""
+
+
+def add_sweep_options(p) -> None:
+    """Options shared by `interp sweep` and `interp analyze`."""
+    from interp.analyses.registry import ANALYSES
+    from interp.analyses.sweep import DEFAULT_ANALYSES
+    from interp.analyses.sweep_data import DATA_KINDS, DataSpec
+
+    d = DataSpec()
+    p.add_argument("--out", required=True, help="output folder (created; an existing sweep folder is resumed)")
+    p.add_argument("--analyses", default=",".join(DEFAULT_ANALYSES),
+                   help=f"comma-separated, from: {', '.join(sorted(ANALYSES))} (default: {','.join(DEFAULT_ANALYSES)})")
+    p.add_argument("--expensive-on", choices=("last", "all"), default="last",
+                   help="run ablation, pruning and importance on the last checkpoint of each run only (default), "
+                        "or on all")
+    data = p.add_argument_group("data (identical for every checkpoint)")
+    data.add_argument("--data", choices=DATA_KINDS, default=d.kind,
+                      help="auto: held-out zoo corpus windows for byte-level zoo models, else repeated random tokens")
+    data.add_argument("--data-file", default=None, help="token ids (.pt or .npy) for --data file")
+    data.add_argument("--n-seqs", type=int, default=d.n_seqs, help=f"sequences (default {d.n_seqs})")
+    data.add_argument("--seq-len", type=int, default=d.seq_len, help=f"tokens per sequence (default {d.seq_len})")
+    data.add_argument("--seed", type=int, default=d.seed, help="data seed (default 0)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    p.add_argument("--force", action="store_true", help="discard results in --out computed with other settings")
+    p.add_argument("--no-report", action="store_true", help="skip writing report.html / report.md")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_arguments(p) -> None:
+    from interp.analyses.executors import EXECUTOR_KINDS
+
+    p.add_argument("runs", nargs="+", metavar="RUN", help="zoo name, run folder, or checkpoint folder")
+    add_sweep_options(p)
+    ex = p.add_argument_group("execution")
+    ex.add_argument("--executor", choices=EXECUTOR_KINDS, default="local",
+                    help="local: this machine (default); ray: a Ray cluster, one task per checkpoint")
+    ex.add_argument("--workers", type=int, default=None,
+                    help="local: worker processes (default 1 = in this process); ray: CPUs of the local cluster "
+                         "started when no --ray-address is given (default: all cores)")
+    ex.add_argument("--ray-address", default=None, help="'auto' or host:port of a running Ray cluster")
+
+
+def settings_from_args(args):
+    import dataclasses
+    from pathlib import Path
+
+    from interp.analyses.sweep import SweepSettings
+    from interp.analyses.sweep_data import DataSpec
+
+    path = str(Path(args.data_file).resolve()) if args.data_file else None
+    kind = "file" if path and args.data == "auto" else args.data
+    data = DataSpec(kind=kind, n_seqs=args.n_seqs, seq_len=args.seq_len, seed=args.seed, path=path)
+    analyses = tuple(a.strip() for a in args.analyses.split(",") if a.strip())
+    return SweepSettings(analyses=analyses, data=data, expensive_on=args.expensive_on, device=args.device)
+
+
+def run_sweep(args, runs, executor=None, last_only: bool = False) -> int:
+    import sys
+
+    from interp.analyses.sweep import SettingsMismatch, sweep
+
+    try:
+        settings = settings_from_args(args)
+        result = sweep(runs, args.out, settings, executor, force=args.force, last_only=last_only,
+                       progress=not args.no_progress, report=not args.no_report)
+    except (SettingsMismatch, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 1 if result.errors else 0
+
+
+def run(args) -> int:
+    from interp.analyses.executors import ExecutorSettings
+
+    try:
+        executor = ExecutorSettings(kind=args.executor, workers=args.workers, ray_address=args.ray_address)
+    except ValueError as e:
+        import sys
+
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return run_sweep(args, args.runs, executor)

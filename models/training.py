@@ -1,0 +1,371 @@
+"""Training small models from scratch, deterministically, on a corpus every machine has offline.
+
+The corpus is the Python standard library's own `.py` sources (`sysconfig.get_paths()["stdlib"]`,
+`site-packages` excluded), files sorted by relative path, read as UTF-8 bytes: token ids 0..255 are
+bytes and 256 is `<bos>` (see `interp.tokenizer.ByteTokenizer`). Every 20th file is held out for
+evaluation. The training stream is `<bos> file_0 <bos> file_1 ...`; a training window is `<bos>`
+followed by `n_ctx - 1` tokens from a random offset of the stream.
+
+Copy-span augmentation: in a fraction `copy_prob` of the windows, a span of 16-96 tokens is copied
+from an earlier place in the window to a later one. Repeated spans are what induction heads exploit;
+adding a few makes the induction-head phase change (Olsson et al. 2022) reliable at this tiny scale.
+In a fraction `random_span_prob` of those windows the span is first overwritten with uniform random
+bytes: source code uses ~100 of the 256 byte values, and without this the other ~150 keep their
+random initial embeddings, so induction on repeated *uniform* random tokens (the standard probe)
+would fail on them while working on printable text.
+
+Determinism: the model is initialised from `seed`, the data order comes from a PCG64 generator seeded
+from `seed`, and the thread count is fixed, so the same seed, threads, torch version and stdlib give
+bitwise-identical checkpoints.
+
+At every checkpoint the loop records, in `meta.json`, cheap head scores computed from materialised
+patterns (`probe_scores`) and the in-context-learning score (`icl_score`), so the phase change can be
+read without other tools. Recipes (`Recipe`) are frozen dataclasses; the shipped ones live in
+`interp.models.zoo.recipes`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from interp.tokenizer import ByteTokenizer
+
+from .config import ModelConfig
+from .transformer import HookedTransformer
+
+BOS = 256
+EVAL_SEED = 1234  # the evaluation windows and probe tokens are the same for every run and seed
+RUN_FILE = "run.json"
+
+
+# ---- recipes -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Recipe:
+    """Everything that determines a training run (plus `seed` and `threads`, which the CLI may override)."""
+
+    name: str
+    model: ModelConfig
+    steps: int
+    checkpoints: tuple[int, ...]  # steps at which a checkpoint is saved (the last step always is)
+    batch_size: int = 32
+    lr: float = 3e-3
+    warmup_steps: int = 100  # linear warm-up from 0
+    schedule: Literal["constant", "cosine"] = "constant"  # after warm-up
+    min_lr_ratio: float = 0.1  # cosine floor, as a fraction of lr
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.05  # on matrices and embeddings only (not norms or biases)
+    grad_clip: float | None = 1.0
+    copy_prob: float = 0.5  # fraction of windows with a copied span
+    copy_span: tuple[int, int] = (16, 96)  # inclusive range of the copied span's length
+    random_span_prob: float = 0.0  # of the copied spans, the fraction that are uniform random bytes
+    seed: int = 0
+    threads: int = 2
+    eval_windows: int = 512  # held-out windows for eval loss and the ICL score
+    probe_len: int = 100  # length of each half of the repeated random sequence
+    probe_batch: int = 32
+    description: str = ""
+
+    def checkpoint_steps(self, steps: int | None = None) -> list[int]:
+        """The checkpoint steps of a run of `steps` (default `self.steps`): those <= steps, plus steps."""
+        steps = self.steps if steps is None else steps
+        return sorted({s for s in self.checkpoints if s <= steps} | {steps})
+
+    def lr_at(self, step: int, steps: int) -> float:
+        """Learning rate for optimizer step `step` (0-based) of a run of `steps`."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.schedule == "constant":
+            return self.lr
+        frac = (step - self.warmup_steps) / max(1, steps - self.warmup_steps)
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + np.cos(np.pi * min(frac, 1.0))))
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["model"] = self.model.to_dict()
+        return out
+
+
+def log_spaced_steps(last: int, n: int, dense: tuple[int, int] | None = None, n_dense: int = 0) -> tuple[int, ...]:
+    """Step 0, then about `n` log-spaced steps up to `last`, plus `n_dense` evenly spaced in `dense`."""
+    logs = np.unique(np.round(np.geomspace(10, last, n)).astype(int))
+    steps = {0, last, *logs.tolist()}
+    if dense is not None and n_dense:
+        steps |= set(np.round(np.linspace(dense[0], dense[1], n_dense)).astype(int).tolist())
+    return tuple(sorted(steps))
+
+
+# ---- the corpus ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Corpus:
+    """Token streams of the stdlib sources. `train`: one int16 array; `eval_docs`: held-out files."""
+
+    train: np.ndarray
+    eval_docs: tuple[np.ndarray, ...]
+    n_files: int
+    n_bytes: int
+    sha256: str
+    root: str
+
+    def describe(self) -> dict:
+        return {"source": "python stdlib *.py (site-packages excluded), sorted by path", "root": self.root,
+                "files": self.n_files, "bytes": self.n_bytes, "sha256": self.sha256,
+                "train_tokens": int(self.train.size), "eval_files": len(self.eval_docs)}
+
+
+def stdlib_files(root: str | Path | None = None) -> list[Path]:
+    """The standard library's `.py` files, sorted by path relative to `root` (site-packages excluded)."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    files = [f for f in root.rglob("*.py") if f.is_file() and not skip & set(f.relative_to(root).parts)]
+    return sorted(files, key=lambda f: f.relative_to(root).as_posix())
+
+
+def load_corpus(root: str | Path | None = None, eval_every: int = 20) -> Corpus:
+    """Read the corpus; every `eval_every`-th file (in sorted order) is held out."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    files = stdlib_files(root)
+    if not files:
+        raise FileNotFoundError(f"no .py files under {root}; the training corpus is the Python standard library")
+    digest = hashlib.sha256()
+    train, evals, n_bytes = [], [], 0
+    for i, f in enumerate(files):
+        data = f.read_bytes()
+        digest.update(f.relative_to(root).as_posix().encode() + b"\0" + data + b"\0")
+        n_bytes += len(data)
+        ids = np.frombuffer(data, dtype=np.uint8).astype(np.int16)
+        if i % eval_every == 0:
+            evals.append(ids)
+        else:
+            train.extend([np.array([BOS], dtype=np.int16), ids])
+    return Corpus(np.concatenate(train), tuple(evals), len(files), n_bytes, digest.hexdigest(), str(root))
+
+
+# ---- batches -------------------------------------------------------------------------------------
+class BatchSampler:
+    """Random windows `<bos> + stream[o : o + n_ctx - 1]`, with copy-span augmentation.
+
+    All randomness comes from one PCG64 generator, so the sequence of batches is a function of the
+    seed alone (and identical on every platform)."""
+
+    def __init__(self, stream: np.ndarray, n_ctx: int, batch_size: int, seed: int,
+                 copy_prob: float = 0.0, copy_span: tuple[int, int] = (16, 96),
+                 random_span_prob: float = 0.0) -> None:
+        if stream.size < n_ctx:
+            raise ValueError(f"the stream ({stream.size} tokens) is shorter than one window ({n_ctx})")
+        self.stream, self.n_ctx, self.batch_size = stream, n_ctx, batch_size
+        self.copy_prob, self.copy_span, self.random_span_prob = copy_prob, copy_span, random_span_prob
+        self.rng = np.random.Generator(np.random.PCG64(seed))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Tensor:
+        n = self.n_ctx
+        offsets = self.rng.integers(0, self.stream.size - (n - 1) + 1, size=self.batch_size)
+        rows = np.empty((self.batch_size, n), dtype=np.int64)
+        rows[:, 0] = BOS
+        rows[:, 1:] = self.stream[offsets[:, None] + np.arange(n - 1)]
+        for row in rows:
+            if self.copy_prob and self.rng.random() < self.copy_prob:
+                randomize = bool(self.random_span_prob) and self.rng.random() < self.random_span_prob
+                copy_span(row, self.rng, *self.copy_span, randomize=randomize)
+        return torch.from_numpy(rows)
+
+
+def copy_span(row: np.ndarray, rng: np.random.Generator, lo: int, hi: int, randomize: bool = False) -> None:
+    """In place: copy `row[s : s + L]` over `row[d : d + L]` for a random L in [lo, hi] and s + L <= d
+    (position 0, the `<bos>`, is never a source or target). With `randomize`, `row[s : s + L]` is first
+    replaced by uniform random bytes (0..255), so the window holds one random span twice."""
+    n = row.size
+    hi = min(hi, (n - 1) // 2)
+    if hi < 1:
+        return
+    length = int(rng.integers(min(lo, hi), hi + 1))
+    src = int(rng.integers(1, n - 2 * length + 1))
+    dst = int(rng.integers(src + length, n - length + 1))
+    if randomize:
+        row[src:src + length] = rng.integers(0, 256, size=length)
+    row[dst:dst + length] = row[src:src + length]
+
+
+def eval_windows(corpus: Corpus, n_ctx: int, n: int, seed: int = EVAL_SEED) -> Tensor:
+    """`n` held-out windows `<bos> + doc[o : o + n_ctx - 1]`, each inside one file (no copied spans)."""
+    docs = [d for d in corpus.eval_docs if d.size >= n_ctx - 1]
+    if not docs:
+        raise ValueError(f"no held-out file has {n_ctx - 1} tokens")
+    sizes = np.array([d.size - (n_ctx - 1) + 1 for d in docs], dtype=np.float64)
+    rng = np.random.Generator(np.random.PCG64(seed))
+    which = rng.choice(len(docs), size=n, p=sizes / sizes.sum())
+    rows = np.empty((n, n_ctx), dtype=np.int64)
+    rows[:, 0] = BOS
+    for r, i in enumerate(which):
+        o = int(rng.integers(0, docs[i].size - (n_ctx - 1) + 1))
+        rows[r, 1:] = docs[i][o:o + n_ctx - 1]
+    return torch.from_numpy(rows)
+
+
+# ---- cheap probes (the analyses package has the full detectors) ----------------------------------
+def repeated_random_tokens(n_seq: int, length: int, low: int = 0, high: int = 256, seed: int = EVAL_SEED) -> Tensor:
+    """`<bos>, r_0..r_{L-1}, r_0..r_{L-1}` with r uniform in [low, high): [n_seq, 1 + 2 * length]."""
+    g = torch.Generator().manual_seed(seed)
+    half = torch.randint(low, high, (n_seq, length), generator=g)
+    return torch.cat([torch.full((n_seq, 1), BOS), half, half], dim=1)
+
+
+@torch.no_grad()
+def probe_scores(model: HookedTransformer, tokens: Tensor, length: int) -> dict[str, Tensor]:
+    """Per-head scores [layer, head] from materialised patterns on repeated random tokens (see
+    `repeated_random_tokens`):
+
+    induction: mean attention from each token of the second copy (position L + 1 + i) to the token
+               after its earlier occurrence (position i + 2) (Olsson et al. 2022; TransformerLens's
+               induction stripe, restricted to the second copy).
+    previous:  mean attention from every position p >= 1 to p - 1.
+    sink:      mean attention from every position p >= 1 to position 0 (the `<bos>`; Xiao et al. 2023).
+    """
+    _, cache = model.run_with_cache(tokens, names_filter=lambda n: n.endswith("hook_pattern"))
+    ind, prev, sink = [], [], []
+    q = torch.arange(length + 1, 2 * length + 1)
+    for layer in range(model.cfg.n_layers):
+        pattern = cache["pattern", layer].float()  # [batch, head, q, k]
+        ind.append(pattern[:, :, q, q - length + 1].mean(dim=(0, 2)))
+        p = torch.arange(1, pattern.shape[-1])
+        prev.append(pattern[:, :, p, p - 1].mean(dim=(0, 2)))
+        sink.append(pattern[:, :, 1:, 0].mean(dim=(0, 2)))
+    return {"induction": torch.stack(ind), "previous": torch.stack(prev), "sink": torch.stack(sink)}
+
+
+@torch.no_grad()
+def icl_score(model: HookedTransformer, windows: Tensor, early: int = 50, late: int = 500,
+              batch_size: int = 64) -> dict[str, float]:
+    """In-context-learning score (Olsson et al. 2022): loss at token `late` minus loss at token `early`,
+    averaged over `windows`; `late` is clipped to the last position (n_ctx - 1). "Loss at token t" is
+    the cross-entropy of predicting token t from tokens < t. Also returns the mean eval loss."""
+    nll = torch.cat([model(w, return_type="loss", loss_per_token=True) for w in windows.split(batch_size)])
+    late = min(late, windows.shape[1] - 1)
+    lo, hi = nll[:, early - 1].mean().item(), nll[:, late - 1].mean().item()
+    return {"icl": hi - lo, "loss_early": lo, "loss_late": hi, "eval_loss": nll.mean().item(), "late_token": late}
+
+
+# ---- the loop ------------------------------------------------------------------------------------
+def train(recipe: Recipe, out_dir: str | Path, *, steps: int | None = None, seed: int | None = None,
+          threads: int | None = None, corpus: Corpus | None = None, progress: bool = True,
+          log: Callable[[str], None] = print) -> Path:
+    """Train `recipe` and write its run folder: `out_dir/step_XXXXX/` checkpoints and `out_dir/run.json`.
+
+    `steps`, `seed` and `threads` override the recipe's (e.g. a short test run). Returns out_dir."""
+    from tqdm.auto import tqdm
+
+    from interp.loading import save_model
+
+    steps = recipe.steps if steps is None else steps
+    seed = recipe.seed if seed is None else seed
+    threads = recipe.threads if threads is None else threads
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(seed)
+        corpus = corpus or load_corpus()
+        cfg = recipe.model
+        model = HookedTransformer(cfg, seed=seed, tokenizer=ByteTokenizer())
+        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}],
+                                lr=recipe.lr, betas=recipe.betas)
+        sampler = BatchSampler(corpus.train, cfg.n_ctx, recipe.batch_size, seed, recipe.copy_prob, recipe.copy_span,
+                               recipe.random_span_prob)
+        held_out = eval_windows(corpus, cfg.n_ctx, recipe.eval_windows)
+        probe_len = min(recipe.probe_len, (cfg.n_ctx - 1) // 2)
+        probe = repeated_random_tokens(recipe.probe_batch, probe_len)
+        run = {"name": recipe.name, "recipe": recipe.to_dict(), "steps": steps, "seed": seed, "threads": threads,
+               "torch": torch.__version__, "python": platform.python_version(), "corpus": corpus.describe(),
+               "checkpoint_naming": "step_%05d", "checkpoints": []}
+        ckpt_steps = set(recipe.checkpoint_steps(steps))
+        losses: list[float] = []
+        start = time.perf_counter()
+        bar = tqdm(total=steps, desc=recipe.name, disable=not progress, dynamic_ncols=True)
+        for step in range(steps + 1):
+            if step in ckpt_steps:
+                model.eval()
+                meta = _checkpoint_meta(model, recipe, step, steps, seed, losses, held_out, probe, probe_len)
+                meta["seconds"] = round(time.perf_counter() - start, 1)
+                name = f"step_{step:05d}"
+                save_model(model, out_dir / name, dtype=torch.float16, meta=meta)
+                run["checkpoints"].append({"dir": name, **{k: meta[k] for k in _SUMMARY}})
+                _write_json(out_dir / RUN_FILE, run)
+                msg = " ".join(f"{k} {meta[k]:.3f}" if isinstance(meta[k], float) else f"{k} {meta[k]}" for k in _SUMMARY)
+                (bar.write if progress else log)(msg)
+                model.train()
+            if step == steps:
+                break
+            for group in opt.param_groups:
+                group["lr"] = recipe.lr_at(step, steps)
+            loss = model(next(sampler), return_type="loss")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if recipe.grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+            opt.step()
+            losses.append(loss.item())
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+        bar.close()
+        run["train_seconds"] = round(time.perf_counter() - start, 1)
+        _write_json(out_dir / RUN_FILE, run)
+        log(f"trained {recipe.name} for {steps} steps in {run['train_seconds']:.0f} s "
+            f"({threads} threads, seed {seed}) -> {out_dir}")
+        return out_dir
+    finally:
+        torch.set_num_threads(saved_threads)
+
+
+_SUMMARY = ("step", "loss", "eval_loss", "icl", "induction", "previous")
+
+
+def _checkpoint_meta(model, recipe: Recipe, step: int, steps: int, seed: int, losses: list[float], held_out: Tensor,
+                     probe: Tensor, probe_len: int) -> dict:
+    scores = probe_scores(model, probe, probe_len)
+    icl = icl_score(model, held_out)
+    later = scores["induction"][1:] if model.cfg.n_layers > 1 else scores["induction"]
+    recent = losses[-50:]
+    return {
+        "run": recipe.name, "step": step, "seed": seed,
+        "tokens_seen": step * recipe.batch_size * recipe.model.n_ctx,
+        "loss": round(float(np.mean(recent)), 4) if recent else round(icl["eval_loss"], 4),
+        "eval_loss": round(icl["eval_loss"], 4),
+        "icl": round(icl["icl"], 4),
+        "induction": round(later.max().item(), 4),  # best head outside layer 0
+        "previous": round(scores["previous"][0].max().item(), 4),  # best layer-0 head
+        "icl_detail": {k: round(v, 4) if isinstance(v, float) else v for k, v in icl.items()},
+        "scores": {k: [[round(x, 4) for x in row] for row in v.tolist()] for k, v in scores.items()},
+        "probe": f"{recipe.probe_batch} x (<bos> + 2 x {probe_len} uniform random bytes), seed {EVAL_SEED}",
+        "lr": recipe.lr_at(step - 1, steps) if step else 0.0,  # the rate of the last update
+    }
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+
+
+__all__ = [
+    "BOS", "BatchSampler", "Corpus", "Recipe", "copy_span", "eval_windows", "icl_score", "load_corpus",
+    "log_spaced_steps", "probe_scores", "repeated_random_tokens", "stdlib_files", "train",
+]

@@ -1,0 +1,59 @@
+"""The recipes of the shipped zoo runs: frozen data, reproduced by `interp train NAME`.
+
+Both models read UTF-8 bytes (`interp.tokenizer.ByteTokenizer`, d_vocab 257 = 256 bytes + `<bos>`)
+of the Python standard library's sources; see `interp.models.training` for the data and the loop.
+"""
+
+from __future__ import annotations
+
+from interp.models.config import ModelConfig
+from interp.models.training import Recipe, log_spaced_steps
+
+VOCAB = 257  # 256 bytes + <bos>
+
+ATTN_ONLY_2L = Recipe(
+    name="attn-only-2l",
+    description=(
+        "Attention-only, 2 layers, for the induction-head phase change (Olsson et al. 2022): previous-token "
+        "heads in layer 0, induction heads in layer 1, the in-context-learning score dropping with them."
+    ),
+    model=ModelConfig(
+        n_layers=2, d_model=128, n_heads=4, d_vocab=VOCAB, n_ctx=256, d_mlp=None,
+        normalization="layernorm", positional="learned", model_type="interp-zoo",
+    ),
+    steps=3000,
+    # log-spaced from 0, denser where the phase change happens (~600-1600 steps)
+    checkpoints=log_spaced_steps(3000, 12, dense=(600, 1600), n_dense=9),
+    batch_size=32, lr=3e-3, warmup_steps=100, schedule="constant",
+    betas=(0.9, 0.95), weight_decay=0.05, copy_prob=0.5, copy_span=(16, 96), random_span_prob=0.5,
+)
+
+ROPE_GQA_4L = Recipe(
+    name="rope-gqa-4l",
+    description=(
+        "A small modern decoder (RoPE, GQA 4 query / 2 key-value heads, RMSNorm, SwiGLU, no biases), 4 layers: "
+        "today's architecture for the analyses, deep enough to grow attention sinks."
+    ),
+    model=ModelConfig(
+        n_layers=4, d_model=128, n_heads=4, n_kv_heads=2, d_head=32, d_mlp=256, d_vocab=VOCAB, n_ctx=256,
+        act_fn="silu", gated_mlp=True, normalization="rmsnorm", positional="rotary",
+        qkv_bias=False, attn_out_bias=False, mlp_bias=False, model_type="interp-zoo",
+    ),
+    steps=1000,
+    checkpoints=(0, 250, 500, 1000),
+    batch_size=16, lr=3e-3, warmup_steps=50, schedule="cosine", min_lr_ratio=0.1,
+    betas=(0.9, 0.95), weight_decay=0.05, copy_prob=0.5, copy_span=(16, 96), random_span_prob=0.5,
+)
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in (ATTN_ONLY_2L, ROPE_GQA_4L)}
+
+
+def get_recipe(name: str) -> Recipe:
+    """The recipe called `name`, or a KeyError listing the known ones."""
+    try:
+        return RECIPES[name]
+    except KeyError:
+        raise KeyError(f"no zoo recipe {name!r}; known recipes: {sorted(RECIPES)}") from None
+
+
+__all__ = ["ATTN_ONLY_2L", "RECIPES", "ROPE_GQA_4L", "get_recipe"]

@@ -1,0 +1,78 @@
+"""Small models of our own ModelConfig for the core tests: one per positional scheme and block variant.
+
+Sizes are distinct (d_model 40, 5 heads of 8, d_mlp 56, vocab 53) so a transposed axis cannot pass.
+`build` initialises with a large range and perturbs biases and norm weights, so attention patterns
+are peaked and a dropped bias or a wrong mask shows in the logits.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+import interp
+from interp import HookedTransformer, ModelConfig
+
+VOCAB = 53
+
+
+def small(**changes) -> ModelConfig:
+    base = dict(n_layers=2, d_model=40, n_heads=5, d_vocab=VOCAB, n_ctx=32, d_mlp=56, init_range=0.2)
+    return ModelConfig(**{**base, **changes})
+
+
+# Every positional scheme, and the block variants (parallel, attn-only, no norm, RMSNorm, gated, GQA/MQA, windows).
+OWN_CONFIGS: dict[str, ModelConfig] = {
+    "learned-layernorm": small(),
+    "sinusoidal": small(positional="sinusoidal", act_fn="relu"),
+    "rotary-rms-swiglu-gqa": small(positional="rotary", normalization="rmsnorm", act_fn="silu", gated_mlp=True,
+                                   d_model=48, n_heads=6, n_kv_heads=2, qkv_bias=False, mlp_bias=False),
+    "rotary-partial-parallel": small(positional="rotary", rotary_dim=4, parallel_attn_mlp=True, act_fn="gelu"),
+    "alibi-6heads": small(positional="alibi", d_model=48, n_heads=6),  # 6: not a power of two
+    "no-positions-attn-only": small(positional=None, d_mlp=None),
+    "no-norm-mqa-window": small(positional="rotary", normalization=None, n_kv_heads=1, sliding_window=4),
+    "alibi-window-untied-bias": small(positional="alibi", sliding_window=3, unembed_bias=True, n_layers=3),
+    "learned-tied-rms": small(normalization="rmsnorm", tie_embeddings=True, attn_out_bias=False),
+}
+
+
+def build(cfg: ModelConfig, seed: int = 0) -> HookedTransformer:
+    model = HookedTransformer(cfg, seed=seed).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf.startswith("b") or leaf == "w":
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
+@functools.lru_cache(maxsize=None)
+def own(name: str) -> HookedTransformer:
+    return build(OWN_CONFIGS[name])
+
+
+def tokens(batch: int, n: int, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab, (batch, n), generator=g)
+
+
+def left_mask(batch: int, n: int) -> torch.Tensor:
+    """Row 0 unpadded, row i > 0 left-padded by 2 * i + 1 (at least one real token)."""
+    mask = torch.ones(batch, n, dtype=torch.long)
+    for i in range(1, batch):
+        mask[i, : min(2 * i + 1, n - 1)] = 0
+    return mask
+
+
+@functools.lru_cache(maxsize=None)
+def hf_pair(name: str):
+    """(Hugging Face model, our conversion) for a case of hf_cases.py, built once per test process.
+
+    Shared: never mutate them. Hugging Face's dynamic-NTK rotary keeps state across calls (the
+    longest length seen), so tests comparing llama-dynamic with Hugging Face build their own."""
+    from hf_cases import build_hf
+
+    hf = build_hf(name)
+    return hf, interp.from_hf(hf)

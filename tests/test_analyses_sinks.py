@@ -1,0 +1,115 @@
+"""Attention sinks (Gu et al. 2024) against materialised patterns, a hand-built sink head, the
+StreamingLLM mask (keys j < n_sink kept past the window) and window_eval through the KV cache."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from analyses_fixtures import build, force_attention, one_thread, tokens  # noqa: F401 (one_thread: autouse fixture)
+
+from interp import HookedTransformer
+from interp.analyses import attention_sinks, sink_rate, window_eval
+from interp.analyses.sinks import streaming_loss
+from interp.kernels.attention import AttentionMask
+from interp.models import lm_loss
+
+
+@pytest.mark.parametrize("name", ["learned", "rotary-gqa", "alibi-window"])
+def test_alpha_and_value_norms_match_the_pattern(name):
+    model = build(name)
+    toks = tokens(3, 20, seed=1)
+    n_sink, eps = 3, 0.3
+    frame = attention_sinks(model, toks, n_sink=n_sink, epsilon=eps).set_index(["layer", "head", "key"])
+    _, cache = model.run_with_cache(toks, names_filter=lambda n: n.endswith(("hook_pattern", "hook_v")))
+    window = model.cfg.sliding_window
+    group = model.cfg.n_heads // model.cfg.kv_heads
+    for l in range(model.cfg.n_layers):
+        a = cache["pattern", l]  # [batch, head, q, k]
+        v_norm = cache["v", l].norm(dim=-1).repeat_interleave(group, dim=2)  # [batch, pos, head]
+        for k in range(n_sink):
+            last = 20 if window is None else min(20, k + window)  # queries that can see key k
+            alpha = a[:, :, k:last, k].mean((0, 2))  # Gu et al.: mean over t >= k
+            for h in range(model.cfg.n_heads):
+                row = frame.loc[(l, h, k)]
+                assert row["alpha"] == pytest.approx(float(alpha[h]), abs=1e-5)
+                assert row["is_sink"] == (float(alpha[h]) > eps)
+                assert row["value_norm"] == pytest.approx(float(v_norm[:, k, h].mean()), rel=1e-5)
+                assert row["value_norm_others"] == pytest.approx(float(v_norm[:, n_sink:, h].mean()), rel=1e-5)
+
+
+def test_forced_sink_head_shows_and_counts_in_the_sink_rate():
+    model = build("wide-head")
+    toks = tokens(2, 16, seed=2)
+    with model.hooks(force_attention(model, 1, 1, lambda p: 0)):
+        frame = attention_sinks(model, toks, n_sink=2, epsilon=0.3)
+    row = frame.set_index(["layer", "head", "key"])
+    assert row.loc[(1, 1, 0), "alpha"] == pytest.approx(1.0, abs=1e-6)
+    assert row.loc[(1, 1, 1), "alpha"] == pytest.approx(0.0, abs=1e-6)
+    assert bool(row.loc[(1, 1, 0), "is_sink"])
+    rates = sink_rate(frame).set_index(["layer", "key"])["sink_rate"]
+    first = frame[frame.key == 0]
+    assert rates[("all", 0)] == pytest.approx(first["is_sink"].mean())
+    assert rates[(1, 0)] == pytest.approx(first[first.layer == 1]["is_sink"].mean())
+    assert rates[(1, 0)] >= 1 / 3
+    assert frame.attrs["sink_rate"] == pytest.approx(rates[("all", 0)])
+
+
+def test_attention_mask_keeps_sinks_visible_past_the_window():
+    n_q, n_k, window, n_sink = 4, 9, 3, 2
+    got = AttentionMask(n_q, n_k, n_sink=n_sink).visible(window, torch.device("cpu"))[0, 0]
+    want = torch.zeros(n_q, n_k, dtype=torch.bool)
+    for i in range(n_q):
+        p = n_k - n_q + i
+        for j in range(n_k):
+            want[i, j] = j <= p and (p - j < window or j < n_sink)
+    assert torch.equal(got, want)
+    plain = AttentionMask(n_q, n_k).visible(window, torch.device("cpu"))[0, 0]
+    pos = torch.arange(n_k - n_q, n_k)[:, None] - torch.arange(n_k)[None]
+    assert torch.equal(plain, (pos >= 0) & (pos < window))
+    assert torch.equal(AttentionMask(n_q, n_k, n_sink=n_sink).visible(None, torch.device("cpu")), AttentionMask(n_q, n_k).visible(None, torch.device("cpu")))
+
+
+def _masked_reference_loss(model, toks, window, n_sink):
+    """Per-token loss with a hand-built mask applied to the materialised scores (instrumented path)."""
+    n = toks.shape[1]
+    p, j = torch.arange(n)[:, None], torch.arange(n)[None]
+    visible = (j <= p) & ((p - j < window) | (j < n_sink))
+
+    def mask(scores, hook):
+        return scores.masked_fill(~visible, float("-inf"))
+
+    hooks = [(f"blocks.{l}.attn.hook_attn_scores", mask) for l in range(model.cfg.n_layers)]
+    with torch.no_grad():
+        logits = model.run_with_hooks(toks, fwd_hooks=hooks)
+    return lm_loss(logits, toks, per_token=True)
+
+
+@pytest.mark.parametrize("name", ["learned", "rotary-gqa"])
+def test_streaming_loss_equals_a_materialised_masked_attention(name):
+    model = build(name)
+    toks = tokens(2, 24, seed=3)
+    for window, n_sink, chunks in [(5, 0, (None, 7)), (5, 2, (None, 1)), (1, 1, (None,)), (8, 4, (7,))]:
+        want = _masked_reference_loss(model, toks, window, n_sink)
+        for chunk in chunks:  # 1: token by token, as in streaming generation
+            got = streaming_loss(model, toks, window, n_sink, chunk_size=chunk)
+            assert torch.allclose(got, want, atol=1e-5), (window, n_sink, chunk)
+    assert all(b.attn.window is None for b in model.blocks)  # the override is undone
+
+
+def test_window_eval_rows():
+    model = build("rotary-gqa")
+    toks = tokens(2, 24, seed=4)
+    frame = window_eval(model, toks, window=[4, 8], n_sink=2)
+    assert list(frame["setting"]) == ["full", "window", "window+sink", "window", "window+sink"]
+    with torch.no_grad():
+        assert frame.loc[0, "loss"] == pytest.approx(float(model(toks, return_type="loss")), abs=1e-5)
+    # a plain window is Hugging Face's sliding window: the same model built with sliding_window=4
+    windowed = HookedTransformer(model.cfg.replace(sliding_window=4), seed=None)
+    windowed.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert frame.loc[1, "loss"] == pytest.approx(float(windowed(toks, return_type="loss")), abs=1e-5)
+    want = float(_masked_reference_loss(model, toks, 8, 2).mean())
+    assert frame.loc[4, "loss"] == pytest.approx(want, abs=1e-5)
+    assert (frame["perplexity"] - frame["loss"].map(math.exp)).abs().max() < 1e-6
