@@ -13,12 +13,13 @@ from .importance import attribution_correlation, head_importance
 from .plotting import plot_composition, plot_curve, plot_head_scores
 from .pruning import pruning_curve
 from .sinks import attention_sinks, sink_rate, sliding_window, window_eval
-from .stats_model import (
+from interp.models.stats import (
     attention_logsumexp,
     attention_weights_at,
     for_each_layer_qk,
     kv_cache_attention_stats,
     model_attention_stats,
+    stats_frame,
 )
 
 __all__ = [
@@ -47,5 +48,6 @@ __all__ = [
     "repeated_random_tokens",
     "sink_rate",
     "sliding_window",
+    "stats_frame",
     "window_eval",
 ]

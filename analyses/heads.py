@@ -26,7 +26,7 @@ from interp.kernels import attention_stats
 
 from ._common import head_frame, pair_mask, token_batch, valid_mask
 from .detect import DETECTION_PATTERNS, ErrorMeasure, canonical_kind, pattern_scores
-from .stats_model import _layer_geometry, attention_logsumexp, attention_weights_at, for_each_layer_qk
+from interp.models.stats import _layer_geometry, attention_logsumexp, attention_weights_at, for_each_layer_qk
 
 METHODS = ("streaming", "pattern")
 

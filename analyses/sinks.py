@@ -9,7 +9,7 @@ sliding window.
   Sink tokens tend to carry small values (Gu et al. Sec. 7; Xiao et al. 2023), so the value norm
   ||v_k|| of each sink key is reported next to the mean norm of the other keys.
   Exact and O(pos) memory: one fused forward; per layer, each row's log-sum-exp and then only the
-  columns k < n_sink of the pattern (`analyses.stats_model`).
+  columns k < n_sink of the pattern (`interp.models.stats`).
 * `window_eval` is the StreamingLLM experiment (Xiao et al. 2023, "Efficient Streaming Language
   Models with Attention Sinks"): the loss with sliding-window attention, without and with the first
   n_sink tokens kept visible, evaluated through the KV cache (`model.new_kv_cache(..., n_sink=...)`,
@@ -30,7 +30,7 @@ from torch import Tensor
 from interp.models import lm_loss
 
 from ._common import kv_group, token_batch, valid_mask
-from .stats_model import _layer_geometry, attention_logsumexp, attention_weights_at, for_each_layer_qk
+from interp.models.stats import _layer_geometry, attention_logsumexp, attention_weights_at, for_each_layer_qk
 
 
 def attention_sinks(

@@ -205,8 +205,8 @@ def attention_stats(
         window: sliding window: key ``j`` is visible only if ``p - j < window``; None for none.
         scale: score scale; default ``1 / sqrt(d)``.
         key_padding_mask: bool ``[batch, n_k]``, True for a real token; None for all real.
-        alibi_slopes: float ``[heads]``; adds ``-slope[h] * (p - j)`` to every score (also to
-            future keys when ``causal=False``, where ``p - j < 0``).
+        alibi_slopes: float ``[heads]``; adds ``-slope[h] * |p - j|`` to every score (the
+            model's ALiBi; the absolute value only matters for future keys when ``causal=False``).
         backend: ``"torch"`` (tiled, any device), ``"triton"`` (CUDA tensors, or CPU tensors
             with ``TRITON_INTERPRET=1`` set before the first Triton call), or ``"auto"``
             (Triton for CUDA inputs when Triton is installed, else torch).
@@ -433,7 +433,7 @@ def _attention_stats_torch(
             s = torch.matmul(q_blk, k_t[..., ks:ke]).view(batch, heads, bq, bk)
             delta = rel[:bq, :bk] + float(p0 - ks)  # [bq, bk] p - j
             if slopes is not None:
-                s.addcmul_(slopes, delta, value=-1.0)  # ALiBi: -slope * (p - j)
+                s.addcmul_(slopes, delta.abs(), value=-1.0)  # ALiBi: -slope * |p - j|, as the model
 
             visible = None
             if causal_cut:

@@ -121,7 +121,7 @@ def _attention_stats_kernel(
         delta = pos[:, None] - offs_n[None, :]  # p - j
         delta_f = delta.to(tl.float32)
         if HAS_ALIBI:
-            s = s - slope * delta_f
+            s = s - slope * tl.abs(delta_f)  # -slope * |p - j|, as the model
 
         visible = row_ok[:, None] & col_ok[None, :]
         if CAUSAL:

@@ -94,8 +94,8 @@ class HookedTransformer(HookedRootModule):
         self.ln_final = make_norm(cfg)
         self.unembed = TiedUnembed(cfg, self.embed) if cfg.tie_embeddings else Unembed(cfg)
         self._backend: BackendChoice = "auto"
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        init_weights(self, cfg, generator)
+        if seed is not None:  # seed=None: leave the weights uninitialised (a loader fills them)
+            init_weights(self, cfg, torch.Generator().manual_seed(seed))
         self.setup_hooks()
         self.cfg = cfg.attached(self.device, self.dtype)  # cfg.device / cfg.dtype, read by TransformerLens
 
@@ -348,6 +348,26 @@ class HookedTransformer(HookedRootModule):
             n_heads=cfg.n_heads, capture_queries=capture_queries, dtype=self.dtype, device=self.device,
             n_sink=n_sink,
         )
+
+    def attention_stats(
+        self, tokens=None, *, kv_cache: KVCache | None = None, attention_mask: Tensor | None = None,
+        layers: Sequence[int] | None = None, n_sink: int = 1, backend: str = "torch",
+    ) -> dict:
+        """Exact per-query head statistics of every layer without materialising a pattern:
+        {layer: AttentionStats} with float32 [batch, head, pos] fields sink, previous, duplicate,
+        induction, entropy, max, distance (see `interp.kernels.attention_stats`).
+
+        From `tokens`: one fused forward that hands each layer's rotated q/k to the streaming kernel
+        as the layer is computed, then drops them. From `kv_cache` (made with capture_queries=True):
+        after a forward or a generation, without re-running the model. `interp.models.stats.stats_frame`
+        turns the result into a tidy table."""
+        from .stats import kv_cache_attention_stats, model_attention_stats
+
+        if (tokens is None) == (kv_cache is None):
+            raise ValueError("give exactly one of tokens or kv_cache=...")
+        if kv_cache is not None:
+            return kv_cache_attention_stats(self, kv_cache, layers=layers, n_sink=n_sink, backend=backend)
+        return model_attention_stats(self, tokens, attention_mask=attention_mask, layers=layers, n_sink=n_sink, backend=backend)
 
     def generate(self, tokens, max_new_tokens: int = 20, **kwargs) -> Tensor:
         """Greedy or sampled continuation through a KV cache; see `interp.models.generate.generate`."""

@@ -18,6 +18,7 @@ and register spills.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -72,7 +73,7 @@ def reference_stats(
     key = torch.arange(n_k)[None, :]
     delta = (pos - key).double()  # p - j
     if alibi_slopes is not None:
-        scores = scores - alibi_slopes.double()[:, None, None] * delta
+        scores = scores - alibi_slopes.double()[:, None, None] * delta.abs()
     visible = torch.ones(batch, 1, n_q, n_k, dtype=torch.bool)
     if causal:
         visible &= key <= pos
@@ -279,8 +280,8 @@ def test_result_type_api():
 
     with pytest.raises(ValueError, match="query_mask"):
         got.mean(torch.ones(3, 31, dtype=torch.bool))
-    with pytest.raises(Exception):
-        got.sink = got.max  # frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.sink = got.max
 
 
 # --------------------------------------------------------------------------------------------

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import copy
-import warnings
 from collections import Counter
 
 import pytest
 import torch
 
-from core_models import OWN_CONFIGS, own, tokens
+from core_models import OWN_CONFIGS, one_thread, own, tokens  # noqa: F401 (one_thread: an autouse fixture)
 from interp import ActivationCache
 
 N = 7

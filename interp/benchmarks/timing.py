@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import platform
 import statistics
@@ -78,35 +79,53 @@ def compare_times(
     The implementations run interleaved, one round at a time (a round runs each once, its order
     rotated every round), so that a change in the machine's load hits all of them alike and their
     ratios stay meaningful on a shared machine. `warmup` untimed rounds come first. With `budget`
-    (seconds), the number of timed rounds is what fits in it judging by the warm-up round
-    (at least `min_repeats`, at most `repeats`)."""
+    (seconds), the number of timed rounds is what fits in it judging by the last warm-up round (or,
+    without warm-up, the first timed round): at least `min_repeats`, at most `repeats`."""
     names = list(fns)
     round_time = 0.0
-    for i in range(warmup):
+    for _ in range(warmup):
         start = time.perf_counter()
         for name in names:
             fns[name]()
         round_time = time.perf_counter() - start
-    rounds = repeats
-    if budget is not None and round_time > 0:
-        rounds = max(min(min_repeats, repeats), min(repeats, int(budget / round_time)))
     times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
+    rounds, r = repeats, 0
+    while r < rounds:
         order = names[r % len(names):] + names[: r % len(names)]
         for name in order:
             times[name].append(_timed(fns[name]))
+        if r == 0 and not round_time:
+            round_time = sum(ts[0] for ts in times.values())
+        if r == 0 and budget is not None and round_time > 0 and budget < float("inf"):
+            rounds = max(min(min_repeats, repeats), min(repeats, int(budget / round_time)))
+        r += 1
     return {name: statistics.median(ts) for name, ts in times.items()}, rounds
 
 
 def _timed(fn: Callable[[], object]) -> float:
-    gc.collect()
+    """One call's wall time, with Python's cyclic garbage collector paused during it (the young
+    generations are collected first; a full collection takes ~1 s once transformers and
+    TransformerLens are loaded, so it runs between sections, not between calls)."""
+    gc.collect(1)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    with _gc_paused():
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 # ---- peak memory -------------------------------------------------------------------------------
@@ -117,9 +136,10 @@ def peak_memory(fn: Callable[[], object], device: str | torch.device = "cpu") ->
 
     CUDA: `max_memory_allocated` above what was allocated before. CPU (Linux): the growth of the
     process's resident set, from its size before the call to its high-water mark during it; the mark
-    (VmHWM) is reset first through /proc/self/clear_refs, and freed heap is handed back to the OS
-    (malloc_trim) so that the call cannot reuse memory an earlier one left behind. None where
-    neither is available. What the result holds (e.g. a cache) counts: it is alive at the peak."""
+    (VmHWM) is reset first through /proc/self/clear_refs, freed heap is handed back to the OS
+    (malloc_trim) and the cyclic garbage collector is paused during the call, so that the call
+    cannot reuse memory an earlier one left behind. None where neither is available. What the
+    result holds (e.g. a cache) counts: it is alive at the peak."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -128,12 +148,13 @@ def peak_memory(fn: Callable[[], object], device: str | torch.device = "cpu") ->
         out = fn()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base, out
-    gc.collect()
+    gc.collect(1)
     _malloc_trim()
     if not _reset_rss_peak():
         return None, fn()
     base = _proc_status("VmRSS")
-    out = fn()
+    with _gc_paused():  # garbage that is still allocated cannot be handed to fn's allocations mid-call
+        out = fn()
     return _proc_status("VmHWM") - base, out
 
 

@@ -23,9 +23,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from interp.kernels import AttentionStats, attention_stats
+import pandas as pd
 
-from ._common import token_batch, valid_mask
+from interp.kernels import AttentionStats, attention_stats
 
 LayerFn = Callable[[int, Tensor, Tensor, Tensor], None]
 
@@ -43,7 +43,7 @@ def for_each_layer_qk(model, tokens, fn: LayerFn, *, attention_mask: Tensor | No
     The forward stops after the last requested layer (no unembedding). Hooks already on the model
     (e.g. ones that edit q or k) run first, so the callback sees what attention saw.
     """
-    tokens = token_batch(model, tokens)
+    tokens = model._as_tokens(tokens)
     layers = sorted(range(model.cfg.n_layers) if layers is None else set(layers))
     if not layers:
         return
@@ -84,8 +84,8 @@ def model_attention_stats(
 
     For long contexts where even the per-query results of all layers are too much, use
     `for_each_layer_qk` and reduce inside the callback (as `interp.analyses.detect_heads` does)."""
-    tokens = token_batch(model, tokens)
-    padding = None if attention_mask is None else valid_mask(tokens, attention_mask)
+    tokens = model._as_tokens(tokens)
+    padding = None if attention_mask is None else model._valid(attention_mask, *tokens.shape)
     out: dict[int, AttentionStats] = {}
 
     def fn(layer, q, k, v):
@@ -201,3 +201,23 @@ def attention_weights_at(
             s = s.masked_fill(~key_padding_mask[:, None, p], float("-inf"))
         w = torch.exp(s - lse)
     return torch.nan_to_num(w, nan=0.0)  # -inf - -inf (no visible key) -> 0
+
+
+def stats_frame(stats: dict[int, AttentionStats], query_mask: Tensor | None = None) -> pd.DataFrame:
+    """A tidy table of per-layer statistics: one row per (layer, batch, head, query), one column per
+    statistic (sink, previous, duplicate, induction, entropy, max, distance). Rows of queries that
+    `query_mask` ([batch, pos] bool) marks False, or that saw no key (NaN), are dropped."""
+    frames = []
+    for layer, st in stats.items():
+        cols = st.to_dict()
+        first = next(iter(cols.values()))
+        b, h, n = first.shape
+        idx = torch.stack(torch.meshgrid(torch.arange(b), torch.arange(h), torch.arange(n), indexing="ij"), -1).reshape(-1, 3)
+        frame = pd.DataFrame({"layer": layer, "batch": idx[:, 0].numpy(), "head": idx[:, 1].numpy(), "query": idx[:, 2].numpy()})
+        for name, value in cols.items():
+            frame[name] = value.detach().float().cpu().reshape(-1).numpy()
+        if query_mask is not None:
+            keep = query_mask.cpu()[:, None, :].expand(b, h, n).reshape(-1).numpy()
+            frame = frame[keep]
+        frames.append(frame.dropna())
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()

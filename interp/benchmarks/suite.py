@@ -1,0 +1,88 @@
+"""Run the chosen benchmark sections in one process, print each table as it is done, write the page.
+
+    interp bench                                  # everything, full sizes, -> BENCHMARKS.md
+    interp bench --quick --out /tmp/bench.md      # tiny sizes, seconds
+    python -m interp.benchmarks.suite --sections forward,ablation --threads 1
+
+The sections (`SECTIONS`, in page order) are functions `Options -> Section`; see each module.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from . import ablation, caching, forward, generation, gpu, long_context
+from .report import Options, Section, load_average, render
+
+SECTIONS: dict[str, Callable[[Options], Section]] = {
+    "forward": forward.section,
+    "cache": caching.section,
+    "long_context": long_context.section,
+    "ablation": ablation.section,
+    "generation": generation.section,
+}
+ALL = (*SECTIONS, "gpu")
+
+
+def run(
+    opts: Options,
+    sections: Sequence[str] = ALL,
+    *,
+    out: str | Path | None = "BENCHMARKS.md",
+    command: str = "interp bench",
+    threads: int | None = None,
+    echo: Callable[[str], None] = print,
+    keep_going: bool = True,
+) -> list[Section]:
+    """Run `sections` (names from ALL), echo each as Markdown when done, write the page to `out`.
+
+    A section that raises is reported (its traceback's last line) and, with keep_going, the rest run."""
+    unknown = [s for s in sections if s not in ALL]
+    if unknown:
+        raise ValueError(f"unknown benchmark sections {unknown}; choose from {list(ALL)}")
+    if threads:
+        torch.set_num_threads(threads)
+    threads = torch.get_num_threads()
+    started, t0, load = _dt.datetime.now(), time.perf_counter(), load_average()
+    done: list[Section] = []
+    for key in [s for s in ALL if s in sections]:
+        echo(f"[interp bench] {key} ...")
+        t = time.perf_counter()
+        try:
+            if key == "gpu":
+                section = gpu.section(opts, SECTIONS, sections)
+            else:
+                section = SECTIONS[key](opts)
+        except Exception as e:  # a benchmark that breaks must say so on the page, not hide
+            if not keep_going:
+                raise
+            traceback.print_exc(file=sys.stderr)
+            section = Section(key, key, skipped=f"failed: {type(e).__name__}: {e}")
+        section.seconds = time.perf_counter() - t
+        gc.collect()  # the section's models, in full, before the next one measures memory
+        done.append(section)
+        echo(section.markdown(level=2) + "\n")
+    page = render(done, command=command, threads=threads, started=started, wall=time.perf_counter() - t0, options=opts,
+                  load_at_start=load)
+    if out:
+        Path(out).write_text(page)
+        echo(f"[interp bench] wrote {out} ({time.perf_counter() - t0:.0f} s)")
+    return done
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from interp.cli import main as cli_main
+
+    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

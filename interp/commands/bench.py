@@ -1,0 +1,94 @@
+"""`interp bench`: benchmarks side by side with TransformerLens and Hugging Face, written to BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import shlex
+
+HELP = "benchmark against TransformerLens and Hugging Face on the same weights; write BENCHMARKS.md"
+EPILOG = """sections (in page order):
+  forward       our fused forward vs HF sdpa / eager vs TransformerLens bridge forward and run_with_cache
+  cache         run_with_cache with patterns / residuals / nothing, ours vs TransformerLens: time, peak memory
+  long_context  previous-token / induction / sink scores at long context: streaming vs cached patterns
+  ablation      every-head mean-ablation sweep on rope-gqa-4l: ablate_heads vs a TransformerLens hook loop
+  generation    tokens/s, our KV cache vs HF generate (greedy), batch 1 and 8
+  gpu           the same on CUDA, plus the Triton streaming kernel vs SDPA flash (skipped without CUDA)
+
+examples:
+  interp bench --quick --out /tmp/bench.md                 # every section, tiny sizes, seconds
+  interp bench --threads 1                                 # the full run behind BENCHMARKS.md
+  interp bench --sections forward --seqs 128,512 --shapes llama-small --out -
+  interp bench --sections long_context --long-seqs 1024,4096,16384,32768 --memory-limit-gib 16
+"""
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x for x in text.replace(" ", "").split(",") if x)
+
+
+# (flag, dest, type, help); defaults come from Options (or --quick's tiny configuration)
+_SIZED = [
+    ("--shapes", "shapes", _names, "forward / cache / generation models (gpt2-small, llama-small, gpt2-tiny, llama-tiny)"),
+    ("--seqs", "seqs", _ints, "forward sequence lengths, comma-separated"),
+    ("--long-seqs", "long_seqs", _ints, "long-context sequence lengths"),
+    ("--cache-seq", "cache_seq", int, "sequence length of the cache-overhead table"),
+    ("--gen-batches", "gen_batches", _ints, "generation batch sizes"),
+    ("--gen-tokens", "gen_tokens", int, "new tokens per generation"),
+    ("--repeats", "repeats", int, "timed rounds at most (median reported)"),
+    ("--budget", "budget", float, "seconds of timed rounds per cell; big cells get fewer rounds (at least 2)"),
+    ("--memory-limit-gib", "memory_limit_gib", float, "the 'fits in' memory of the long-context table"),
+]
+
+
+def add_arguments(p) -> None:
+    from interp.benchmarks.suite import ALL
+
+    p.add_argument("--sections", type=_names, default=ALL, help=f"comma-separated, from {','.join(ALL)} (default: all)")
+    p.add_argument("--quick", action="store_true", help="a tiny configuration of every section (seconds; what the tests run)")
+    for flag, dest, kind, text in _SIZED:
+        p.add_argument(flag, dest=dest, type=kind, default=None, help=text)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own choice)")
+    p.add_argument("--out", default="BENCHMARKS.md", help="Markdown file to write ('-': print only)")
+    p.add_argument("--strict", action="store_true", help="stop at the first section that fails (default: report it and go on)")
+
+
+def command_line(args) -> str:
+    """The command, canonically spelled: `interp bench` and every option that was given."""
+    parts = ["interp", "bench"]
+    from interp.benchmarks.suite import ALL
+
+    if tuple(args.sections) != tuple(ALL):
+        parts += ["--sections", ",".join(args.sections)]
+    if args.quick:
+        parts.append("--quick")
+    for flag, dest, _, _ in _SIZED:
+        value = getattr(args, dest)
+        if value is not None:
+            parts += [flag, ",".join(map(str, value)) if isinstance(value, tuple) else str(value)]
+    if args.threads:
+        parts += ["--threads", str(args.threads)]
+    if args.out != "BENCHMARKS.md":
+        parts += ["--out", args.out]
+    if args.strict:
+        parts.append("--strict")
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def run(args) -> int:
+    from interp.benchmarks.report import Options
+    from interp.benchmarks.suite import ALL, run as run_suite
+
+    unknown = [s for s in args.sections if s not in ALL]
+    if unknown:
+        print(f"unknown sections {unknown}; choose from {','.join(ALL)}")
+        return 2
+    given = {dest: getattr(args, dest) for _, dest, _, _ in _SIZED if getattr(args, dest) is not None}
+    opts = Options.quick_config(**given) if args.quick else Options(**given)
+    sections = run_suite(
+        opts, args.sections, out=None if args.out == "-" else args.out, command=command_line(args),
+        threads=args.threads, keep_going=not args.strict,
+    )
+    return 1 if any(s.skipped and s.skipped.startswith("failed") for s in sections) else 0

@@ -1,0 +1,156 @@
+"""`interp bench --quick` runs every section on a tiny configuration and writes every table, so the
+benchmark cannot rot. The benchmark itself is not a test and never runs at full size here."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("transformer_lens")
+
+from interp.benchmarks import long_context, timing  # noqa: E402
+from interp.benchmarks.report import Options  # noqa: E402
+from interp.cli import main as cli  # noqa: E402
+
+TITLES = {
+    "forward": "Forward pass: ours vs Hugging Face vs TransformerLens",
+    "cache": "Cache overhead: run_with_cache, ours vs TransformerLens",
+    "long_context": "Long-context head detection: streaming vs cached patterns",
+    "ablation": "Ablation sweep: every head, mean ablation",
+    "generation": "Generation: our KV cache vs Hugging Face generate",
+}
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("bench") / "BENCHMARKS.md"
+    threads = torch.get_num_threads()
+    try:
+        assert cli(["bench", "--quick", "--threads", "1", "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return out.read_text()
+
+
+def sections(text: str) -> dict[str, str]:
+    """{title without its number: body} of the page's numbered sections."""
+    parts = re.split(r"^## \d+\. ", text, flags=re.M)[1:]
+    return {p.split("\n", 1)[0].strip(): p.split("\n", 1)[1] for p in parts}
+
+
+def table_rows(body: str) -> list[list[str]]:
+    """Rows (header and separator dropped) of every Markdown table in `body`."""
+    rows, prev = [], ""
+    for line in body.splitlines():
+        if line.startswith("|") and not set(line) <= set("|- "):
+            if prev.startswith("|"):
+                rows.append([c.strip() for c in line.strip("|").split("|")])
+        prev = line if line.startswith("|") else ""
+    return [r for r in rows if r]
+
+
+def column(body: str, header: str) -> list[str]:
+    """The cells under `header` in the first table of `body` that has that column."""
+    tables, current = [], []
+    for line in body.splitlines() + [""]:
+        if line.startswith("|"):
+            current.append([c.strip() for c in line.strip().strip("|").split("|")])
+        elif current:
+            tables.append(current)
+            current = []
+    for table in tables:
+        if header in table[0]:
+            i = table[0].index(header)
+            return [row[i] for row in table[2:]]
+    raise KeyError(header)
+
+
+def test_quick_run_writes_every_section(page):
+    assert page.startswith("# Benchmarks")
+    assert "- Command: `interp bench --quick --threads 1 --out " in page
+    assert "- Torch threads: 1" in page
+    assert "transformer-lens" in page and "transformers" in page
+    found = sections(page)
+    assert list(found)[: len(TITLES)] == list(TITLES.values())
+    for title in TITLES.values():
+        body = found[title]
+        assert "Skipped" not in body.split("\n\n")[0], body[:300]
+        assert table_rows(body), f"{title}: no table rows"
+    gpu = [t for t in found if t.startswith("GPU")]
+    assert gpu, "the GPU section is always on the page (skipped without CUDA)"
+    if not torch.cuda.is_available():
+        assert "Skipped: no CUDA device" in found[gpu[0]]
+    heads = page.split("## Headline", 1)[1].split("\n## ", 1)[0]
+    for word in ("forward", "cache", "long context", "ablation", "generation"):
+        assert word in heads
+
+
+def test_quick_run_numbers_agree(page):
+    found = sections(page)
+    forward = found[TITLES["forward"]]
+    checks = [float(line.rsplit("=", 1)[1]) for line in forward.splitlines() if "max |logit difference|" in line]
+    assert len(checks) == 2 and max(checks) < 1e-4  # the same weights in all three
+    ablation = found[TITLES["ablation"]]
+    diffs = [float(x) for x in column(ablation, "max abs loss diff vs ours") if x != "-"]
+    assert len(diffs) == 2 and max(diffs) < 1e-4
+    lc = found[TITLES["long_context"]]
+    diffs = [float(x) for x in column(lc, "max abs score diff") if x != "-"]
+    assert diffs and max(diffs) < 1e-4
+    gen = found[TITLES["generation"]]
+    assert set(column(gen, "same tokens")) == {"yes"}
+
+
+def test_forward_module_cli_still_works(capsys):
+    from interp.benchmarks import forward
+
+    threads = torch.get_num_threads()
+    try:
+        assert forward.main(["--shape", "tiny", "--seq", "16", "--repeats", "1", "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert "HF sdpa / ours" in capsys.readouterr().out
+
+
+def test_unknown_section_is_refused(capsys):
+    assert cli(["bench", "--sections", "forward,nope", "--out", "-"]) == 2
+    assert "nope" in capsys.readouterr().out
+
+
+def test_compare_times_rounds_follow_the_budget():
+    calls = {"a": 0, "b": 0}
+
+    def bump(k):
+        calls[k] += 1
+
+    t, rounds = timing.compare_times({"a": lambda: bump("a"), "b": lambda: bump("b")}, repeats=4, warmup=1)
+    assert rounds == 4 and calls == {"a": 5, "b": 5} and set(t) == {"a", "b"}
+    slow = {"a": lambda: timing.time.sleep(0.02)}
+    _, rounds = timing.compare_times(slow, repeats=10, warmup=0, budget=0.001, min_repeats=2)
+    assert rounds == 2
+
+
+def test_peak_memory_sees_an_allocation():
+    peak, out = timing.peak_memory(lambda: torch.ones(64 * 2**20 // 4))
+    if peak is None:
+        pytest.skip("no VmHWM reset on this system")
+    assert out.numel() == 2**24
+    assert 60 * 2**20 < peak < 200 * 2**20
+
+
+def test_memory_extrapolation():
+    quad = [(1000, 1e6), (2000, 4e6)]
+    value, p = long_context.predict(quad, 4000, 1.0)
+    assert p == pytest.approx(2.0) and value == pytest.approx(16e6)
+    measured, reach, p = long_context.longest_within(quad, 16e6, 1.0)
+    assert measured == 2000 and reach == pytest.approx(4000, rel=1e-6)
+    _, p = long_context.predict([(1000, 5e6), (2000, 5.1e6)], 4000, 2.0)
+    assert p == 1.0  # flat growth is clamped to linear: never extrapolate optimistically
+
+
+def test_quick_options_are_tiny():
+    quick = Options.quick_config()
+    assert max(quick.seqs) <= 64 and max(quick.long_seqs) <= 256 and quick.repeats == 1
+    assert Options.quick_config(seqs=(8,)).seqs == (8,)
