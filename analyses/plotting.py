@@ -2,11 +2,13 @@
 
 Every function takes a frame as the analyzers return it and gives back a `matplotlib.figure.Figure`,
 built without pyplot (nothing global, nothing shown or saved: `fig.savefig(path)`, or let a notebook
-display it).
+display it: as a cell's value it shows as a PNG, see `NotebookFigure`).
 """
 
 from __future__ import annotations
 
+import functools
+import io
 import math
 from typing import Sequence
 
@@ -16,13 +18,38 @@ _VALUE_COLUMNS = ("score", "delta", "importance", "alpha", "attribution", "sink_
 _FACET_COLUMNS = ("kind", "method", "key")
 
 
-def _figure(n_panels: int, width: float = 4.2, height: float = 3.4, ncols: int | None = None):
-    """A `matplotlib.figure.Figure` (not pyplot: no global state, no display needed; notebooks show it)."""
+@functools.cache
+def _notebook_figure() -> type:
+    """`NotebookFigure`: `matplotlib.figure.Figure` plus `_repr_png_`, made on first use (importing
+    matplotlib takes a second or more, so `import interp.analyses` does not).
+
+    IPython renders a Figure made without pyplot as text ("<Figure size 1260x340 with 6 Axes>")
+    unless `%matplotlib inline` registered a PNG formatter for Figure; with `_repr_png_` the
+    analyzers' figures show as images in any notebook, whatever MPLBACKEND says (Agg included)."""
     from matplotlib.figure import Figure
 
+    class NotebookFigure(Figure):
+        def _repr_png_(self) -> bytes:
+            buf = io.BytesIO()
+            self.savefig(buf, format="png", bbox_inches="tight")
+            return buf.getvalue()
+
+    NotebookFigure.__module__, NotebookFigure.__qualname__ = __name__, "NotebookFigure"  # pickle finds it
+    return NotebookFigure
+
+
+def __getattr__(name: str):  # `interp.analyses.plotting.NotebookFigure`, built lazily (PEP 562)
+    if name == "NotebookFigure":
+        return _notebook_figure()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _figure(n_panels: int, width: float = 4.2, height: float = 3.4, ncols: int | None = None):
+    """A `NotebookFigure` (a matplotlib Figure, not pyplot: no global state, no display needed;
+    a notebook shows it as PNG)."""
     ncols = ncols or min(n_panels, 3)
     nrows = math.ceil(n_panels / ncols)
-    fig = Figure(figsize=(width * ncols, height * nrows))
+    fig = _notebook_figure()(figsize=(width * ncols, height * nrows))
     axes = fig.subplots(nrows, ncols, squeeze=False)
     for ax in axes.flat[n_panels:]:
         ax.set_visible(False)

@@ -93,7 +93,8 @@ class AttentionMask:
 
     def bias(self, window: int | None, slopes: Tensor | None, dtype: torch.dtype, device) -> Tensor:
         """float [batch or 1, head or 1, n_q, n_k]: 0 / -inf mask plus the ALiBi bias -slope * (p - j)."""
-        key = ("bias", window, None if slopes is None else slopes.data_ptr(), dtype, device)
+        # Keyed by the slope values: every layer holds its own (equal) buffer, and one bias serves all.
+        key = ("bias", window, None if slopes is None else tuple(slopes.tolist()), dtype, device)
         if key not in self._cache:
             ok = self.visible(window, device)
             out = torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill(~ok, float("-inf"))

@@ -130,6 +130,8 @@ class ModelConfig:
             problems.append(f"sliding_window must be >= 1, got {self.sliding_window}")
         if problems:
             raise ValueError("invalid ModelConfig: " + "; ".join(problems))
+        if self.d_head is None:  # resolved once, so `cfg.d_head` (read by TransformerLens code) is never None
+            object.__setattr__(self, "d_head", self.d_model // self.n_heads)
 
     # ---- resolved sizes -------------------------------------------------------------------
     @property

@@ -406,9 +406,11 @@ class HookedTransformer(HookedRootModule):
         return [tok.decode(row.tolist()) for row in t]
 
     def to_str_tokens(self, input) -> list[str]:
+        """One string per token. Special tokens keep their names ("<bos>", "<|endoftext|>"), as in
+        TransformerLens: a position is never shown as "" (the byte tokenizer's `decode` drops them)."""
         tok = self._need_tokenizer()
         t = self.to_tokens(input)[0] if isinstance(input, str) else torch.as_tensor(input).reshape(-1)
-        return [tok.decode([i]) for i in t.tolist()]
+        return [tok.decode([i], skip_special_tokens=False) for i in t.tolist()]
 
     def to_single_token(self, string: str) -> int:
         """The id of the one token `string` encodes to (raises if it is not exactly one token)."""
