@@ -7,7 +7,7 @@ of the Python standard library's sources; see `interp.models.training` for the d
 from __future__ import annotations
 
 from interp.models.config import ModelConfig
-from interp.models.training import Recipe, log_spaced_steps
+from interp.models.training import Recipe
 
 VOCAB = 257  # 256 bytes + <bos>
 
@@ -21,9 +21,11 @@ ATTN_ONLY_2L = Recipe(
         n_layers=2, d_model=128, n_heads=4, d_vocab=VOCAB, n_ctx=256, d_mlp=None,
         normalization="layernorm", positional="learned", model_type="interp-zoo",
     ),
-    steps=3000,
-    # log-spaced from 0, denser where the phase change happens (~600-1600 steps)
-    checkpoints=log_spaced_steps(3000, 12, dense=(600, 1600), n_dense=9),
+    steps=2000,
+    # roughly log-spaced from 0, every 50 steps where the phase change happens (seed 0: ~1000-1400).
+    # The learning rate is constant after warm-up, so a longer run passes through the same checkpoints.
+    checkpoints=(0, 10, 30, 50, 100, 200, 400, 600, 800, 900, 1000, 1100, 1150, 1200, 1250, 1300, 1350, 1400,
+                 1500, 1700, 2000),
     batch_size=32, lr=3e-3, warmup_steps=100, schedule="constant",
     betas=(0.9, 0.95), weight_decay=0.05, copy_prob=0.5, copy_span=(16, 96), random_span_prob=0.5,
 )
