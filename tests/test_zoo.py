@@ -74,7 +74,8 @@ def test_zoo_cli(capsys):
     assert cli_main(["zoo", "attn-only-2l"]) == 0
     assert "step_00000" in capsys.readouterr().out
     assert cli_main(["train", "--list"]) == 0
-    assert all(name in capsys.readouterr().out for name in RUNS)
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in RUNS)
 
 
 def test_load_by_name_last_and_specific_checkpoint():
@@ -168,3 +169,25 @@ def test_shipped_attn_only_shows_the_induction_phase_change():
     # layer 0 holds the clearest previous-token head
     assert last["previous"][0].max() > last["previous"][1].max()
     assert last["previous"][0].max() > 0.3
+
+
+@pytest.mark.slow
+def test_the_recipe_reproduces_the_shipped_checkpoints_bitwise(tmp_path):
+    """`interp train attn-only-2l` retraces the shipped run: its step-10 checkpoint is bit-identical.
+
+    Bitwise reproduction needs the same torch version, thread count and standard library (the
+    corpus); elsewhere the run is only statistically the same, so the test is skipped."""
+    import dataclasses
+
+    from interp.models.training import load_corpus, train
+
+    info = {r.name: r for r in list_runs()}["attn-only-2l"]
+    if info.run["torch"] != torch.__version__:
+        pytest.skip(f"shipped with torch {info.run['torch']}, running {torch.__version__}")
+    corpus = load_corpus()
+    if corpus.sha256 != info.run["corpus"]["sha256"]:
+        pytest.skip("this Python's standard library differs from the one the zoo was trained on")
+    recipe = dataclasses.replace(RECIPES["attn-only-2l"], eval_windows=8)  # evaluation never touches training
+    out = train(recipe, tmp_path, steps=10, corpus=corpus, progress=False, log=lambda s: None)
+    shipped = (ZOO_DIR / "attn-only-2l" / "step_00010" / "model.safetensors").read_bytes()
+    assert (out / "step_00010" / "model.safetensors").read_bytes() == shipped

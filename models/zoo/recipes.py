@@ -42,7 +42,7 @@ ROPE_GQA_4L = Recipe(
         qkv_bias=False, attn_out_bias=False, mlp_bias=False, model_type="interp-zoo",
     ),
     steps=1000,
-    checkpoints=(0, 250, 500, 1000),
+    checkpoints=(0, 100, 500, 1000),
     batch_size=16, lr=3e-3, warmup_steps=50, schedule="cosine", min_lr_ratio=0.1,
     betas=(0.9, 0.95), weight_decay=0.05, copy_prob=0.5, copy_span=(16, 96), random_span_prob=0.5,
 )
