@@ -6,6 +6,7 @@ Axis names follow `interp.models.config`: batch, pos, layer, head, kv_head, d_he
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Iterable, Iterator, Sequence
 
 import pandas as pd
@@ -76,9 +77,17 @@ def progress(iterable: Iterable, *, total: int | None = None, desc: str = "", en
     """tqdm over `iterable`. enabled=None shows the bar only on a terminal (tqdm's disable=None)."""
     if enabled is False:
         return iter(iterable)
-    from tqdm.auto import tqdm
-
+    tqdm = auto_tqdm()
     return iter(tqdm(iterable, total=total, desc=desc, disable=None if enabled is None else False, leave=False))
+
+
+def auto_tqdm():
+    """`tqdm.auto.tqdm`, minus the "IProgress not found" warning it prints on import in a Jupyter
+    kernel without ipywidgets (where it falls back to the plain bar, which is what we want there)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="IProgress not found")
+        from tqdm.auto import tqdm
+    return tqdm
 
 
 @contextlib.contextmanager

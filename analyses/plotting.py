@@ -86,7 +86,8 @@ def plot_head_scores(
         ax.set_yticks(range(grid.shape[0]), [str(l) for l in grid.index])
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
-        ax.set_title(value if name is None else f"{name}: {value}")
+        label = name if isinstance(name, str) else f"{facet} {name}"  # a bare number ("0: alpha") says nothing
+        ax.set_title(value if name is None else f"{label}: {value}")
         if annotate or (annotate is None and grid.size <= 64):
             arr = grid.to_numpy()
             for i in range(arr.shape[0]):

@@ -238,8 +238,9 @@ def sweep(
 ) -> SweepResult:
     """Run `settings.analyses` over every checkpoint of `runs` into the folder `out` (see module doc);
     with `last_only`, over the last checkpoint of each (a single model is a run of one checkpoint)."""
-    from tqdm.auto import tqdm
+    from ._common import auto_tqdm
 
+    tqdm = auto_tqdm()
     settings = settings or SweepSettings()
     executor = executor or ExecutorSettings()
     start = time.perf_counter()

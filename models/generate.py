@@ -77,7 +77,11 @@ def generate(
         generator = torch.Generator(device=model.device).manual_seed(seed)
 
     cache = model.new_kv_cache(batch, n + max_new_tokens, capture_queries=capture_queries)
-    logits = model(tokens, attention_mask=attention_mask, kv_cache=cache)[:, -1]
+    # Prefill through the blocks, then unembed the last position only (as HF's logits_to_keep=1): the
+    # other n - 1 rows of [n, vocab] logits are never read, and for a small model the unembedding of a
+    # whole prompt costs several decoding steps.
+    resid = model(tokens, attention_mask=attention_mask, kv_cache=cache, stop_at_layer=model.cfg.n_layers)
+    logits = model(resid[:, -1:], start_at_layer=model.cfg.n_layers)[:, -1]
     out = [tokens]
     done = torch.zeros(batch, dtype=torch.bool, device=model.device)
     for step in range(max_new_tokens):

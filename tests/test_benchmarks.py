@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("transformer_lens")
 
-from interp.benchmarks import long_context, timing  # noqa: E402
+from interp.benchmarks import gpu, long_context, timing  # noqa: E402
 from interp.benchmarks.report import Options  # noqa: E402
 from interp.cli import main as cli  # noqa: E402
 
@@ -127,6 +127,9 @@ def test_compare_times_rounds_follow_the_budget():
 
     t, rounds = timing.compare_times({"a": lambda: bump("a"), "b": lambda: bump("b")}, repeats=4, warmup=1)
     assert rounds == 4 and calls == {"a": 5, "b": 5} and set(t) == {"a", "b"}
+    calls.update(a=0, b=0)
+    timing.compare_times({"a": lambda: bump("a"), "b": lambda: bump("b")}, repeats=4, warmup=0, focus=["a"])
+    assert calls == {"a": 4, "b": 2}  # the rest stop after min_repeats rounds
     slow = {"a": lambda: timing.time.sleep(0.02)}
     _, rounds = timing.compare_times(slow, repeats=10, warmup=0, budget=0.001, min_repeats=2)
     assert rounds == 2
@@ -154,3 +157,10 @@ def test_quick_options_are_tiny():
     quick = Options.quick_config()
     assert max(quick.seqs) <= 64 and max(quick.long_seqs) <= 256 and quick.repeats == 1
     assert Options.quick_config(seqs=(8,)).seqs == (8,)
+
+
+def test_gpu_kernel_table_runs_on_the_cpu():
+    """The GPU section's kernel table, with the torch backend on the CPU (no CUDA needed)."""
+    table = gpu.kernel_table(Options.quick_config(long_seqs=(64,)), device="cpu", backends=("torch",), dtype=torch.float32)
+    (row,) = table.rows
+    assert row[0] == 64 and row[3] == "-" and isinstance(row[6], float)

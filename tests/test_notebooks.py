@@ -114,3 +114,24 @@ def test_notebook_runs(path: Path, kernel_dir: Path, tmp_path: Path):
     assert not errors, f"{path.name}: {errors[0].get('ename')}: {errors[0].get('evalue')}"
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
     assert images, f"{path.name} showed no figure"
+
+
+def strip(path: Path) -> bool:
+    """Remove outputs, execution counts and editor metadata in place; True if the file changed."""
+    nb = nbformat.read(path, as_version=4)
+    before = nbformat.writes(nb)
+    nb.metadata.pop("widgets", None)
+    nb.metadata["language_info"] = {"name": "python"}  # execution fills in the local Python's version
+    for cell in nb.cells:
+        cell.metadata = {k: v for k, v in cell.metadata.items() if k in ("tags", "jupyter", "collapsed")}
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    after = nbformat.writes(nb)
+    if after != before:
+        nbformat.write(nb, path)
+    return after != before
+
+
+if __name__ == "__main__":  # python tests/test_notebooks.py [NOTEBOOK ...]: strip before committing
+    for p in [Path(a) for a in sys.argv[1:]] or NOTEBOOKS:
+        print(f"{'stripped' if strip(p) else 'clean   '} {p}")

@@ -20,7 +20,6 @@ from interp.models.training import (
     copy_span,
     icl_score,
     load_corpus,
-    log_spaced_steps,
     probe_scores,
     repeated_random_tokens,
     stdlib_files,
@@ -91,15 +90,30 @@ def test_copy_span_randomized_repeats_random_bytes():
 
 def test_batch_sampler_windows_come_from_the_stream():
     stream = np.arange(10_000, dtype=np.int16) % 200
-    batch = next(BatchSampler(stream, n_ctx=32, batch_size=16, seed=0))
-    assert batch.shape == (16, 32) and (batch[:, 0] == BOS).all()
+    batch, weights = next(BatchSampler(stream, n_ctx=32, batch_size=16, seed=0))
+    assert batch.shape == (16, 32) and (batch[:, 0] == BOS).all() and (weights == 1).all()
     for row in batch:
         start = int(row[1])
         # consecutive values mod 200: the window is a contiguous slice of the stream
         assert torch.equal(row[1:], (torch.arange(31) + start) % 200)
-    again = next(BatchSampler(stream, n_ctx=32, batch_size=16, seed=0))
-    other = next(BatchSampler(stream, n_ctx=32, batch_size=16, seed=1))
+    again = next(BatchSampler(stream, n_ctx=32, batch_size=16, seed=0)).tokens
+    other = next(BatchSampler(stream, n_ctx=32, batch_size=16, seed=1)).tokens
     assert torch.equal(batch, again) and not torch.equal(batch, other)
+
+
+def test_random_spans_are_left_out_of_the_loss_where_unpredictable():
+    stream = (300 + np.arange(10_000) % 200).astype(np.int16)  # text >= 300, so random bytes (< 256) stand out
+    tokens, weights = next(BatchSampler(stream, n_ctx=256, batch_size=8, seed=0, copy_prob=1.0, random_span_prob=1.0))
+    for row, w in zip(tokens, weights):
+        pos = torch.nonzero(row < 256)[:, 0]
+        pos = pos[pos > 0]  # not the <bos>
+        half = pos.numel() // 2
+        src, dst = pos[:half], pos[half:]
+        assert torch.equal(row[src], row[dst])
+        expected = torch.ones(255)
+        expected[src - 1] = 0  # the first copy cannot be predicted...
+        expected[dst[0] - 1] = 0  # ...nor where its repeat starts; the rest of the repeat can
+        assert torch.equal(w, expected)
 
 
 def test_lr_schedule_hand_computed():
@@ -112,7 +126,6 @@ def test_lr_schedule_hand_computed():
 
 
 def test_checkpoint_steps():
-    assert log_spaced_steps(1000, 4) == (0, 10, 46, 215, 1000)  # 10 * 100 ** (k / 3)
     r = tiny_recipe(checkpoints=(0, 10, 100, 1000))
     assert r.checkpoint_steps() == [0, 4] and r.checkpoint_steps(150) == [0, 10, 100, 150]
 

@@ -79,7 +79,7 @@ def section(opts: Options) -> Section:
 
     fns = {"ours": ours, "ours_loop": ours_loop, "tl_loop": tl_loop}
     with torch.no_grad():
-        t, rounds = compare_times(fns, opts.repeats, opts.warmup, opts.budget, opts.min_repeats)
+        t, rounds = compare_times(fns, opts.repeats, opts.warmup, opts.budget, opts.min_repeats, opts.clock)
     heads = sorted(results["ours"])
     diff_tl = max(abs(results["ours"][k] - results["tl_loop"][k]) for k in heads)
     diff_loop = max(abs(results["ours"][k] - results["ours_loop"][k]) for k in heads)
@@ -87,7 +87,7 @@ def section(opts: Options) -> Section:
     n = len(heads)
     rows = [
         ["ours: ablate_heads (resume + batch)", 1 + cfg.n_layers, t["ours"], 1.0, "-"],
-        ["ours: hook loop, one forward per head", n, t["ours_loop"], t["ours_loop"] / t["ours"], f"{diff_loop:.1e}"],
+        ["ours: hook loop, one forward per head", n + 1, t["ours_loop"], t["ours_loop"] / t["ours"], f"{diff_loop:.1e}"],
         ["TL bridge: hook loop, one forward per head", n + 1, t["tl_loop"], t["tl_loop"] / t["ours"], f"{diff_tl:.1e}"],
     ]
     return Section(

@@ -35,7 +35,7 @@ def kernel_table(opts: Options, device: str = "cuda", backends=("triton", "torch
         fns = {"sdpa": lambda: _flash(q, k, v)}
         for b in backends:
             fns[b] = lambda b=b: attention_stats(q, k, tokens, backend=b)
-        t, rounds = compare_times(fns, opts.repeats, opts.warmup, opts.budget, opts.min_repeats)
+        t, rounds = compare_times(fns, opts.repeats, opts.warmup, opts.budget, opts.min_repeats, opts.clock)
         peaks = {name: peak_memory(fn, device)[0] for name, fn in fns.items()}
         row = [n, 1e3 * t["sdpa"], fmt_bytes(peaks["sdpa"])]
         for b in ("triton", "torch"):
@@ -64,7 +64,7 @@ def section(opts: Options, others: dict | None = None, selected=()) -> Section:
             "no CUDA device on this machine (`torch.cuda.is_available()` is False), so there are no GPU "
             "tables and no Triton-vs-flash comparison here; run `interp bench --sections gpu` on a GPU machine."
         ))
-    gpu_opts = opts.replace(device="cuda")
+    gpu_opts = opts.replace(device="cuda", clock="wall")
     s = Section("gpu", f"GPU: {torch.cuda.get_device_name()}", intro=(
         "The sections above, rerun on the GPU (float32; memory = `torch.cuda.max_memory_allocated`), then "
         "the Triton streaming kernel against SDPA's flash forward."

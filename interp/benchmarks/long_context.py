@@ -22,18 +22,18 @@ measured growth (exponent fitted on the two largest sizes, between 1 and 2) and 
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
-from .models import build_trio, long_context_shape
+from .models import build_trio, long_context_shape, release_bridge_state
 from .report import Options, Section, Table
-from .timing import available_bytes, fmt_bytes, peak_memory
+from .timing import available_bytes, clock_fn, fmt_bytes, measure_memory
 
 GIB = 2**30
 KINDS = ("previous_token", "induction")
 METHODS = ("ours", "tl")
 TIME_CAP = 900.0  # seconds: a cell predicted to run longer than this is skipped
+AVAILABLE_SHARE = 0.6  # of the memory available now: the machine is shared, an OOM kill would hit others too
 
 
 def repeated_tokens(n: int, vocab: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
@@ -130,6 +130,7 @@ def section(opts: Options) -> Section:
     del hf
     cfg = ours.cfg
     limit = opts.memory_limit_gib * GIB
+    now = clock_fn(opts.clock)
     runners = {"ours": lambda t: ours_scores(ours, t), "tl": lambda t: tl_scores(bridge, t)}
     default_p = {"ours": 1.0, "tl": 2.0}
 
@@ -148,9 +149,11 @@ def section(opts: Options) -> Section:
             if reason:
                 cells[m] = {"skip": reason}
                 continue
-            start = time.perf_counter()
-            peak, scores = peak_memory(lambda: runners[m](tokens), opts.device)
-            cells[m] = {"times": [time.perf_counter() - start], "peak": peak, "scores": scores}
+            release_bridge_state(bridge)  # the bridge keeps its last patterns between calls: start clean
+            box: dict = {}
+            start = now()
+            peak, _ = measure_memory(lambda: runners[m](tokens), opts.device, keep=lambda out: box.update(scores=out))
+            cells[m] = {"times": [now() - start], "peak": peak, "scores": box["scores"]}
             if peak is not None:
                 measured[m].append((n, float(peak)))
         # more timed runs, interleaved, while they fit in the budget
@@ -159,9 +162,10 @@ def section(opts: Options) -> Section:
         extra = min(opts.repeats - 1, int(opts.budget / per_round) if per_round > 0 else 0)
         for _ in range(max(0, extra)):
             for m in ran:
-                start = time.perf_counter()
+                start = now()
                 runners[m](tokens)
-                cells[m]["times"].append(time.perf_counter() - start)
+                cells[m]["times"].append(now() - start)
+        release_bridge_state(bridge)
         for m in ran:
             ts = sorted(cells[m]["times"])
             cells[m]["time"] = ts[len(ts) // 2] if len(ts) % 2 else 0.5 * (ts[len(ts) // 2 - 1] + ts[len(ts) // 2])
@@ -181,7 +185,7 @@ def section(opts: Options) -> Section:
         f"the first; float32 on {opts.device}"
     )
     notes.append(
-        f"cells are skipped when their predicted peak exceeds {opts.memory_limit_gib:g} GiB or 75% of the memory "
+        f"cells are skipped when their predicted peak exceeds {opts.memory_limit_gib:g} GiB or {AVAILABLE_SHARE:.0%} of the memory "
         f"available at the time ({fmt_bytes(avail)} available at the end), or their predicted time {TIME_CAP:.0f} s"
     )
     notes.append("max |score diff|: largest difference between our and TransformerLens's previous-token, induction "
@@ -217,7 +221,7 @@ def section(opts: Options) -> Section:
 
 def _would_not_fit(method, n, measured, timed, limit, cfg, default_p, device) -> str | None:
     avail = None if torch.device(device).type == "cuda" else available_bytes()
-    cap = limit if avail is None else min(limit, 0.75 * avail)
+    cap = limit if avail is None else min(limit, AVAILABLE_SHARE * avail)
     need, _ = predict(measured, n, default_p)
     if method == "tl":
         need = max(need, pattern_bytes(n, cfg.n_layers, cfg.n_heads))

@@ -27,19 +27,20 @@ class Options:
     seqs: tuple[int, ...] = (128, 512, 1024, 2048)  # forward
     batch: int = 1  # forward
     cache_seq: int = 512  # cache overhead
-    long_seqs: tuple[int, ...] = (1024, 4096, 16384, 32768)  # long-context head detection
+    long_seqs: tuple[int, ...] = (1024, 4096, 8192, 16384, 32768)  # long-context head detection
     long_layers: int = 2
     memory_limit_gib: float = 16.0  # "fits in" for the long-context table
     ablation_batch: int = 8
     ablation_seq: int = 128
     gen_batches: tuple[int, ...] = (1, 8)
     gen_prompt: int = 32
-    gen_tokens: int = 64
+    gen_tokens: int = 32
     repeats: int = 5  # timed rounds at most (the median is reported)
     min_repeats: int = 2  # timed rounds at least
     warmup: int = 1  # untimed rounds first
-    budget: float = 40.0  # seconds of timed rounds per table cell: fewer rounds for big cells
+    budget: float = 30.0  # seconds of timed rounds per table cell: fewer rounds for big cells
     device: str = "cpu"
+    clock: str = "auto"  # "cpu" (process CPU time), "wall", or "auto": timing.default_clock
     quick: bool = False
 
     @classmethod
@@ -94,10 +95,21 @@ class Section:
 
 
 def machine_line() -> str:
-    cpu = platform.processor() or platform.machine()
+    cpu = _cpu_model() or platform.processor() or platform.machine()
     mem = total_bytes()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
     return f"{cpu}, {os.cpu_count()} CPUs, {fmt_bytes(mem) + ' RAM' if mem else '? RAM'}, {platform.system()} {platform.release()}; {gpu}"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def load_average() -> str:
@@ -112,18 +124,26 @@ def _load() -> str:
         return ""
 
 
+CLOCK_TEXT = {
+    "cpu": "process CPU time (`time.process_time`), not wall time: on this shared machine the wall clock also "
+           "counts the time slices other jobs get; with one torch thread, CPU time is what an idle machine's "
+           "wall clock would show",
+    "wall": "wall time (`time.perf_counter`, after `torch.cuda.synchronize()` on a GPU)",
+}
+
 HOW_TO_READ = """\
 How to read these tables. Every comparison runs in one process on the same weights and the same
 tokens: a `transformers` model built from a config with random weights (seeded, never downloaded),
 converted to ours with `interp.from_hf` and wrapped by TransformerLens 4's `TransformerBridge`
-(`interp.interop.bridge_from_hf`). Times are medians of interleaved timed rounds (each round runs
-every implementation once, the order rotated each round) after an untimed warm-up round; the
-number of rounds is given, and large cells get fewer (a time budget per cell). The machine is
-shared and loaded, so absolute times are noisy: the ratios, taken within one round-robin, are the
-headline. A ratio column `X / ours` is X's time divided by ours: above 1, ours is faster. Peak
-memory is the growth of the process's resident set during one call (Linux VmHWM, reset before
-each call) on the CPU, `torch.cuda.max_memory_allocated` on a GPU; it includes what the call
-returns (a cache)."""
+(`interp.interop.bridge_from_hf`). Times (on the clock named above) are medians of interleaved
+timed rounds (each round runs every implementation once, the order rotated each round) after an
+untimed warm-up round; the number of rounds is given, and large cells get fewer (a time budget
+per cell). The machine is shared and loaded, so absolute times are noisy: the ratios, taken
+within one round-robin, are the headline. A ratio column `X / ours` is X's time divided by ours:
+above 1, ours is faster. Peak memory is what one call added at its high point, its returned
+output and cache included: on the CPU the growth of the process's resident set (Linux VmHWM,
+reset before the call, with glibc returning freed memory at once so that the number does not
+depend on the allocator's history), on a GPU `torch.cuda.max_memory_allocated`."""
 
 
 def render(sections: Sequence[Section], *, command: str, threads: int, started: _dt.datetime, wall: float,
@@ -140,6 +160,7 @@ def render(sections: Sequence[Section], *, command: str, threads: int, started: 
         f"- Date: {started.strftime('%Y-%m-%d %H:%M')} (total wall time {wall / 60:.1f} min)",
         f"- Machine: {machine_line()}",
         f"- Torch threads: {threads}",
+        f"- Clock: {CLOCK_TEXT.get(options.clock, options.clock)}",
         f"- Load average (1, 5, 15 min) at start: {load_at_start or '?'}; at end: {_load() or '?'}",
         "- Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
         f"- Sizes: {sizes}; forward seqs {list(options.seqs)}, long-context seqs {list(options.long_seqs)}; "

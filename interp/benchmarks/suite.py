@@ -21,6 +21,7 @@ import torch
 
 from . import ablation, caching, forward, generation, gpu, long_context
 from .report import Options, Section, load_average, render
+from .timing import default_clock
 
 SECTIONS: dict[str, Callable[[Options], Section]] = {
     "forward": forward.section,
@@ -51,6 +52,8 @@ def run(
     if threads:
         torch.set_num_threads(threads)
     threads = torch.get_num_threads()
+    if opts.clock == "auto":
+        opts = opts.replace(clock=default_clock(opts.device, threads))
     started, t0, load = _dt.datetime.now(), time.perf_counter(), load_average()
     done: list[Section] = []
     for key in [s for s in ALL if s in sections]:

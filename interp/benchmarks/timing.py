@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import platform
 import statistics
@@ -67,54 +68,85 @@ def machine_summary() -> str:
 # ---- several implementations timed side by side ---------------------------------------------
 
 
+CLOCKS: dict[str, Callable[[], float]] = {
+    "wall": time.perf_counter,
+    # CPU time of this process (all its threads, user + system): what the OS gave *us*. On a shared,
+    # oversubscribed machine the wall clock also counts the time slices other jobs got; with one
+    # torch thread, CPU time is close to the wall time an idle machine would show.
+    "cpu": time.process_time,
+}
+
+
+def default_clock(device: str | torch.device = "cpu", threads: int | None = None) -> str:
+    """"cpu" for single-threaded CPU runs (steady under load), else "wall" (GPU work, or several
+    threads whose CPU time would add up rather than overlap)."""
+    threads = torch.get_num_threads() if threads is None else threads
+    return "cpu" if torch.device(device).type == "cpu" and threads == 1 else "wall"
+
+
+def clock_fn(clock: str) -> Callable[[], float]:
+    """The CLOCKS function called `clock` ("auto": `default_clock()`)."""
+    return CLOCKS[default_clock() if clock == "auto" else clock]
+
+
 def compare_times(
     fns: dict[str, Callable[[], object]],
     repeats: int = 5,
     warmup: int = 1,
     budget: float | None = None,
     min_repeats: int = 2,
+    clock: str = "wall",
+    focus: Sequence[str] | None = None,
 ) -> tuple[dict[str, float], int]:
-    """Median wall time of each `fns[name]()` in seconds, and the number of timed rounds.
+    """Median time of each `fns[name]()` in seconds (on `clock`, a CLOCKS name), and the number of
+    timed rounds.
 
     The implementations run interleaved, one round at a time (a round runs each once, its order
     rotated every round), so that a change in the machine's load hits all of them alike and their
     ratios stay meaningful on a shared machine. `warmup` untimed rounds come first. With `budget`
     (seconds), the number of timed rounds is what fits in it judging by the last warm-up round (or,
-    without warm-up, the first timed round): at least `min_repeats`, at most `repeats`."""
+    without warm-up, the first timed round): at least `min_repeats`, at most `repeats`.
+
+    `focus` (default: all) names the implementations whose ratio is the headline: only they run in
+    every round (and only their time counts against the budget); the others stop after
+    `min_repeats` rounds."""
     names = list(fns)
-    round_time = 0.0
+    focus = names if focus is None else [n for n in names if n in focus]
+    now = clock_fn(clock)
+    warm: dict[str, float] = {}
     for _ in range(warmup):
-        start = time.perf_counter()
         for name in names:
+            start = now()
             fns[name]()
-        round_time = time.perf_counter() - start
+            warm[name] = now() - start
     times: dict[str, list[float]] = {name: [] for name in names}
     rounds, r = repeats, 0
     while r < rounds:
-        order = names[r % len(names):] + names[: r % len(names)]
+        active = [n for n in names if n in focus or r < min_repeats]
+        order = active[r % len(active):] + active[: r % len(active)]
         for name in order:
-            times[name].append(_timed(fns[name]))
-        if r == 0 and not round_time:
-            round_time = sum(ts[0] for ts in times.values())
-        if r == 0 and budget is not None and round_time > 0 and budget < float("inf"):
-            rounds = max(min(min_repeats, repeats), min(repeats, int(budget / round_time)))
+            times[name].append(_timed(fns[name], now))
+        if r == 0 and budget is not None and budget < float("inf"):
+            round_time = sum((warm or {n: times[n][0] for n in names})[n] for n in focus)
+            if round_time > 0:
+                rounds = max(min(min_repeats, repeats), min(repeats, int(budget / round_time)))
         r += 1
     return {name: statistics.median(ts) for name, ts in times.items()}, rounds
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    """One call's wall time, with Python's cyclic garbage collector paused during it (the young
+def _timed(fn: Callable[[], object], now: Callable[[], float] = time.perf_counter) -> float:
+    """One call's time on the clock `now`, with Python's cyclic garbage collector paused during it (the young
     generations are collected first; a full collection takes ~1 s once transformers and
     TransformerLens are loaded, so it runs between sections, not between calls)."""
     gc.collect(1)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     with _gc_paused():
-        t0 = time.perf_counter()
+        t0 = now()
         fn()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        return time.perf_counter() - t0
+        return now() - t0
 
 
 @contextlib.contextmanager
@@ -132,14 +164,30 @@ def _gc_paused():
 
 
 def peak_memory(fn: Callable[[], object], device: str | torch.device = "cpu") -> tuple[int | None, object]:
-    """(peak bytes that `fn()` added, its result).
+    """(peak bytes that `fn()` added, its result); see `measure_memory`."""
+    box: list = []
+    peak, _ = measure_memory(fn, device, keep=box.append)
+    return peak, box[0]
 
-    CUDA: `max_memory_allocated` above what was allocated before. CPU (Linux): the growth of the
-    process's resident set, from its size before the call to its high-water mark during it; the mark
-    (VmHWM) is reset first through /proc/self/clear_refs, freed heap is handed back to the OS
-    (malloc_trim) and the cyclic garbage collector is paused during the call, so that the call
-    cannot reuse memory an earlier one left behind. None where neither is available. What the
-    result holds (e.g. a cache) counts: it is alive at the peak."""
+
+def measure_memory(
+    fn: Callable[[], object], device: str | torch.device = "cpu", keep: Callable[[object], object] | None = None,
+) -> tuple[int | None, int | None]:
+    """(peak bytes `fn()` added while it ran, bytes still held once its result is dropped).
+
+    `keep(result)` runs before the result is dropped (to read what it holds). What the result holds
+    (e.g. a cache) counts in the peak: it is alive at the end of the call. "Held" is what stays
+    allocated after the caller lets go of the result: state a library keeps between calls.
+
+    CUDA: `max_memory_allocated` / `memory_allocated` above what was allocated before. CPU (Linux):
+    the process's resident set, from its size before the call to its high-water mark during it (VmHWM,
+    reset through /proc/self/clear_refs). To make that the memory the call itself used, freed heap
+    is handed back to the OS first (malloc_trim), the cyclic garbage collector is paused during the
+    call, and glibc serves every allocation above 128 KiB by its own mmap during the call, so that
+    freed memory leaves the resident set at once instead of lingering, depending on the allocator's
+    history, for reuse (without this the same call measured +-30%). Afterwards glibc is left with a
+    fixed 32 MiB threshold, the value its dynamic threshold climbs to in a long torch run. None where
+    neither is available."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -147,15 +195,59 @@ def peak_memory(fn: Callable[[], object], device: str | torch.device = "cpu") ->
         base = torch.cuda.memory_allocated()
         out = fn()
         torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base, out
+        peak = torch.cuda.max_memory_allocated() - base
+        if keep is not None:
+            keep(out)
+        del out
+        gc.collect(1)
+        return peak, torch.cuda.memory_allocated() - base
     gc.collect(1)
-    _malloc_trim()
-    if not _reset_rss_peak():
-        return None, fn()
-    base = _proc_status("VmRSS")
-    with _gc_paused():  # garbage that is still allocated cannot be handed to fn's allocations mid-call
-        out = fn()
-    return _proc_status("VmHWM") - base, out
+    with _exact_allocator():
+        _malloc_trim()
+        if not _reset_rss_peak():
+            out = fn()
+            if keep is not None:
+                keep(out)
+            return None, None
+        base = _proc_status("VmRSS")
+        with _gc_paused():  # garbage that is still allocated cannot be handed to fn's allocations mid-call
+            out = fn()
+        peak = _proc_status("VmHWM") - base
+        if keep is not None:
+            keep(out)
+        del out
+        gc.collect(1)
+        _malloc_trim()
+        return peak, max(0, _proc_status("VmRSS") - base)
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+
+
+@contextlib.contextmanager
+def _exact_allocator():
+    libc = _libc()
+    if libc is None:
+        yield
+        return
+    libc.mallopt(_M_MMAP_THRESHOLD, 128 * 2**10)
+    try:
+        yield
+    finally:
+        libc.mallopt(_M_MMAP_THRESHOLD, 32 * 2**20)
+        libc.mallopt(_M_TRIM_THRESHOLD, 64 * 2**20)
+
+
+@functools.lru_cache(maxsize=None)
+def _libc():
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt, libc.malloc_trim  # glibc only
+        return libc
+    except (OSError, AttributeError):
+        return None
 
 
 def _reset_rss_peak() -> bool:
@@ -176,12 +268,9 @@ def _proc_status(field: str) -> int:
 
 
 def _malloc_trim() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def available_bytes() -> int | None:
