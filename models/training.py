@@ -52,6 +52,7 @@ from .transformer import HookedTransformer
 BOS = 256
 EVAL_SEED = 1234  # the evaluation windows and probe tokens are the same for every run and seed
 RUN_FILE = "run.json"
+RESUME_FILE = "resume.pt"  # fp32 weights, optimizer and data-order state at the last checkpoint; deleted at the end
 
 
 # ---- recipes -----------------------------------------------------------------------------------
@@ -276,7 +277,11 @@ def train(recipe: Recipe, out_dir: str | Path, *, steps: int | None = None, seed
           log: Callable[[str], None] = print) -> Path:
     """Train `recipe` and write its run folder: `out_dir/step_XXXXX/` checkpoints and `out_dir/run.json`.
 
-    `steps`, `seed` and `threads` override the recipe's (e.g. a short test run). Returns out_dir."""
+    `steps`, `seed` and `threads` override the recipe's (e.g. a short test run). Returns out_dir.
+
+    A run that was killed resumes from its last checkpoint when started again with the same settings
+    and `out_dir` (`out_dir/resume.pt` holds the exact state), and ends bit-identical to an
+    uninterrupted run."""
     from tqdm.auto import tqdm
 
     from interp.loading import save_model
@@ -307,11 +312,17 @@ def train(recipe: Recipe, out_dir: str | Path, *, steps: int | None = None, seed
                "torch": torch.__version__, "python": platform.python_version(), "corpus": corpus.describe(),
                "checkpoint_naming": "step_%05d", "checkpoints": []}
         ckpt_steps = set(recipe.checkpoint_steps(steps))
-        losses: list[float] = []
-        start = time.perf_counter()
-        bar = tqdm(total=steps, desc=recipe.name, disable=not progress, dynamic_ncols=True)
-        for step in range(steps + 1):
-            if step in ckpt_steps:
+        key = json.dumps({k: run[k] for k in ("recipe", "steps", "seed", "threads", "torch")}, sort_keys=True)
+        first, losses, elapsed = 0, [], 0.0
+        if (out_dir / RESUME_FILE).exists():
+            first, losses, elapsed = _resume(out_dir, key, model, opt, sampler)
+            done = json.loads((out_dir / RUN_FILE).read_text())["checkpoints"]
+            run["checkpoints"] = [c for c in done if c["step"] <= first]
+            log(f"resuming {recipe.name} from step {first} ({out_dir / RESUME_FILE})")
+        start = time.perf_counter() - elapsed
+        bar = tqdm(total=steps, initial=first, desc=recipe.name, disable=not progress, dynamic_ncols=True)
+        for step in range(first, steps + 1):
+            if step in ckpt_steps and not (step == first and run["checkpoints"]):
                 model.eval()
                 meta = _checkpoint_meta(model, recipe, step, steps, seed, losses, held_out, probe, probe_len)
                 meta["seconds"] = round(time.perf_counter() - start, 1)
@@ -322,6 +333,8 @@ def train(recipe: Recipe, out_dir: str | Path, *, steps: int | None = None, seed
                 msg = " ".join(f"{k} {meta[k]:.3f}" if isinstance(meta[k], float) else f"{k} {meta[k]}" for k in _SUMMARY)
                 (bar.write if progress else log)(msg)
                 model.train()
+                if step < steps:
+                    _save_resume(out_dir, key, step, model, opt, sampler, losses, time.perf_counter() - start)
             if step == steps:
                 break
             for group in opt.param_groups:
@@ -340,6 +353,7 @@ def train(recipe: Recipe, out_dir: str | Path, *, steps: int | None = None, seed
         bar.close()
         run["train_seconds"] = round(time.perf_counter() - start, 1)
         _write_json(out_dir / RUN_FILE, run)
+        (out_dir / RESUME_FILE).unlink(missing_ok=True)
         log(f"trained {recipe.name} for {steps} steps in {run['train_seconds']:.0f} s "
             f"({threads} threads, seed {seed}) -> {out_dir}")
         return out_dir
@@ -369,6 +383,29 @@ def _checkpoint_meta(model, recipe: Recipe, step: int, steps: int, seed: int, lo
         "probe": f"{recipe.probe_batch} x (<bos> + 2 x {probe_len} uniform random bytes), seed {EVAL_SEED}",
         "lr": recipe.lr_at(step - 1, steps) if step else 0.0,  # the rate of the last update
     }
+
+
+def _save_resume(out_dir: Path, key: str, step: int, model, opt, sampler: BatchSampler, losses: list[float],
+                 elapsed: float) -> None:
+    state = {"key": key, "step": step, "model": model.state_dict(), "opt": opt.state_dict(),
+             "rng": json.dumps(sampler.rng.bit_generator.state), "losses": losses, "elapsed": elapsed}
+    tmp = out_dir / (RESUME_FILE + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, out_dir / RESUME_FILE)
+
+
+def _resume(out_dir: Path, key: str, model, opt, sampler: BatchSampler) -> tuple[int, list[float], float]:
+    """Restore the state saved at the last checkpoint; returns (step, losses, elapsed seconds)."""
+    state = torch.load(out_dir / RESUME_FILE, weights_only=True)
+    if state["key"] != key:
+        raise RuntimeError(
+            f"{out_dir} holds an unfinished run with other settings (recipe, steps, seed, threads or torch "
+            f"version); delete {out_dir / RESUME_FILE} to start over, or choose another output folder"
+        )
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    sampler.rng.bit_generator.state = json.loads(state["rng"])
+    return state["step"], list(state["losses"]), float(state["elapsed"])
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import sysconfig
 from pathlib import Path
 
@@ -183,10 +184,42 @@ def test_training_is_deterministic(tmp_path, corpus):
     assert _digest(a / "step_00000") != _digest(a / "step_00004")  # it did train
     ma = interp.load(a / "step_00004")
     assert isinstance(ma.tokenizer, ByteTokenizer)
-    import json
-
     meta = json.loads((a / "step_00004" / "meta.json").read_text())
     run = json.loads((a / "run.json").read_text())
     assert meta["step"] == 4 and meta["tokens_seen"] == 4 * 4 * 64 and meta["run"] == "tiny" and meta["seed"] == 0
     assert [c["dir"] for c in run["checkpoints"]] == ["step_00000", "step_00002", "step_00004"]
     assert run["recipe"]["batch_size"] == 4 and run["threads"] == 1 and "train_seconds" in run
+
+
+def test_a_killed_run_resumes_bit_identically(tmp_path, corpus, monkeypatch):
+    r = tiny_recipe(steps=6, checkpoints=(0, 2, 4))
+    whole = train(r, tmp_path / "whole", corpus=corpus, progress=False, log=lambda s: None)
+
+    calls = {"n": 0}
+    real_next = BatchSampler.__next__
+
+    def dies_at_step_3(self):
+        calls["n"] += 1
+        if calls["n"] == 4:  # steps 0, 1, 2 ran; the process "dies" in step 3, after checkpoint 2
+            raise KeyboardInterrupt
+        return real_next(self)
+
+    monkeypatch.setattr(BatchSampler, "__next__", dies_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        train(r, tmp_path / "killed", corpus=corpus, progress=False, log=lambda s: None)
+    assert (tmp_path / "killed" / "resume.pt").exists() and not (tmp_path / "killed" / "step_00004").exists()
+    monkeypatch.setattr(BatchSampler, "__next__", real_next)
+    messages = []
+    resumed = train(r, tmp_path / "killed", corpus=corpus, progress=False, log=messages.append)
+    assert "resuming tiny from step 2" in messages[0]
+    for step in ("step_00000", "step_00002", "step_00004", "step_00006"):
+        assert _digest(whole / step) == _digest(resumed / step)
+    run = json.loads((resumed / "run.json").read_text())
+    assert [c["step"] for c in run["checkpoints"]] == [0, 2, 4, 6] and not (resumed / "resume.pt").exists()
+    with pytest.raises(RuntimeError, match="other settings"):
+        monkeypatch.setattr(BatchSampler, "__next__", dies_at_step_3)
+        calls["n"] = 0
+        with pytest.raises(KeyboardInterrupt):
+            train(r, tmp_path / "other", corpus=corpus, progress=False, log=lambda s: None)
+        monkeypatch.setattr(BatchSampler, "__next__", real_next)
+        train(r, tmp_path / "other", seed=5, corpus=corpus, progress=False, log=lambda s: None)
