@@ -18,8 +18,11 @@ in trials, training on that noise slowed everything down and delayed the phase c
 ~2000 steps.
 
 Determinism: the model is initialised from `seed`, the data order comes from a PCG64 generator seeded
-from `seed`, and the thread count is fixed, so the same seed, threads, torch version and stdlib give
-bitwise-identical checkpoints.
+from `seed`, and the thread count is fixed, so the same seed, threads, torch version, stdlib *and CPU
+kernels* give bitwise-identical checkpoints. The kernels torch picks depend on the CPU (its vector
+capability, AVX2 vs AVX512, and vendor): `training_environment()` records all of these in run.json,
+and a bitwise claim holds only where every one of them matches. Elsewhere a retrained checkpoint
+differs from the shipped one by float round-off (one fp16 ulp in a few elements after 10 steps).
 
 At every checkpoint the loop records, in `meta.json`, cheap head scores computed from materialised
 patterns (`probe_scores`) and the in-context-learning score (`icl_score`), so the phase change can be
@@ -119,6 +122,38 @@ class Corpus:
         return {"source": "python stdlib *.py (site-packages excluded), sorted by path", "root": self.root,
                 "files": self.n_files, "bytes": self.n_bytes, "sha256": self.sha256,
                 "train_tokens": int(self.train.size), "eval_files": len(self.eval_docs)}
+
+
+def cpu_model() -> str:
+    """The CPU's model string (/proc/cpuinfo's "model name"; platform.processor() elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def training_environment(threads: int, corpus: Corpus) -> dict:
+    """Everything a bitwise-reproduction claim depends on besides the recipe and seed.
+
+    torch's CPU kernels differ by vector capability (`torch.backends.cpu.get_cpu_capability()`) and
+    by vendor, so two machines with the same torch and corpus can round differently."""
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu": cpu_model(), "threads": threads, "corpus_sha256": corpus.sha256,
+            "python": platform.python_version()}
+
+
+def environment_mismatch(recorded: dict, current: dict) -> str | None:
+    """The first field of a recorded training environment that differs from `current` (or is not
+    recorded at all), as a sentence; None when every field matches."""
+    for key in ("torch", "cpu_capability", "cpu", "threads", "corpus_sha256"):
+        if key not in recorded:
+            return f"the run does not record its {key} (trained before environments were recorded)"
+        if recorded[key] != current[key]:
+            return f"{key} differs: trained with {recorded[key]!r}, running {current[key]!r}"
+    return None
 
 
 def stdlib_files(root: str | Path | None = None) -> list[Path]:
@@ -310,7 +345,7 @@ def train(recipe: Recipe, out_dir: str | Path, *, steps: int | None = None, seed
         probe = repeated_random_tokens(recipe.probe_batch, probe_len)
         run = {"name": recipe.name, "recipe": recipe.to_dict(), "steps": steps, "seed": seed, "threads": threads,
                "torch": torch.__version__, "python": platform.python_version(), "corpus": corpus.describe(),
-               "checkpoint_naming": "step_%05d", "checkpoints": []}
+               "environment": training_environment(threads, corpus), "checkpoint_naming": "step_%05d", "checkpoints": []}
         ckpt_steps = set(recipe.checkpoint_steps(steps))
         key = json.dumps({k: run[k] for k in ("recipe", "steps", "seed", "threads", "torch")}, sort_keys=True)
         first, losses, elapsed = 0, [], 0.0

@@ -40,7 +40,8 @@ def section(opts: Options) -> Section:
                                         do_sample=False, pad_token_id=0)
 
             with torch.no_grad():
-                t, rounds = compare_times({"ours": run_ours, "hf": run_hf}, opts.repeats, opts.warmup, opts.budget, opts.min_repeats, opts.clock)
+                t, rounds = compare_times({"ours": run_ours, "hf": run_hf}, opts.repeats, opts.warmup, opts.budget,
+                                          opts.min_repeats, opts.clock)
             a, b = out["ours"][:, prompt.shape[1]:], out["hf"][:, prompt.shape[1]:]
             same = "yes" if a.shape == b.shape and bool((a == b).all()) else f"{float((a == b).float().mean()):.0%}"
             rows.append([shape, batch, opts.gen_prompt, new, batch * new / t["ours"], batch * new / t["hf"],

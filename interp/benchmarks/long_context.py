@@ -110,7 +110,9 @@ def predict(points: list[tuple[int, float]], n: int, default_exponent: float) ->
     return m_last * (n / n_last) ** p, p
 
 
-def longest_within(points: list[tuple[int, float]], limit: float, default_exponent: float) -> tuple[int | None, int | None, float]:
+def longest_within(
+    points: list[tuple[int, float]], limit: float, default_exponent: float
+) -> tuple[int | None, int | None, float]:
     """(largest measured n within `limit`, n where the extrapolated growth reaches `limit`, exponent)."""
     pts = sorted(p for p in points if p[1] is not None)
     measured = max((n for n, m in pts if m <= limit), default=None)
@@ -162,6 +164,7 @@ def section(opts: Options) -> Section:
         extra = min(opts.repeats - 1, int(opts.budget / per_round) if per_round > 0 else 0)
         for _ in range(max(0, extra)):
             for m in ran:
+                release_bridge_state(bridge)  # never hold the last patterns while computing new ones
                 start = now()
                 runners[m](tokens)
                 cells[m]["times"].append(now() - start)
@@ -185,11 +188,13 @@ def section(opts: Options) -> Section:
         f"the first; float32 on {opts.device}"
     )
     notes.append(
-        f"cells are skipped when their predicted peak exceeds {opts.memory_limit_gib:g} GiB or {AVAILABLE_SHARE:.0%} of the memory "
-        f"available at the time ({fmt_bytes(avail)} available at the end), or their predicted time {TIME_CAP:.0f} s"
+        f"cells are skipped when their predicted peak exceeds {opts.memory_limit_gib:g} GiB or {AVAILABLE_SHARE:.0%} "
+        f"of the memory available at the time ({fmt_bytes(avail)} available at the end), or their predicted time {TIME_CAP:.0f} s"
     )
     notes.append("max |score diff|: largest difference between our and TransformerLens's previous-token, induction "
                  "and sink scores where both ran (float32 round-off)")
+    notes.append("runs: timed runs per cell (ours / TL), the median shown; the first is also the memory measurement, "
+                 "and the big cells get one or two; one untimed warm-up of each at 128 tokens comes first")
     s = Section(
         "long_context", "Long-context head detection: streaming vs cached patterns",
         intro=(

@@ -98,7 +98,8 @@ def machine_line() -> str:
     cpu = _cpu_model() or platform.processor() or platform.machine()
     mem = total_bytes()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
-    return f"{cpu}, {os.cpu_count()} CPUs, {fmt_bytes(mem) + ' RAM' if mem else '? RAM'}, {platform.system()} {platform.release()}; {gpu}"
+    ram = fmt_bytes(mem) + " RAM" if mem else "? RAM"
+    return f"{cpu}, {os.cpu_count()} CPUs, {ram}, {platform.system()} {platform.release()}; {gpu}"
 
 
 def _cpu_model() -> str:
