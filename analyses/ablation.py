@@ -13,7 +13,7 @@ ablations then resume from the cache with the batch replicated once per head: co
 attention output plus head i's exact change of output, (z_new - z)_i @ W_O[i] (so layer L's attention
 is not even recomputed), runs the rest of block L and then blocks L+1.. (`start_at_layer`). That is
 1 + n_layers forwards of decreasing depth instead of n_layers * n_heads full ones
-(`python -m interp.analyses.bench_ablation`).
+(`python -m interp.benchmarks.ablation_loop`).
 """
 
 from __future__ import annotations

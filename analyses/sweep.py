@@ -20,14 +20,13 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
-import os
 import platform
 import shutil
 import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Literal, Sequence
+from typing import Callable, Iterator, Literal, Sequence
 
 import pandas as pd
 
@@ -39,16 +38,11 @@ from .sweep_data import DataSpec, build_tokens, prebuild_tokens, resolve_kind
 
 DEFAULT_ANALYSES = ("induction", "previous_token", "duplicate_token", "sinks", "ablation", "pruning", "importance")
 EXPENSIVE_ON = ("last", "all")
-FAIL_AFTER_ENV = "INTERP_SWEEP_FAIL_AFTER"
-_COLLECT_ABOVE_BYTES = 64 * 2**20  # test hook: stop the driver after writing N parts
+_COLLECT_ABOVE_BYTES = 64 * 2**20
 
 
 class SettingsMismatch(RuntimeError):
     """The output folder holds results computed with other settings."""
-
-
-class SweepStopped(RuntimeError):
-    """Raised by the FAIL_AFTER_ENV test hook, as if the sweep had been killed."""
 
 
 @dataclass(frozen=True)
@@ -124,12 +118,12 @@ def run_checkpoint(task: CheckpointTask) -> Iterator[PartEvent | ErrorEvent]:
     """Load one checkpoint, run each pending analysis on it, yield one event per analysis."""
     import torch
 
-    import interp
+    from interp.models.checkpoint import load_checkpoint
 
     ckpt = task.checkpoint
     device = task.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        model = interp.load(ckpt.path, device=device)
+        model = load_checkpoint(ckpt.path, device=device)
         tokens = build_tokens(task.data, model, task.tokens).to(model.device)
     except Exception as e:  # noqa: BLE001 - any failure to load is reported, and the sweep goes on
         yield ErrorEvent(ckpt, LOAD, type(e).__name__, str(e), n_analyses=len(task.analyses))
@@ -158,14 +152,21 @@ def run_checkpoint(task: CheckpointTask) -> Iterator[PartEvent | ErrorEvent]:
 
 
 # ---- the driver ------------------------------------------------------------------------------
-def versions() -> dict:
-    import torch
-
-    import interp
-
+def _own_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
-    out = {"interp": interp.__version__, "torch": torch.__version__, "pandas": pd.__version__,
+    try:
+        return version("interp")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    out = {"interp": _own_version(), "torch": torch.__version__, "pandas": pd.__version__,
            "python": platform.python_version()}
     try:  # the installed version, without importing transformers (seconds)
         out["transformers"] = version("transformers")
@@ -235,9 +236,11 @@ def sweep(
     report: bool = True,
     merge_every: float = 5.0,
     log=print,
+    on_part: Callable[[int], None] | None = None,
 ) -> SweepResult:
     """Run `settings.analyses` over every checkpoint of `runs` into the folder `out` (see module doc);
-    with `last_only`, over the last checkpoint of each (a single model is a run of one checkpoint)."""
+    with `last_only`, over the last checkpoint of each (a single model is a run of one checkpoint).
+    `on_part(n)` is called after each result part is written (n parts so far)."""
     from ._common import auto_tqdm
 
     tqdm = auto_tqdm()
@@ -259,7 +262,6 @@ def sweep(
     n_ckpts = sum(len(r.checkpoints) for r in found)
     log(f"sweep: {len(found)} run(s), {n_ckpts} checkpoint(s), analyses {','.join(settings.analyses)}; "
         f"{n_pairs} task(s) to run, {skipped} already done -> {store.out}")
-    fail_after = int(os.environ.get(FAIL_AFTER_ENV, "0") or 0)
 
     n_run, last_merge = 0, time.perf_counter()
     remaining = {(t.checkpoint.run, t.checkpoint.name): len(t.analyses) for t in tasks}
@@ -283,8 +285,8 @@ def sweep(
             if remaining[key] == 0 and time.perf_counter() - last_merge >= merge_every:
                 store.merge()
                 last_merge = time.perf_counter()
-            if fail_after and n_run >= fail_after:
-                raise SweepStopped(f"{FAIL_AFTER_ENV}={fail_after}: stopping after {n_run} parts")
+            if on_part is not None:
+                on_part(n_run)  # e.g. a test that raises here, as if the sweep had been killed
     finally:
         bar.close()
         if ex is not None:

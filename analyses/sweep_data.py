@@ -32,7 +32,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from interp.tokenizer import ByteTokenizer, load_tokenizer
+from interp.models.tokenizer import ByteTokenizer, load_tokenizer
 
 DataKind = Literal["auto", "repeated_random", "corpus", "file"]
 DATA_KINDS = ("auto", "repeated_random", "corpus", "file")

@@ -4,8 +4,8 @@ Attention runs fused (SDPA / FlashAttention) by default and switches, per layer 
 instrumented path that exposes scores and patterns to hooks.
 """
 
-from interp.cache import ActivationCache, KVCache
-from interp.hooks import HookPoint, act_name
+from interp.models.cache import ActivationCache, KVCache
+from interp.models.hooks import HookPoint, act_name
 from interp.models import HookedTransformer, ModelConfig, RopeScaling
 from interp.loading import CheckpointError, from_hf, load, save_model
 from interp.interop import from_transformer_lens  # imports transformer_lens only when called

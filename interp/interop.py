@@ -28,40 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from interp.cache import ActivationCache
+from interp.models.cache import _tl, to_tl_cache
 from interp.loading import CheckpointError, from_hf
 
 if TYPE_CHECKING:
     from interp.models import HookedTransformer
 
 _ORIGINAL = "._original_component"  # the bridge's wrapper segment in the wrapped model's state_dict keys
-
-
-def _tl():
-    try:
-        import transformer_lens
-    except ImportError as e:  # pragma: no cover - exercised only without the extra installed
-        raise ImportError(
-            "this needs TransformerLens: pip install 'interp[tl]' (or transformer-lens>=3)"
-        ) from e
-    return transformer_lens
-
-
-def to_tl_cache(cache, model: "HookedTransformer | None" = None):
-    """Our `ActivationCache` (or a plain {hook name: tensor} dict) as TransformerLens's `ActivationCache`.
-
-    The tensors are shared, not copied; the dict is (TransformerLens's `remove_batch_dim` edits its
-    dict in place, which must not reach ours). `model` defaults to the cache's model."""
-    TLCache = _tl().ActivationCache
-    if isinstance(cache, TLCache):
-        return cache
-    if isinstance(cache, ActivationCache):
-        return TLCache(dict(cache.cache_dict), model if model is not None else cache.model, has_batch_dim=cache.has_batch_dim)
-    if isinstance(cache, dict):
-        if model is None:
-            raise ValueError("a plain dict of activations needs the model it came from: to_tl_cache(cache, model)")
-        return TLCache(dict(cache), model)
-    raise TypeError(f"expected an interp.ActivationCache or a dict of activations, got {type(cache).__name__}")
 
 
 def from_transformer_lens(

@@ -15,10 +15,9 @@ n_q = 2, n_k = 5, offset = n_k - n_q = 3): query i sits at absolute position off
     query 0 (p=3) x x x x .
     query 1 (p=4) x x x x x
 
-A key j is visible to the query at position p iff  j <= p  (causal),  p - j < window  (sliding
-window, Hugging Face's convention: the query and window - 1 keys before it) or  j < n_sink  (the
-first keys kept past the window: StreamingLLM's attention sinks, Xiao et al. 2023), and the key is
-not padding.  A query that sees no key at all (a padding query under left padding) is given its own
+A key j is visible to the query at position p by the one rule in `kernels.visibility`: j <= p
+(causal), p - j < window (sliding window, Hugging Face's convention) or j < n_sink (StreamingLLM's
+attention sinks, Xiao et al. 2023, kept past the window), and the key is not padding.  A query that sees no key at all (a padding query under left padding) is given its own
 key, so that no row is empty: its output is finite and meaningless, and analyses skip it.
 """
 
@@ -30,6 +29,8 @@ from typing import Callable, Literal, Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .visibility import visible
 
 Backend = Literal["fused", "instrumented"]
 BACKENDS = ("fused", "instrumented")
@@ -69,20 +70,15 @@ class AttentionMask:
             return False
         return not self.causal or self.n_q == self.n_k or self.n_q == 1
 
-    def visible(self, window: int | None, device: torch.device) -> Tensor:
+    def visible(self, window: int | None, device: torch.device) -> Tensor:  # noqa: F811 (method)
         """bool [batch or 1, 1, n_q, n_k]: True where the query may attend to the key."""
         key = ("visible", window, device)
         if key not in self._cache:
             q_pos = torch.arange(self.offset, self.n_k, device=device)[:, None]
             k_pos = torch.arange(self.n_k, device=device)[None, :]
             rel = q_pos - k_pos  # p - j
-            ok = rel >= 0 if self.causal else torch.ones_like(rel, dtype=torch.bool)
-            if window is not None:
-                ok = ok & (rel < window) if self.causal else ok & (rel.abs() < window)
-                if self.n_sink:
-                    first = k_pos < self.n_sink
-                    ok = ok | (first & (rel >= 0) if self.causal else first.expand_as(rel))
-            ok = ok[None, None]
+            sinks = (k_pos < self.n_sink) if self.n_sink else None
+            ok = visible(rel, causal=self.causal, window=window, sink_key=sinks)[None, None]
             if self.key_valid is not None:
                 ok = ok & self.key_valid[:, None, None, :].to(device)
                 # A row with no visible key would give NaN; let it see its own position instead.

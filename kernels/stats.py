@@ -46,6 +46,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from .visibility import visible
+
 __all__ = ["AttentionStats", "attention_stats", "STAT_NAMES"]
 
 #: Order of the statistics in :class:`AttentionStats` and in the stacked kernel output.
@@ -435,17 +437,14 @@ def _attention_stats_torch(
             if slopes is not None:
                 s.addcmul_(slopes, delta.abs(), value=-1.0)  # ALiBi: -slope * |p - j|, as the model
 
-            visible = None
-            if causal_cut:
-                visible = delta >= 0
-            if window_cut:
-                in_window = delta < window
-                visible = in_window if visible is None else visible & in_window
+            ok = None  # only tiles that straddle a mask edge pay for one
+            if causal_cut or window_cut:
+                ok = visible(delta, causal=causal_cut, window=window if window_cut else None)  # the one rule
             if pad_cut:
                 real = key_padding_mask[:, None, None, ks:ke]  # [batch, 1, 1, bk]
-                visible = real if visible is None else visible & real
-            if visible is not None:
-                s.masked_fill_(~visible, neg_inf)
+                ok = real if ok is None else ok & real
+            if ok is not None:
+                s.masked_fill_(~ok, neg_inf)
 
             # Running max and rescale; m_use avoids (-inf) - (-inf) on rows with nothing seen yet.
             m_new = torch.maximum(m, s.amax(-1))
@@ -453,8 +452,8 @@ def _attention_stats_torch(
             alpha = torch.exp2(m - m_use)
             s.sub_(m_use[..., None])  # s - m_new: the entropy feature (-inf where masked)
             p = torch.exp2(s)  # [batch, heads, bq, bk] unnormalised weights, 0 where masked
-            if visible is not None:
-                s.masked_fill_(~visible, 0.0)  # so p * s is 0, not 0 * -inf, on masked keys
+            if ok is not None:
+                s.masked_fill_(~ok, 0.0)  # so p * s is 0, not 0 * -inf, on masked keys
 
             # Entropy numerator C = sum_j p_j (s_j - m); moving m to m_new turns the old sum
             # into alpha * (C + l * (m - m_new)). Rows with l == 0 have no old terms.

@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import Tensor, nn
 
-from interp.hooks import HookPoint
+from .hooks import HookPoint
 from interp.kernels.attention import AttentionMask, get_backend
 
 from .config import ModelConfig
 from .positions import Rotary, alibi_slopes
 
 if TYPE_CHECKING:
-    from interp.cache import KVCache
+    from .cache import KVCache
 
 BackendChoice = Literal["auto", "fused", "instrumented"]
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from interp.hooks import HookPoint
+from .hooks import HookPoint
 
 from .config import ModelConfig
 from .positions import sinusoidal_table

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from interp.cache import KVCache
+    from .cache import KVCache
 
     from .transformer import HookedTransformer
 

@@ -26,6 +26,7 @@ from torch import Tensor
 import pandas as pd
 
 from interp.kernels import AttentionStats, attention_stats
+from interp.kernels.visibility import visible
 
 LayerFn = Callable[[int, Tensor, Tensor, Tensor], None]
 
@@ -141,13 +142,10 @@ def _scores(q: Tensor, k: Tensor, p: Tensor, j: Tensor, *, scale, window, alibi_
     rel = (p[:, None] - j[None, :]).float()
     if alibi_slopes is not None:
         s = s - alibi_slopes.float().view(1, heads, 1, 1) * rel
-    visible = rel >= 0
-    if window is not None:
-        visible = visible & (rel < window)
-    visible = visible[None, None]
+    ok = visible(rel, causal=True, window=window)[None, None]
     if key_padding_mask is not None:
-        visible = visible & key_padding_mask[:, None, None, j]
-    return s.masked_fill(~visible, float("-inf"))
+        ok = ok & key_padding_mask[:, None, None, j]
+    return s.masked_fill(~ok, float("-inf"))
 
 
 @torch.no_grad()

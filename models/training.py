@@ -2,7 +2,7 @@
 
 The corpus is the Python standard library's own `.py` sources (`sysconfig.get_paths()["stdlib"]`,
 `site-packages` excluded), files sorted by relative path, read as UTF-8 bytes: token ids 0..255 are
-bytes and 256 is `<bos>` (see `interp.tokenizer.ByteTokenizer`). Every 20th file is held out for
+bytes and 256 is `<bos>` (see `interp.models.tokenizer.ByteTokenizer`). Every 20th file is held out for
 evaluation. The training stream is `<bos> file_0 <bos> file_1 ...`; a training window is `<bos>`
 followed by `n_ctx - 1` tokens from a random offset of the stream.
 
@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from interp.tokenizer import ByteTokenizer
+from .tokenizer import ByteTokenizer
 
 from .config import ModelConfig
 from .transformer import HookedTransformer
@@ -319,7 +319,7 @@ def train(recipe: Recipe, out_dir: str | Path, *, steps: int | None = None, seed
     uninterrupted run."""
     from tqdm.auto import tqdm
 
-    from interp.loading import save_model
+    from .checkpoint import save_model
 
     steps = recipe.steps if steps is None else steps
     seed = recipe.seed if seed is None else seed

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from interp.cache import ActivationCache, KVCache
-from interp.hooks import HookedRootModule, HookPoint, NamesFilter, caching_hook
+from .cache import ActivationCache, KVCache
+from .hooks import HookedRootModule, HookPoint, NamesFilter, caching_hook
 from interp.kernels.attention import AttentionMask
 
 from .attention import Attention, BackendChoice
@@ -326,7 +326,7 @@ class HookedTransformer(HookedRootModule):
         if remove_batch_dim and return_cache_object:
             cache = cache.remove_batch_dim()
         if cache_type == "transformer_lens" and return_cache_object:
-            from interp.interop import to_tl_cache
+            from .cache import to_tl_cache
 
             cache = to_tl_cache(cache)
         return out, cache
@@ -432,7 +432,7 @@ class HookedTransformer(HookedRootModule):
     # ---- saving -------------------------------------------------------------------------------
     def save(self, path) -> None:
         """Write `config.json` + `model.safetensors` (our format; `interp.load(path)` reads it back)."""
-        from interp.loading import save_model
+        from .checkpoint import save_model
 
         save_model(self, path)
 

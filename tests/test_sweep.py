@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import interp
 from interp.analyses.runs import discover, parse_step
 from interp.analyses.store import COLUMNS
-from interp.analyses.sweep import FAIL_AFTER_ENV, SettingsMismatch, SweepStopped, sweep
+from interp.analyses.sweep import SettingsMismatch, sweep
 from interp.analyses.sweep_data import DataSpec, build_tokens
 from interp.cli import main as cli
 
@@ -139,10 +139,15 @@ def test_table_schema_and_values_match_direct_calls(run_dir, reference):
 # ---- resumption -----------------------------------------------------------------------------------
 def test_interrupted_sweep_resumes_without_recomputing(run_dir, reference, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    monkeypatch.setenv(FAIL_AFTER_ENV, "4")
-    with pytest.raises(SweepStopped):
-        sweep([str(run_dir)], out, settings(), progress=False, report=False, log=lambda *_: None)
-    monkeypatch.delenv(FAIL_AFTER_ENV)
+    class Killed(RuntimeError):
+        pass
+
+    def kill_after_4(n_written: int) -> None:
+        if n_written >= 4:
+            raise Killed(f"stopping after {n_written} parts, as if the sweep had been killed")
+
+    with pytest.raises(Killed):
+        sweep([str(run_dir)], out, settings(), progress=False, report=False, log=lambda *_: None, on_part=kill_after_4)
     before = _part_mtimes(out)
     assert len(before) == 4
     finished = {(p.parent.name, p.stem) for p in before}

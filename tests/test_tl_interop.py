@@ -296,7 +296,7 @@ def test_transformer_lens_stays_optional():
     missing, the interop functions say how to install it."""
     code = (
         "import sys\n"
-        "import interp, interp.interop, interp.bench_patching, interp.models, interp.analyses, interp.loading\n"
+        "import interp, interp.interop, interp.benchmarks.patching, interp.models, interp.analyses, interp.loading\n"
         "assert 'transformer_lens' not in sys.modules, 'imported at module import time'\n"
         "sys.modules['transformer_lens'] = None\n"
         "cfg = interp.ModelConfig(n_layers=1, d_model=8, n_heads=2, d_vocab=5, n_ctx=4)\n"
@@ -315,7 +315,7 @@ def test_transformer_lens_stays_optional():
 
 # ---- the benchmark script ------------------------------------------------------------------------
 def test_bench_patching_runs(capsys):
-    from interp import bench_patching
+    from interp.benchmarks import patching as bench_patching
 
     assert bench_patching.main(["--shape", "tiny", "--seqs", "12", "--repeats", "1", "--threads", "1"]) == 0
     out = capsys.readouterr().out

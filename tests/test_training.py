@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import interp
-from interp.tokenizer import ByteTokenizer
+from interp.models.tokenizer import ByteTokenizer
 from interp.models.training import (
     BOS,
     BatchSampler,

@@ -8,7 +8,7 @@ the same weights inside a TransformerLens bridge (`hf_llama_from_ours` -> `bridg
   ours            `ablate_heads(model, tokens, "mean")`: one clean forward caching the residual
                   stream, then one batched forward per layer resuming from it
   ours hook loop  the obvious loop on our model: one full forward per head, a hook on
-                  `blocks.L.attn.hook_z` (`interp.analyses.bench_ablation.naive_sweep`)
+                  `blocks.L.attn.hook_z` (`interp.benchmarks.ablation_loop.naive_sweep`)
   TL hook loop    the same loop on the bridge, TransformerLens's API only: mean z per head from
                   `bridge.run_with_cache`, then `bridge.run_with_hooks(..., return_type="loss")`
 
@@ -57,7 +57,7 @@ def tl_hook_loop(bridge, tokens) -> tuple[float, dict]:
 
 def section(opts: Options) -> Section:
     from interp.analyses import ablate_heads
-    from interp.analyses.bench_ablation import naive_sweep
+    from interp.benchmarks.ablation_loop import naive_sweep
     from interp.interop import bridge_from_hf
 
     model, provenance = zoo_or_random("rope-gqa-4l")

@@ -6,7 +6,7 @@ Layout (one folder per run, made by `interp train NAME --out models/zoo/NAME`):
     models/zoo/<run>/step_<05d>/config.json    one checkpoint (fp16 weights; `interp.load` restores fp32)
                                model.safetensors
                                meta.json        step, tokens seen, losses, seed, run, probe scores
-                               tokenizer.json   `interp.tokenizer.ByteTokenizer`
+                               tokenizer.json   `interp.models.tokenizer.ByteTokenizer`
 
 Names `interp.load` accepts (see `resolve`):
 

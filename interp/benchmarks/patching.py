@@ -1,8 +1,8 @@
 """Activation patching: TransformerLens's own sweeps on our model vs on its TransformerBridge, same weights.
 
-    python -m interp.bench_patching                                  # gpt2-4l, seq 256 and 1024
-    python -m interp.bench_patching --shape llama-4l --sweeps attn_head_out_all_pos attn_head_all_pos_every
-    python -m interp.bench_patching --shape tiny --seqs 16 --repeats 1   # seconds
+    python -m interp.benchmarks.patching                                  # gpt2-4l, seq 256 and 1024
+    python -m interp.benchmarks.patching --shape llama-4l --sweeps attn_head_out_all_pos attn_head_all_pos_every
+    python -m interp.benchmarks.patching --shape tiny --seqs 16 --repeats 1   # seconds
 
 Each row runs one `transformer_lens.patching` sweep, unchanged, on both models (built from one
 random-init `transformers` model: ours with `interp.from_hf`, theirs with `TransformerBridge`), and
@@ -97,7 +97,7 @@ def run(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m interp.bench_patching", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m interp.benchmarks.patching", description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="gpt2-4l")
     p.add_argument("--seqs", type=int, nargs="+", default=[256, 1024])
     p.add_argument("--sweeps", choices=sorted(SWEEPS), nargs="+", default=["attn_head_out_all_pos"])

@@ -5,8 +5,8 @@ head's z. `ablate_heads` runs one clean forward caching the residual stream, the
 layer that starts at that layer, with the batch replicated once per head. Both use the same
 ablation values, so their numbers must agree (the table reports the largest difference).
 
-    python -m interp.analyses.bench_ablation                      # 4 layers x 8 heads
-    python -m interp.analyses.bench_ablation --layers 6 --batch 4 --method zero --repeats 5
+    python -m interp.benchmarks.ablation_loop                      # 4 layers x 8 heads
+    python -m interp.benchmarks.ablation_loop --layers 6 --batch 4 --method zero --repeats 5
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from interp.models import HookedTransformer, ModelConfig
 
-from .ablation import ablate_heads, ablation_values
+from interp.analyses.ablation import ablate_heads, ablation_values
 
 
 @torch.no_grad()

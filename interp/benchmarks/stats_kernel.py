@@ -1,8 +1,8 @@
 """Benchmark: head statistics from a materialised pattern vs the streaming kernels.
 
-    python -m interp.kernels.bench_stats                      # n = 1k, 4k, 16k, 64k
-    python -m interp.kernels.bench_stats --n 1024 4096 --heads 8 --d 128 --repeats 5
-    python -m interp.kernels.bench_stats --max-gib 12 --time-budget 300
+    python -m interp.benchmarks.stats_kernel                      # n = 1k, 4k, 16k, 64k
+    python -m interp.benchmarks.stats_kernel --n 1024 4096 --heads 8 --d 128 --repeats 5
+    python -m interp.benchmarks.stats_kernel --max-gib 12 --time-budget 300
 
 Prints one table: for every n, the time and peak memory of
 
@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from .stats import attention_stats
+from interp.kernels.stats import attention_stats
 
 GIB = 2**30
 METHODS = ("materialised", "torch", "triton")
@@ -173,7 +173,7 @@ def _reset_peak_rss() -> int:
 
 def _cell_in_subprocess(cell: dict, time_budget: float) -> dict:
     """CPU: a fresh process per cell, so ru_maxrss is this cell's own high-water mark."""
-    cmd = [sys.executable, "-m", "interp.kernels.bench_stats", "--cell", json.dumps(cell)]
+    cmd = [sys.executable, "-m", "interp.benchmarks.stats_kernel", "--cell", json.dumps(cell)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=time_budget)
     except subprocess.TimeoutExpired:
@@ -221,7 +221,7 @@ def _check(device: str, dtype: torch.dtype, methods: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m interp.kernels.bench_stats",
+        prog="python -m interp.benchmarks.stats_kernel",
         description="Time and peak memory of head statistics: materialised pattern vs streaming kernels.",
     )
     parser.add_argument("--n", type=int, nargs="+", default=[1024, 4096, 16384, 65536], help="sequence lengths")

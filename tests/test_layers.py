@@ -1,0 +1,62 @@
+"""The one-way architecture, enforced: `lint-imports` with the contracts in pyproject.toml.
+
+kernels (torch only) <- models <- analyses <- the user surface (loading, interop, CLI, benchmarks).
+import-linter finds a package's modules by walking its folder, and ours maps three top-level
+folders into `interp` (setuptools package-dir), so the contracts are checked on a tree laid out
+as installed: one symlink per source file, under `interp/`, `interp/models/`, ... A wrong-way
+import, even a lazy one inside a function, fails this test and so the README's test command.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def installed_layout(dest: Path) -> Path:
+    """Mirror the package-dir mapping of pyproject.toml under `dest` (file symlinks); returns dest."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for package in config["packages"]:
+        parent = max((p for p in config["package-dir"] if package == p or package.startswith(p + ".")), key=len)
+        source = ROOT / config["package-dir"][parent] / Path(*package.split(".")[len(parent.split(".")):])
+        target = dest / Path(*package.split("."))
+        target.mkdir(parents=True, exist_ok=True)
+        for f in source.glob("*.py"):
+            (target / f.name).symlink_to(f)
+    return dest
+
+
+def test_imports_point_one_way(tmp_path):
+    exe = shutil.which("lint-imports", path=os.path.dirname(sys.executable)) or shutil.which("lint-imports")
+    if exe is None:
+        pytest.fail("lint-imports is not installed: pip install -e '.[dev]' installs import-linter")
+    tree = installed_layout(tmp_path / "tree")
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    proc = subprocess.run([exe, str(ROOT / "pyproject.toml"), "--no-cache"], cwd=tree, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "Contracts: 2 kept, 0 broken" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_a_wrong_way_import_is_caught(tmp_path):
+    """The check can fail: a lazy import of the user surface inside a models function breaks it."""
+    exe = shutil.which("lint-imports", path=os.path.dirname(sys.executable)) or shutil.which("lint-imports")
+    if exe is None:
+        pytest.fail("lint-imports is not installed")
+    tree = installed_layout(tmp_path / "tree")
+    bad = tree / "interp" / "models" / "config.py"
+    text = bad.read_text()
+    bad.unlink()
+    bad.write_text(text + "\n\ndef _wrong_way():\n    from interp.loading import load\n    return load\n")
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    proc = subprocess.run([exe, str(ROOT / "pyproject.toml"), "--no-cache"], cwd=tree, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "interp.models.config -> interp.loading" in proc.stdout, proc.stdout[-3000:]
