@@ -19,6 +19,8 @@ from __future__ import annotations
 from typing import Sequence
 
 import pandas as pd
+
+from interp.models import probes
 import torch
 from torch import Tensor
 
@@ -159,17 +161,9 @@ def repeated_random_tokens(
 ) -> Tensor:
     """long [batch, (1 +) seq_len * n_repeats]: a uniform random sequence (never the BOS id) repeated,
     after BOS when `bos_token_id` is given."""
-    if seq_len < 1 or n_repeats < 2 or batch_size < 1:
-        raise ValueError(f"need seq_len >= 1, n_repeats >= 2, batch_size >= 1; got {seq_len}, {n_repeats}, {batch_size}")
-    g = torch.Generator().manual_seed(seed)
-    low = 0 if bos_token_id is None else 1
-    seq = torch.randint(low, d_vocab, (batch_size, seq_len), generator=g)
-    if bos_token_id is not None:
-        seq = torch.where(seq == bos_token_id, torch.zeros_like(seq), seq)  # 0 is free: ids start at 1
-    tokens = seq.repeat(1, n_repeats)
-    if bos_token_id is not None:
-        tokens = torch.cat([torch.full((batch_size, 1), bos_token_id), tokens], dim=1)
-    return tokens
+    low = 0 if bos_token_id is None else 1  # with a BOS, ids start at 1 and 0 stands in for a drawn BOS id
+    return probes.repeated_random_tokens(batch_size, seq_len, d_vocab, low=low, n_repeats=n_repeats, seed=seed,
+                                         bos=bos_token_id)
 
 
 def induction_scores(
@@ -251,11 +245,8 @@ def icl_score(model, tokens, early: int = 50, late: int = 500, *, attention_mask
     with torch.no_grad():
         nll = model(tokens, return_type="loss", loss_per_token=True, attention_mask=attention_mask)
     ok = pair_mask(valid)
-    rows = ok[:, early - 1] & ok[:, late - 1]
-    if not bool(rows.any()):
-        raise ValueError("no sequence has real tokens at both `early` and `late`")
-    loss_early, loss_late = float(nll[rows, early - 1].mean()), float(nll[rows, late - 1].mean())
+    got = probes.icl_from_losses(nll, early, late, rows=ok[:, early - 1] & ok[:, late - 1])
     return pd.DataFrame(
-        [dict(early=early, late=late, loss_early=loss_early, loss_late=loss_late,
-              icl_score=loss_late - loss_early, n_sequences=int(rows.sum()))]
+        [dict(early=early, late=late, loss_early=got["loss_early"], loss_late=got["loss_late"],
+              icl_score=got["icl"], n_sequences=got["n_sequences"])]
     )

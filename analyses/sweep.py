@@ -32,7 +32,7 @@ import pandas as pd
 
 from .executors import ExecutorSettings, make_executor
 from .registry import ANALYSES, Context, resolve_analyses
-from .runs import Checkpoint, Run, discover
+from interp.models.runs import Checkpoint, Run, discover
 from .store import LOAD, ResultStore
 from .sweep_data import DataSpec, build_tokens, prebuild_tokens, resolve_kind
 

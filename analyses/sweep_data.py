@@ -118,10 +118,9 @@ def _cached(spec: DataSpec, d_vocab: int) -> Tensor:
 
 
 def _repeated_random(spec: DataSpec, d_vocab: int) -> Tensor:
-    g = torch.Generator().manual_seed(spec.seed)
-    half = (spec.seq_len + 1) // 2
-    first = torch.randint(0, d_vocab, (spec.n_seqs, half), generator=g)
-    return torch.cat([first, first], dim=1)[:, : spec.seq_len].contiguous()
+    from interp.models.probes import repeated_random_tokens
+
+    return repeated_random_tokens(spec.n_seqs, (spec.seq_len + 1) // 2, d_vocab, seed=spec.seed, total=spec.seq_len)
 
 
 def _corpus(spec: DataSpec, d_vocab: int | None) -> Tensor:

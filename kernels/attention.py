@@ -32,8 +32,6 @@ from torch import Tensor
 
 from .visibility import visible
 
-Backend = Literal["fused", "instrumented"]
-BACKENDS = ("fused", "instrumented")
 TensorHook = Callable[[Tensor], Tensor]
 
 
@@ -173,14 +171,45 @@ def instrumented_attention(q, k, v, mask, *, scale, window=None, alibi_slopes=No
     return torch.matmul(pattern.to(v.dtype), v)
 
 
-ATTENTION_BACKENDS: dict[str, AttentionFn] = {
-    "fused": fused_attention,
-    "instrumented": instrumented_attention,
+@dataclass(frozen=True)
+class AttentionBackend:
+    """A registered backend and what it can give. The model chooses a layer's backend from these
+    capabilities (`choose`), never from backend names: a layer whose scores or pattern are hooked
+    needs one that `gives_pattern`; otherwise the fastest (the first registered) that can run it."""
+
+    name: str
+    fn: AttentionFn
+    gives_pattern: bool  # hands scores and pattern to hooks (which may replace them)
+    materialises: bool  # builds the [q, k] pattern (memory O(n^2) per head)
+    windows: bool = True  # sliding windows
+    sinks: bool = True  # StreamingLLM sink keys past a window
+    alibi: bool = True
+    devices: tuple[str, ...] = ("cpu", "cuda", "mps")
+
+    def __call__(self, *args, **kwargs) -> Tensor:
+        return self.fn(*args, **kwargs)
+
+
+ATTENTION_BACKENDS: dict[str, AttentionBackend] = {  # in order of preference when nothing is hooked
+    "fused": AttentionBackend("fused", fused_attention, gives_pattern=False, materialises=False),
+    "instrumented": AttentionBackend("instrumented", instrumented_attention, gives_pattern=True, materialises=True),
 }
+BACKENDS = tuple(ATTENTION_BACKENDS)
 
 
-def get_backend(name: str) -> AttentionFn:
+def get_backend(name: str) -> AttentionBackend:
     try:
         return ATTENTION_BACKENDS[name]
     except KeyError:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(ATTENTION_BACKENDS)}") from None
+
+
+def choose(requested: str, *, needs_pattern: bool) -> AttentionBackend:
+    """The backend a layer runs: `requested` ("auto" or a registered name); with "auto", the first
+    registered backend that gives a pattern when one is needed, else the first of all."""
+    if requested != "auto":
+        return get_backend(requested)
+    for backend in ATTENTION_BACKENDS.values():
+        if backend.gives_pattern or not needs_pattern:
+            return backend
+    raise RuntimeError("no registered attention backend gives patterns")  # pragma: no cover

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .hooks import HookPoint
-from interp.kernels.attention import AttentionMask, get_backend
+from interp.kernels.attention import ATTENTION_BACKENDS, AttentionBackend, AttentionMask, choose
 
 from .config import ModelConfig
 from .positions import Rotary, alibi_slopes
@@ -22,7 +22,8 @@ from .positions import Rotary, alibi_slopes
 if TYPE_CHECKING:
     from .cache import KVCache
 
-BackendChoice = Literal["auto", "fused", "instrumented"]
+BackendChoice = Literal["auto", "fused", "instrumented"]  # "auto" or a name in ATTENTION_BACKENDS
+BACKEND_CHOICES = ("auto", *ATTENTION_BACKENDS)
 
 
 class Attention(nn.Module):
@@ -91,11 +92,13 @@ class Attention(nn.Module):
         return self._bias(2, self.n_kv_heads)
 
     # ---- forward ------------------------------------------------------------------------------
+    def backend_now(self) -> AttentionBackend:
+        """The backend this call runs, chosen by capability (see `kernels.attention.choose`)."""
+        return choose(self.backend, needs_pattern=self.hook_attn_scores.active or self.hook_pattern.active)
+
     def instrumented_now(self) -> bool:
-        """Whether this call will take the instrumented path."""
-        if self.backend == "auto":
-            return self.hook_attn_scores.active or self.hook_pattern.active
-        return self.backend == "instrumented"
+        """Whether this call will materialise its pattern (and can hand it to hooks)."""
+        return self.backend_now().gives_pattern
 
     def forward(
         self,
@@ -122,20 +125,19 @@ class Attention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.append(self.layer, k, v, q)
 
-        if self.instrumented_now():
-            z = get_backend("instrumented")(
-                q, k, v, mask, scale=self.scale, window=self.window, alibi_slopes=self.alibi_slopes,
-                scores_hook=self.hook_attn_scores if self.hook_attn_scores.active else None,
-                pattern_hook=self.hook_pattern if self.hook_pattern.active else None,
+        backend = self.backend_now()
+        wants = self.hook_attn_scores.active or self.hook_pattern.active
+        if wants and not backend.gives_pattern:
+            raise RuntimeError(
+                f"layer {self.layer} is forced to the {backend.name} attention backend, which never materialises "
+                "scores or patterns, but a hook is attached to hook_attn_scores / hook_pattern; use "
+                "model.attention('auto') (the default) or model.attention('instrumented')"
             )
-        else:
-            if self.hook_attn_scores.active or self.hook_pattern.active:
-                raise RuntimeError(
-                    f"layer {self.layer} is forced to the fused attention backend, which never materialises "
-                    "scores or patterns, but a hook is attached to hook_attn_scores / hook_pattern; use "
-                    "model.attention('auto') (the default) or model.attention('instrumented')"
-                )
-            z = get_backend("fused")(q, k, v, mask, scale=self.scale, window=self.window, alibi_slopes=self.alibi_slopes)
+        hooks = {}
+        if backend.gives_pattern:
+            hooks = dict(scores_hook=self.hook_attn_scores if self.hook_attn_scores.active else None,
+                         pattern_hook=self.hook_pattern if self.hook_pattern.active else None)
+        z = backend(q, k, v, mask, scale=self.scale, window=self.window, alibi_slopes=self.alibi_slopes, **hooks)
 
         z = self.hook_z(z.transpose(1, 2))  # [batch, pos, head, d_head]
         if self.hook_result.active:

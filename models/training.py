@@ -49,6 +49,7 @@ from torch import Tensor
 
 from .tokenizer import ByteTokenizer
 
+from . import probes
 from .config import ModelConfig
 from .transformer import HookedTransformer
 
@@ -266,9 +267,7 @@ def eval_windows(corpus: Corpus, n_ctx: int, n: int, seed: int = EVAL_SEED) -> T
 # ---- cheap probes (the analyses package has the full detectors) ----------------------------------
 def repeated_random_tokens(n_seq: int, length: int, low: int = 0, high: int = 256, seed: int = EVAL_SEED) -> Tensor:
     """`<bos>, r_0..r_{L-1}, r_0..r_{L-1}` with r uniform in [low, high): [n_seq, 1 + 2 * length]."""
-    g = torch.Generator().manual_seed(seed)
-    half = torch.randint(low, high, (n_seq, length), generator=g)
-    return torch.cat([torch.full((n_seq, 1), BOS), half, half], dim=1)
+    return probes.repeated_random_tokens(n_seq, length, high, low=low, seed=seed, bos=BOS)
 
 
 @torch.no_grad()
@@ -298,12 +297,13 @@ def probe_scores(model: HookedTransformer, tokens: Tensor, length: int) -> dict[
 def icl_score(model: HookedTransformer, windows: Tensor, early: int = 50, late: int = 500,
               batch_size: int = 64) -> dict[str, float]:
     """In-context-learning score (Olsson et al. 2022): loss at token `late` minus loss at token `early`,
-    averaged over `windows`; `late` is clipped to the last position (n_ctx - 1). "Loss at token t" is
-    the cross-entropy of predicting token t from tokens < t. Also returns the mean eval loss."""
+    averaged over `windows`. A `late` past the window is moved to its last position (n_ctx - 1) and
+    the position used is recorded (`late_token`). "Loss at token t" is the cross-entropy of predicting
+    token t from tokens < t. Also returns the mean eval loss."""
     nll = torch.cat([model(w, return_type="loss", loss_per_token=True) for w in windows.split(batch_size)])
-    late = min(late, windows.shape[1] - 1)
-    lo, hi = nll[:, early - 1].mean().item(), nll[:, late - 1].mean().item()
-    return {"icl": hi - lo, "loss_early": lo, "loss_late": hi, "eval_loss": nll.mean().item(), "late_token": late}
+    got = probes.icl_from_losses(nll, early, min(late, windows.shape[1] - 1))
+    return {"icl": got["icl"], "loss_early": got["loss_early"], "loss_late": got["loss_late"],
+            "eval_loss": nll.mean().item(), "late_token": got["late"]}
 
 
 # ---- the loop ------------------------------------------------------------------------------------

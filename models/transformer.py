@@ -19,7 +19,7 @@ from .cache import ActivationCache, KVCache
 from .hooks import HookedRootModule, HookPoint, NamesFilter, caching_hook
 from interp.kernels.attention import AttentionMask
 
-from .attention import Attention, BackendChoice
+from .attention import BACKEND_CHOICES, Attention, BackendChoice
 from .components import (
     Embed,
     PosEmbed,
@@ -34,7 +34,6 @@ from .config import ModelConfig
 from .positions import Rotary
 
 ReturnType = Literal["logits", "loss", "both", None]
-_BACKENDS = ("auto", "fused", "instrumented")
 
 
 class TransformerBlock(nn.Module):
@@ -158,8 +157,8 @@ class HookedTransformer(HookedRootModule):
         self._set_backend(backend, None)
 
     def _set_backend(self, backend: str, layers: Sequence[int] | None) -> None:
-        if backend not in _BACKENDS:
-            raise ValueError(f"unknown attention backend {backend!r}; choose one of {_BACKENDS}")
+        if backend not in BACKEND_CHOICES:
+            raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKEND_CHOICES}")
         if layers is None:
             self._backend = backend
         for l in range(self.cfg.n_layers) if layers is None else layers:

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import interp.models.attention as attention_module
 from core_models import OWN_CONFIGS, build, hf_pair, left_mask, one_thread, own, small, tokens  # noqa: F401 (one_thread: an autouse fixture)
 from hf_cases import CASES
-from interp.kernels.attention import AttentionMask, get_backend, instrumented_attention
+from interp.kernels.attention import AttentionBackend, AttentionMask, get_backend, instrumented_attention
 from interp.models.positions import alibi_slopes, sinusoidal_table
 
 N = 11  # longer than every sliding window in the configs
@@ -215,11 +215,13 @@ class OpSpy(TorchDispatchMode):
 def backend_spy(monkeypatch):
     used = []
 
-    def spy(name):
-        used.append(name)
-        return get_backend(name)
+    run = AttentionBackend.__call__
 
-    monkeypatch.setattr(attention_module, "get_backend", spy)
+    def spy(self, *args, **kwargs):  # records the backend that actually ran
+        used.append(self.name)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(AttentionBackend, "__call__", spy)
     return used
 
 

@@ -15,6 +15,7 @@ Names `interp.load` accepts (see `resolve`):
     "attn-only-2l/1000"            the same, by step number (also "step_1000")
 
 This module only reads folders (no torch import); the recipes that made them are in `.recipes`.
+Discovering the checkpoints of any run folder (ours, Hugging Face's, the zoo's) is `interp.models.runs`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..runs import is_checkpoint, parse_step
 
 ZOO_DIR = Path(__file__).resolve().parent
 RUN_FILE = "run.json"
@@ -49,12 +52,12 @@ class RunInfo:
 
 
 def checkpoint_step(path: Path) -> int:
-    """The step of a checkpoint folder named `step_<n>`."""
-    return int(path.name.split("_", 1)[1])
+    """The step of a checkpoint folder named `step_<n>` (the zoo's naming; `runs.parse_step` reads it)."""
+    return parse_step(path.name)
 
 
 def _is_checkpoint(path: Path) -> bool:
-    return path.is_dir() and path.name.startswith("step_") and path.name[5:].isdigit() and (path / "config.json").exists()
+    return path.is_dir() and path.name.startswith("step_") and path.name[5:].isdigit() and is_checkpoint(path)
 
 
 def run_info(path: Path) -> RunInfo:
