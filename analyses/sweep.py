@@ -247,7 +247,7 @@ def sweep(
     settings = settings or SweepSettings()
     executor = executor or ExecutorSettings()
     start = time.perf_counter()
-    found = [discover(r, last_only=last_only) for r in runs]
+    found = [_as_run(r, last_only) for r in runs]
     names = [r.name for r in found]
     if len(set(names)) != len(names):
         raise ValueError(f"two runs share a name ({names}); give each run folder a distinct name")
@@ -321,6 +321,14 @@ def summary(result: SweepResult, runs: Sequence[Run]) -> str:
         for e in result.errors:
             lines.append(f"    {e['run']}/{e['checkpoint']} {e['analysis']}: {e['error']}: {e['message'].splitlines()[0][:200]}")
     return "\n".join(lines)
+
+
+def _as_run(spec, last_only: bool) -> Run:
+    """A run named by a string (see `runs.discover`) or given as a `Run` (e.g. Hub revisions, resolved
+    to local snapshots by the caller)."""
+    if isinstance(spec, Run):
+        return Run(spec.name, spec.source, spec.checkpoints[-1:]) if last_only else spec
+    return discover(spec, last_only=last_only)
 
 
 def _resolve_data(settings: SweepSettings, runs: Sequence[Run]) -> SweepSettings:

@@ -116,8 +116,13 @@ def _rebuild_buffers(model: HookedTransformer, cfg: ModelConfig) -> None:
 def load_checkpoint(path, *, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                     tokenizer=None) -> HookedTransformer:
     """A model from a local checkpoint directory (or a file inside it): our format, or a Hugging Face
-    checkpoint converted by its family (by config.json's `model_type`), without `transformers`."""
+    checkpoint converted by its family (by config.json's `model_type`), without `transformers`;
+    or a llama-architecture `.gguf` file (`interp.models.gguf`)."""
     path = Path(path)
+    if path.suffix == ".gguf":
+        from .gguf import load_gguf
+
+        return load_gguf(path, dtype=dtype, device=device, tokenizer=tokenizer)
     if path.is_file():
         path = path.parent
     config_file = path / "config.json"

@@ -96,6 +96,21 @@ def run(
     return rows
 
 
+HEADERS = ["shape", "sweep", "seq", "batch", "cells", "bridge_s", "ours_s", "speedup", "max_abs_diff"]
+
+
+def section(opts):
+    """`interp bench --sections patching`: one sweep on the gpt2-4l shape (tiny with --quick)."""
+    from .report import Section, Table
+
+    shape, seqs = ("tiny", (12,)) if opts.quick else ("gpt2-4l", (256,))
+    rows = run(shape, seqs, ("attn_head_out_all_pos",), 1, max(1, min(opts.repeats, 3)))
+    return Section("patching", "Activation patching: TransformerLens's own sweeps, ours vs its bridge",
+                   intro=__doc__.split("\n\n", 2)[2].strip(),
+                   tables=[Table("", HEADERS, [[r[h] for h in HEADERS] for r in rows])],
+                   notes=["speedup = bridge time / our time"])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m interp.benchmarks.patching", description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="gpt2-4l")
@@ -113,8 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = run(args.shape, args.seqs, args.sweeps, args.batch, args.repeats)
-    headers = ["shape", "sweep", "seq", "batch", "cells", "bridge_s", "ours_s", "speedup", "max_abs_diff"]
-    print(format_table(headers, [[r[h] for h in headers] for r in rows]))
+    print(format_table(HEADERS, [[r[h] for h in HEADERS] for r in rows]))
     print(f"\nspeedup = bridge time / our time; {machine_summary()}")
     return 0
 

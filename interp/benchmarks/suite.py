@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import ablation, caching, forward, generation, gpu, long_context
+from . import ablation, caching, forward, generation, gpu, long_context, patching, real_model
 from .report import Options, Section, load_average, render
 from .timing import default_clock
 
@@ -29,6 +29,8 @@ SECTIONS: dict[str, Callable[[Options], Section]] = {
     "long_context": long_context.section,
     "ablation": ablation.section,
     "generation": generation.section,
+    "patching": patching.section,
+    "real_model": real_model.section,
 }
 ALL = (*SECTIONS, "gpu")
 

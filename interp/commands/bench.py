@@ -11,6 +11,8 @@ EPILOG = """sections (in page order):
   long_context  previous-token / induction / sink scores at long context: streaming vs cached patterns
   ablation      every-head mean-ablation sweep on rope-gqa-4l: ablate_heads vs a TransformerLens hook loop
   generation    tokens/s, our KV cache vs HF generate (greedy), batch 1 and 8
+  patching      TransformerLens's patching sweep on our model vs on its bridge
+  real_model    SmolLM2-135M from GGUF: load time and peak memory, forward vs transformers
   gpu           the same on CUDA, plus the Triton streaming kernel vs SDPA flash (skipped without CUDA)
 
 examples:

@@ -10,6 +10,7 @@ EPILOG = """examples:
   interp sweep attn-only-2l --out out/x --executor ray                      # starts a local Ray cluster
   interp sweep runs/big --out out/big --executor ray --ray-address auto     # joins `ray start --head`
   interp sweep attn-only-2l --out out/x --data repeated_random --seq-len 128 --n-seqs 32
+  interp sweep EleutherAI/pythia-70m --revisions step0:143000:13000 --data repeated_random --out out/pythia
 
 A RUN is a zoo name, a run folder (run.json or checkpoint sub-folders, ours or Hugging Face, e.g.
 step1000/ step2000/ ...), or one checkpoint folder. Rerunning with the same --out resumes: finished
@@ -52,7 +53,11 @@ def add_sweep_options(p) -> None:
 def add_arguments(p) -> None:
     from interp.analyses.executors import EXECUTOR_KINDS
 
-    p.add_argument("runs", nargs="+", metavar="RUN", help="zoo name, run folder, or checkpoint folder")
+    p.add_argument("runs", nargs="+", metavar="RUN",
+                   help="zoo name, run folder, checkpoint folder, .gguf file, real-model name, or Hugging Face repo id")
+    p.add_argument("--revisions", default=None,
+                   help="with one Hugging Face repo id: the revisions to sweep, e.g. step1000,step2000, a range "
+                        "step0:143000:1000 (stop inclusive), or @file with one per line")
     add_sweep_options(p)
     ex = p.add_argument_group("execution")
     ex.add_argument("--executor", choices=EXECUTOR_KINDS, default="local",
@@ -82,14 +87,38 @@ def run_sweep(args, runs, executor=None, last_only: bool = False) -> int:
 
     from interp.analyses.sweep import SettingsMismatch, sweep
 
+    from interp.loading import ModelNotFound
+
     try:
+        runs = [_run_of(r, getattr(args, "revisions", None), last_only) for r in runs]
         settings = settings_from_args(args)
         result = sweep(runs, args.out, settings, executor, force=args.force, last_only=last_only,
                        progress=not args.no_progress, report=not args.no_report)
-    except (SettingsMismatch, ValueError, FileNotFoundError) as e:
+    except (SettingsMismatch, ValueError, FileNotFoundError, ModelNotFound, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 1 if result.errors else 0
+
+
+def _run_of(spec: str, revisions: str | None, last_only: bool):
+    """What the sweep driver gets for one RUN argument: the string itself where `runs.discover` reads
+    it (folders, zoo names), else a resolved `Run` (Hub revisions, repo ids, real models, GGUF files)."""
+    from pathlib import Path
+
+    from interp.loading import parse_revisions, resolve, revisions_run
+    from interp.models.runs import Checkpoint, Run
+    from interp.models.zoo import resolve as zoo_resolve
+
+    if revisions is not None:
+        if Path(spec).exists() or "/" not in spec:
+            raise ValueError(f"--revisions needs a Hugging Face repo id (org/name), got {spec!r}")
+        return revisions_run(spec, parse_revisions(revisions))
+    if (Path(spec).exists() and Path(spec).suffix != ".gguf") or zoo_resolve(spec) is not None:
+        return spec
+    path = resolve(spec)
+    name = spec.rstrip("/")
+    return Run(name, spec, (Checkpoint(run=name, name=path.stem if path.is_file() else "main", step=None,
+                                       path=str(path)),))
 
 
 def run(args) -> int:

@@ -1,0 +1,130 @@
+"""A real pretrained model: SmolLM2-135M-Instruct from its GGUF file, ours vs transformers.
+
+    python -m interp.benchmarks.real_model                   # load + forward at 1x1024 and 4x256
+    interp bench --sections real_model
+
+Loading: each loader runs in a fresh process (`interp.load("smollm2-135m")`; transformers'
+`from_pretrained(folder, gguf_file=...)` with dtype float32), which reports its wall time and the
+growth of its peak resident set over the process after imports (`ru_maxrss`, high-water mark
+reset first), beside the size of the fp32 weights. Forward: both models in this process, same
+tokens, logits checked first, median of timed rounds (transformers with `sdpa` attention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import torch
+
+from .report import Options, Section, Table
+from .timing import compare_times, fmt_bytes, format_table, machine_summary
+
+_LOAD_SCRIPT = """
+import json, resource, sys, time
+import torch
+which = sys.argv[1]
+if which == "ours":
+    import interp
+    from interp.loading import real_model_file
+    f = real_model_file("smollm2-135m")
+else:
+    from transformers import AutoModelForCausalLM
+    import interp.loading
+    f = interp.loading.real_model_file("smollm2-135m")
+try:
+    open("/proc/self/clear_refs", "w").write("5")  # reset the high-water mark (Linux)
+except OSError:
+    pass
+base = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
+start = time.perf_counter()
+if which == "ours":
+    model = interp.load("smollm2-135m")
+else:
+    model = AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name, dtype=torch.float32)
+seconds = time.perf_counter() - start
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+params = sum(p.numel() for p in model.parameters())
+print(json.dumps({"seconds": seconds, "peak": peak, "weights": params * 4}))
+"""
+
+
+def load_cell(which: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", _LOAD_SCRIPT, which], capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"loading with {which} failed: {proc.stderr.strip().splitlines()[-1:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def forward_rows(opts: Options, shapes=((1, 1024), (4, 256))) -> tuple[list[list], list[str]]:
+    import interp
+    from interp.loading import real_model_file
+    from transformers import AutoModelForCausalLM
+
+    f = real_model_file("smollm2-135m")
+    ours = interp.load("smollm2-135m")
+    hf = AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name, dtype=torch.float32, attn_implementation="sdpa").eval()
+    gen = torch.Generator().manual_seed(0)
+    rows, notes = [], []
+    with torch.no_grad():
+        probe = torch.randint(0, ours.cfg.d_vocab, (1, 64), generator=gen)
+        notes.append(f"max |logit difference| ours vs transformers on the same GGUF: {(ours(probe) - hf(probe).logits).abs().max():.1e}")
+        for batch, seq in shapes:
+            tokens = torch.randint(0, ours.cfg.d_vocab, (batch, seq), generator=gen)
+            t, rounds = compare_times({"ours": lambda: ours(tokens), "hf": lambda: hf(tokens, use_cache=False)},
+                                      opts.repeats, opts.warmup, opts.budget, opts.min_repeats, opts.clock)
+            rows.append([f"{batch}x{seq}", t["ours"] * 1e3, t["hf"] * 1e3, t["ours"] / t["hf"], rounds])
+    return rows, notes
+
+
+def section(opts: Options) -> Section:
+    from interp.loading import ModelNotFound, real_model_file
+
+    try:
+        real_model_file("smollm2-135m")
+    except ModelNotFound as e:
+        return Section("real_model", "A real model: SmolLM2-135M from GGUF", skipped=str(e))
+    loads = {w: load_cell(w) for w in ("ours", "transformers")}
+    load_rows = [[w, r["seconds"], fmt_bytes(r["peak"]), fmt_bytes(r["weights"]), r["peak"] / r["weights"]]
+                 for w, r in loads.items()]
+    shapes = ((1, 64), (2, 32)) if opts.quick else ((1, 1024), (4, 256))
+    fwd, notes = forward_rows(opts, shapes)
+    s = Section(
+        "real_model", "A real model: SmolLM2-135M-Instruct (Q4_1 GGUF), ours vs transformers",
+        intro=__doc__.split("\n\n", 2)[2].strip(),
+        tables=[
+            Table("Loading the GGUF file (fresh process each)", ["loader", "seconds", "peak RSS growth", "fp32 weights",
+                                                                 "peak / weights"], load_rows),
+            Table("Forward, float32", ["batch x seq", "ours ms", "HF sdpa ms", "ours / HF", "rounds"], fwd),
+        ],
+        notes=notes,
+    )
+    s.headline = [f"SmolLM2-135M: loads in {loads['ours']['seconds']:.1f} s (transformers {loads['transformers']['seconds']:.1f} s); "
+                  f"forward ours/HF = " + ", ".join(f"{r[3]:.2f} at {r[0]}" for r in fwd)]
+    return s
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m interp.benchmarks.real_model", description=__doc__.split("\n")[0])
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    opts = Options.quick_config() if args.quick else Options()
+    from .timing import default_clock
+
+    opts = opts.replace(clock=default_clock(opts.device, torch.get_num_threads()))
+    s = section(opts)
+    print(s.markdown())
+    print(f"\n{machine_summary()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+__all__ = ["format_table", "load_cell", "section"]
