@@ -79,7 +79,10 @@ def _read_safetensors(file: Path) -> dict[str, Tensor]:
         ) from e
 
 
-def build_model(cfg: ModelConfig, sd: dict[str, Tensor], source: str, dtype, device) -> HookedTransformer:
+def build_model(cfg: ModelConfig, sd: dict[str, Tensor], source: str, dtype, device, *,
+                fresh: bool = False) -> HookedTransformer:
+    """A model holding the state dict `sd` (checked against the config's shapes). With `fresh` (the
+    tensors belong to no one else, e.g. just read from a file), the model adopts them without a copy."""
     with torch.device("meta"):
         model = HookedTransformer(cfg, seed=None)
     expected = {k: v.shape for k, v in model.state_dict().items()}
@@ -92,8 +95,15 @@ def build_model(cfg: ModelConfig, sd: dict[str, Tensor], source: str, dtype, dev
     for k, shape in expected.items():
         if tuple(sd[k].shape) != tuple(shape):
             raise CheckpointError(f"tensor {k!r} in {source} has shape {tuple(sd[k].shape)}, the config implies {tuple(shape)}")
-    model = model.to_empty(device=device or "cpu")
-    model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}, strict=True)
+    if fresh:
+        target = torch.device(device or "cpu")
+        owned = {k: (v.to(device=target, dtype=dtype) if v.is_floating_point() else v.to(target)).contiguous()
+                 for k, v in sd.items()}
+        sd.clear()  # the caller's dict: its tensors now belong to the model
+        model.load_state_dict(owned, strict=True, assign=True)
+    else:
+        model = model.to_empty(device=device or "cpu")
+        model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}, strict=True)
     model.to(dtype)
     # Buffers (rotary frequencies, sinusoidal tables, ALiBi slopes) were on the meta device: rebuild them.
     _rebuild_buffers(model, cfg)

@@ -17,6 +17,7 @@ Supported: architectures llama, mistral, qwen2 (their metadata prefixes); every 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -144,45 +145,61 @@ def unpermute_rope_rows(w: Tensor, n_heads: int) -> Tensor:
     return w.reshape(n_heads, d // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def read_tensors(reader, config: dict, source: str, dtype: torch.dtype) -> dict[str, Tensor]:
-    """Every tensor, dequantized to `dtype`, under its Hugging Face llama name (Q/K un-permuted)."""
-    import gguf
+class _DequantizedOnRead(Mapping):
+    """{Hugging Face name: tensor}, each dequantized when read: the conversion's transposes and
+    concatenations then hold the only full-precision copy, so loading peaks near the size of the
+    fp32 weights instead of two or three times it."""
 
-    out: dict[str, Tensor] = {}
-    n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
-    for tensor in reader.tensors:
-        name = tensor.name
-        if name in _IGNORED:
-            continue
-        if name.startswith("blk."):
-            _, layer, rest = name.split(".", 2)
-            if rest not in _LAYER_NAMES:
+    def __init__(self, reader, config: dict, source: str, dtype: torch.dtype) -> None:
+        self.source, self.dtype = source, dtype
+        self.heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+        self.by_name = {}
+        for tensor in reader.tensors:
+            name = tensor.name
+            if name in _IGNORED:
+                continue
+            if name.startswith("blk.") and name.split(".", 2)[2] in _LAYER_NAMES:
+                _, layer, rest = name.split(".", 2)
+                self.by_name[f"model.layers.{layer}.{_LAYER_NAMES[rest]}"] = tensor
+            elif name in _GLOBAL_NAMES:
+                self.by_name[_GLOBAL_NAMES[name]] = tensor
+            else:
                 raise CheckpointError(f"{source}: tensor {name!r} has no place in a llama model (unsupported GGUF variant)")
-            hf = f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
-        elif name in _GLOBAL_NAMES:
-            hf = _GLOBAL_NAMES[name]
-        else:
-            raise CheckpointError(f"{source}: tensor {name!r} has no place in a llama model (unsupported GGUF variant)")
+
+    def __len__(self) -> int:
+        return len(self.by_name)
+
+    def __iter__(self):
+        return iter(self.by_name)
+
+    def __getitem__(self, key: str) -> Tensor:
+        import gguf
+
+        tensor = self.by_name[key]
+        name = tensor.name
         try:
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError as e:
             raise CheckpointError(
-                f"{source}: tensor {name!r} is stored as {tensor.tensor_type.name}, which the installed `gguf` "
+                f"{self.source}: tensor {name!r} is stored as {tensor.tensor_type.name}, which the installed `gguf` "
                 f"package cannot dequantize ({e}); upgrade it (pip install -U gguf) or re-quantize the model"
             ) from e
         except (ValueError, IndexError) as e:
-            raise CheckpointError(f"{source}: tensor {name!r} is damaged ({e}); the file is truncated or corrupt") from e
+            raise CheckpointError(f"{self.source}: tensor {name!r} is damaged ({e}); the file is truncated or corrupt") from e
         shape = tuple(int(x) for x in reversed(tensor.shape.tolist()))  # GGUF lists dims fastest-first
         array = np.asarray(array, dtype=np.float32)
         if not array.flags.writeable:  # F32 tensors come back as views of the read-only file map
             array = array.copy()
-        t = torch.from_numpy(array).reshape(shape).to(dtype)
-        if rest_is(name, "attn_q"):
-            t = unpermute_rope_rows(t, n_heads)
-        elif rest_is(name, "attn_k"):
-            t = unpermute_rope_rows(t, n_kv)
-        out[hf] = t
-    return out
+        t = torch.from_numpy(array).reshape(shape).to(self.dtype)
+        for kind, n in self.heads.items():
+            if rest_is(name, kind):
+                t = unpermute_rope_rows(t, n)
+        return t
+
+
+def read_tensors(reader, config: dict, source: str, dtype: torch.dtype) -> Mapping[str, Tensor]:
+    """Every tensor under its Hugging Face llama name, dequantized to `dtype` when read (Q/K un-permuted)."""
+    return _DequantizedOnRead(reader, config, source, dtype)
 
 
 def rest_is(name: str, kind: str) -> bool:
@@ -201,7 +218,7 @@ def load_gguf(path, *, dtype: torch.dtype = torch.float32, device=None, tokenize
     tensors = read_tensors(reader, config, source, dtype)
     sd = convert_weights(family, cfg, tensors, source)
     del tensors
-    model = build_model(cfg, sd, source, dtype, device)
+    model = build_model(cfg, sd, source, dtype, device, fresh=True)
     model.tokenizer = tokenizer if tokenizer is not None else gguf_tokenizer(reader, source)
     return model
 
