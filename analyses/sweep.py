@@ -152,26 +152,23 @@ def run_checkpoint(task: CheckpointTask) -> Iterator[PartEvent | ErrorEvent]:
 
 
 # ---- the driver ------------------------------------------------------------------------------
-def _own_version() -> str:
+def _installed(distribution: str) -> str | None:
+    """The installed version of a distribution, without importing it (transformers takes seconds)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version("interp")
+        return version(distribution)
     except PackageNotFoundError:
-        return "unknown"
+        return None
 
 
 def versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
     import torch
 
-    out = {"interp": _own_version(), "torch": torch.__version__, "pandas": pd.__version__,
+    out = {"interp": _installed("interp") or "unknown", "torch": torch.__version__, "pandas": pd.__version__,
            "python": platform.python_version()}
-    try:  # the installed version, without importing transformers (seconds)
-        out["transformers"] = version("transformers")
-    except PackageNotFoundError:
-        pass
+    if (transformers := _installed("transformers")) is not None:
+        out["transformers"] = transformers
     return out
 
 

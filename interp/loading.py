@@ -50,10 +50,6 @@ def load(name_or_path, *, revision: str | None = None, dtype: torch.dtype = torc
 
     Anything else raises `ModelNotFound` saying what was tried, with the closest name."""
     path = resolve(name_or_path, revision=revision)
-    if path.suffix == ".gguf":
-        from interp.models.gguf import load_gguf
-
-        return load_gguf(path, dtype=dtype, device=device, tokenizer=tokenizer)
     return load_checkpoint(path, dtype=dtype, device=device, tokenizer=tokenizer)
 
 

@@ -125,8 +125,8 @@ class Attention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.append(self.layer, k, v, q)
 
-        backend = self.backend_now()
         wants = self.hook_attn_scores.active or self.hook_pattern.active
+        backend = choose(self.backend, needs_pattern=wants)
         if wants and not backend.gives_pattern:
             raise RuntimeError(
                 f"layer {self.layer} is forced to the {backend.name} attention backend, which never materialises "

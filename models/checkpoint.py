@@ -99,7 +99,6 @@ def build_model(cfg: ModelConfig, sd: dict[str, Tensor], source: str, dtype, dev
         target = torch.device(device or "cpu")
         owned = {k: (v.to(device=target, dtype=dtype) if v.is_floating_point() else v.to(target)).contiguous()
                  for k, v in sd.items()}
-        sd.clear()  # the caller's dict: its tensors now belong to the model
         model.load_state_dict(owned, strict=True, assign=True)
     else:
         model = model.to_empty(device=device or "cpu")

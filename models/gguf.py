@@ -74,13 +74,6 @@ def _field(reader, key: str, default=None):
     return f.contents()
 
 
-def gguf_metadata(path) -> dict:
-    """The file's metadata as {key: value} (token lists left out), e.g. for `interp info`."""
-    reader = _reader(Path(path))
-    skip = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
-    return {k: _field(reader, k) for k in reader.fields if k not in skip and not k.startswith("GGUF.")}
-
-
 def hf_config(reader, source: str) -> dict:
     """A Hugging Face config dict from the metadata; raises on what the llama converter cannot represent."""
     arch = _field(reader, "general.architecture")
@@ -152,17 +145,17 @@ class _DequantizedOnRead(Mapping):
 
     def __init__(self, reader, config: dict, source: str, dtype: torch.dtype) -> None:
         self.source, self.dtype = source, dtype
-        self.heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-        self.by_name = {}
+        rope_heads = {"attn_q.weight": config["num_attention_heads"], "attn_k.weight": config["num_key_value_heads"]}
+        self.by_name = {}  # HF name -> (GGUF tensor, heads whose rows llama.cpp permuted, or None)
         for tensor in reader.tensors:
             name = tensor.name
             if name in _IGNORED:
                 continue
             if name.startswith("blk.") and name.split(".", 2)[2] in _LAYER_NAMES:
                 _, layer, rest = name.split(".", 2)
-                self.by_name[f"model.layers.{layer}.{_LAYER_NAMES[rest]}"] = tensor
+                self.by_name[f"model.layers.{layer}.{_LAYER_NAMES[rest]}"] = (tensor, rope_heads.get(rest))
             elif name in _GLOBAL_NAMES:
-                self.by_name[_GLOBAL_NAMES[name]] = tensor
+                self.by_name[_GLOBAL_NAMES[name]] = (tensor, None)
             else:
                 raise CheckpointError(f"{source}: tensor {name!r} has no place in a llama model (unsupported GGUF variant)")
 
@@ -175,7 +168,7 @@ class _DequantizedOnRead(Mapping):
     def __getitem__(self, key: str) -> Tensor:
         import gguf
 
-        tensor = self.by_name[key]
+        tensor, rope_heads = self.by_name[key]
         name = tensor.name
         try:
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
@@ -191,19 +184,7 @@ class _DequantizedOnRead(Mapping):
         if not array.flags.writeable:  # F32 tensors come back as views of the read-only file map
             array = array.copy()
         t = torch.from_numpy(array).reshape(shape).to(self.dtype)
-        for kind, n in self.heads.items():
-            if rest_is(name, kind):
-                t = unpermute_rope_rows(t, n)
-        return t
-
-
-def read_tensors(reader, config: dict, source: str, dtype: torch.dtype) -> Mapping[str, Tensor]:
-    """Every tensor under its Hugging Face llama name, dequantized to `dtype` when read (Q/K un-permuted)."""
-    return _DequantizedOnRead(reader, config, source, dtype)
-
-
-def rest_is(name: str, kind: str) -> bool:
-    return name.startswith("blk.") and name.split(".", 2)[2].startswith(kind + ".")
+        return t if rope_heads is None else unpermute_rope_rows(t, rope_heads)
 
 
 def load_gguf(path, *, dtype: torch.dtype = torch.float32, device=None, tokenizer=None) -> HookedTransformer:
@@ -215,7 +196,7 @@ def load_gguf(path, *, dtype: torch.dtype = torch.float32, device=None, tokenize
     config = hf_config(reader, source)
     family = get_family(config["model_type"])
     cfg = family.config(config)
-    tensors = read_tensors(reader, config, source, dtype)
+    tensors = _DequantizedOnRead(reader, config, source, dtype)
     sd = convert_weights(family, cfg, tensors, source)
     del tensors
     model = build_model(cfg, sd, source, dtype, device, fresh=True)
