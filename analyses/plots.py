@@ -169,23 +169,16 @@ def _grid(table: pd.DataFrame, metric: str) -> np.ndarray:
     return part.pivot_table(index="layer", columns="head", values="value", aggfunc="mean").to_numpy()
 
 
-LABELS = {
-    "previous_token": "previous-token (detect_head, data)",
-    "duplicate_token": "duplicate-token (detect_head, data)",
-    "induction": "induction (detect_head, data)",
-    "induction_score": "induction (Olsson, repeated random)",
-    "sink_alpha": "attention to token 0 (sink)",
-}
-
-
-def head_heatmaps(table: pd.DataFrame, metrics: list[str], title: str):
-    """Layers x heads heatmaps of `metrics` at one checkpoint (the analyzers' plot_head_scores)."""
+def head_heatmaps(table: pd.DataFrame, metrics: list[str], title: str, labels: dict | None = None):
+    """Layers x heads heatmaps of `metrics` at one checkpoint (the analyzers' plot_head_scores);
+    `labels` maps a metric to its panel title (default: the metric's name)."""
+    labels = labels or {}
     part = table[table["metric"].isin(metrics) & table["layer"].notna()]
     if part.empty:
         return None
     present = [m for m in metrics if m in set(part["metric"])]
-    labels = [LABELS.get(m, m) for m in present]
-    kind = pd.Categorical(part["metric"].astype(str).map(lambda m: LABELS.get(m, m)), labels)
+    kind = pd.Categorical(part["metric"].astype(str).map(lambda m: labels.get(m, m)),
+                          [labels.get(m, m) for m in present])
     frame = pd.DataFrame({"layer": part["layer"].astype(int), "head": part["head"].astype(int), "kind": kind,
                           "score": part["value"]})
     return plot_head_scores(frame.sort_values("kind"), "score", facet="kind", title=title)
@@ -286,13 +279,8 @@ def sinks_per_layer(table: pd.DataFrame):
     return fig
 
 
-def pruning_curves(table: pd.DataFrame):
-    """Loss against the fraction of heads pruned, one line per order (importance vs random)."""
-    from .registry import parse_pruning_metric  # the registry imports the analyzers (and torch)
-
-    parsed = [(parse_pruning_metric(m), v) for m, v in zip(table["metric"], table["value"])]
-    points = pd.DataFrame([(o, f, v) for p, v in parsed if p is not None for o, f in [p]],
-                          columns=["order", "fraction", "loss"])
+def pruning_curves(points: pd.DataFrame):
+    """Loss against the fraction of heads pruned, one line per order: `points` [order, fraction, loss]."""
     if points.empty:
         return None
     fig = _notebook_figure()(figsize=(6, 3.6))

@@ -1,0 +1,142 @@
+"""What an analysis declares, once: `Analysis(name, run, metrics, section, ...)`.
+
+`run` is the adapter a sweep calls per checkpoint: it takes a `Context` (one loaded checkpoint, the
+sweep's tokens, a memo shared by the adapters of that checkpoint) and returns long rows `layer,
+head, metric, value` (layer/head <NA> for per-model metrics); the sweep adds run/checkpoint/step.
+`metrics` name what it returns, with their shape (per head, layer or model) and how the report
+uses them (a heatmap at the last checkpoint, a curve across checkpoints, a headline fact).
+`section` is its report section: an id, a title and `render(view) -> blocks` drawing its own plot.
+The report iterates the registry; it knows nothing about any one analysis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Callable, Literal, Mapping, Sequence
+
+import pandas as pd
+from torch import Tensor
+
+
+@dataclass
+class Context:
+    """One loaded checkpoint and the sweep's data; `once` shares work between adapters of it."""
+
+    model: object
+    tokens: Tensor
+    data: object  # the sweep's DataSpec
+    checkpoint: object = None  # the `runs.Checkpoint` being analysed
+    memo: dict = field(default_factory=dict)
+
+    def once(self, key: str, compute: Callable[[], object]):
+        if key not in self.memo:
+            self.memo[key] = compute()
+        return self.memo[key]
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    per: Literal["head", "layer", "model"]
+    source: str  # how it is computed, for the docs and the report
+    label: str = ""  # a figure's panel title; defaults to the name
+    heatmap: bool = False  # a layer x head panel of the report's "head scores" figure
+    curve: bool = False  # followed across checkpoints (best head) in the report's curves
+    headline: bool = False  # its best head is named in the summary
+
+
+@dataclass
+class RunView:
+    """What a report section sees: the results of one run and the sweep's settings."""
+
+    run: str
+    table: pd.DataFrame  # every row of the run
+    last: pd.DataFrame  # rows of the last checkpoint that has each metric
+    settings: dict
+    prefix: str  # "run: " when a report has several runs, else ""
+    slug: str  # file-name-safe run name, for figure names
+    where: str  # "step N" or "the last checkpoint"
+
+    def params(self, analysis: str) -> dict:
+        return self.settings.get("params", {}).get(analysis, {})
+
+    def figure(self, fig, name: str, caption: str = ""):
+        from ..document import png
+
+        return png(fig, f"{self.slug}_{name}.png", caption)
+
+
+@dataclass(frozen=True)
+class ReportSection:
+    id: str  # the HTML anchor
+    title: str
+    render: Callable[[RunView], list]  # paragraphs (str), tables (DataFrame), images; None entries dropped
+
+
+@dataclass(frozen=True)
+class Analysis:
+    name: str
+    run: Callable[[Context], pd.DataFrame]
+    description: str
+    params: Mapping = field(default_factory=lambda: MappingProxyType({}))
+    expensive: bool = False  # a forward pass per head or more: by default on the last checkpoint only
+    metrics: tuple[Metric, ...] = ()
+    section: ReportSection | None = None
+
+
+ANALYSES: dict[str, Analysis] = {}
+
+
+def register(analysis: Analysis) -> Analysis:
+    """Add an analysis; registration order is the order of the report's sections."""
+    ANALYSES[analysis.name] = analysis
+    return analysis
+
+
+def metrics(where: Callable[[Metric], bool] = lambda m: True, analyses: Sequence[str] | None = None) -> list[Metric]:
+    """Declared metrics (of the named analyses, in registry order) that satisfy `where`."""
+    names = list(ANALYSES) if analyses is None else [a for a in ANALYSES if a in analyses]
+    seen, out = set(), []
+    for name in names:
+        for m in ANALYSES[name].metrics:
+            if where(m) and m.name not in seen:
+                seen.add(m.name)
+                out.append(m)
+    return out
+
+
+def resolve_analyses(names: Sequence[str]) -> tuple[str, ...]:
+    """Check analysis names against the registry (clear error listing the known ones)."""
+    unknown = [n for n in names if n not in ANALYSES]
+    if unknown:
+        raise ValueError(f"unknown analyses {unknown}; choose from {sorted(ANALYSES)}")
+    if not names:
+        raise ValueError(f"no analyses chosen; choose from {sorted(ANALYSES)}")
+    return tuple(names)
+
+
+# ---- long rows ---------------------------------------------------------------------------------
+def rows(layer, head, metric, value) -> pd.DataFrame:
+    """Long rows; scalars broadcast, None layer/head mean a per-model metric."""
+    frame = pd.DataFrame({"layer": layer, "head": head, "metric": metric, "value": value},
+                         index=None if isinstance(value, (list, tuple, pd.Series)) else [0])
+    return frame.astype({"layer": "Int64", "head": "Int64", "metric": "string", "value": "float64"})
+
+
+def per_head(frame: pd.DataFrame, column: str, metric: str) -> pd.DataFrame:
+    """Rows for the per-head `column` of an analyzer frame [layer, head, ..., column]."""
+    return rows(frame["layer"].tolist(), frame["head"].tolist(), metric, frame[column].astype(float).tolist())
+
+
+def per_model(metric: str, value: float) -> pd.DataFrame:
+    return rows(None, None, metric, float(value))
+
+
+def concat(*frames: pd.DataFrame) -> pd.DataFrame:
+    return pd.concat(frames, ignore_index=True)
+
+
+def head_rows(last: pd.DataFrame, prefix: str) -> pd.DataFrame:
+    """Per-head rows of `last` whose metric starts with `prefix`."""
+    return last[last["metric"].str.startswith(prefix) & last["layer"].notna()]
