@@ -223,24 +223,28 @@ def induction_scores(
 # ---- in-context learning score (Olsson et al. 2022) ---------------------------------------------
 
 
-def icl_score(model, tokens, early: int = 50, late: int = 500, *, attention_mask: Tensor | None = None) -> pd.DataFrame:
+def icl_score(model, tokens, early: int = 50, late: int | None = None, *,
+              attention_mask: Tensor | None = None) -> pd.DataFrame:
     """Olsson et al. (2022)'s in-context learning score: the loss on the token at index `late` minus
     the loss on the token at index `early` (0-based positions in the context; the loss of token t is
     the cross-entropy of predicting it from tokens[:t]), averaged over sequences.
 
-    Sign: NEGATIVE means in-context learning (later tokens are predicted better). `late` is clipped
-    to the last position of the context (reported in the `late` column); early must be in [1, late).
+    Sign: NEGATIVE means in-context learning (later tokens are predicted better). `late=None` is the
+    last position of the sequences (Olsson et al. use 500 on 512-token contexts); a `late` beyond the
+    sequences is an error, never clipped. early must be in [1, late).
     With `attention_mask`, sequences where either token is padding are skipped.
 
     Returns one row: early, late, loss_early, loss_late, icl_score, n_sequences."""
     tokens = token_batch(model, tokens)
     n = tokens.shape[1]
-    late = min(late, n - 1)
+    if late is None:
+        late = n - 1
+    if late > n - 1:
+        raise ValueError(f"late={late} is beyond the {n}-token sequences (last position {n - 1}); use longer "
+                         f"sequences, or late=None for the last position")
     if not 1 <= early < late:
-        raise ValueError(
-            f"need 1 <= early < late within the context; got early={early}, late={late} (clipped to the "
-            f"{n}-token context). Use longer sequences or a smaller `early`."
-        )
+        raise ValueError(f"need 1 <= early < late within the {n}-token sequences; got early={early}, late={late}. "
+                         "Use longer sequences or a smaller `early`.")
     valid = valid_mask(tokens, attention_mask)
     with torch.no_grad():
         nll = model(tokens, return_type="loss", loss_per_token=True, attention_mask=attention_mask)

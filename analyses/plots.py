@@ -279,17 +279,24 @@ def sinks_per_layer(table: pd.DataFrame):
     return fig
 
 
-def pruning_curves(points: pd.DataFrame):
-    """Loss against the fraction of heads pruned, one line per order: `points` [order, fraction, loss]."""
+def pruning_curves(points: pd.DataFrame, threshold: float | None = None):
+    """Loss against the fraction of heads pruned: `points` [order, seed, fraction, loss], one line per
+    order; an order with several seeds is drawn as its mean with the min-max band; `threshold` dotted."""
     if points.empty:
         return None
-    fig = _notebook_figure()(figsize=(6, 3.6))
+    fig = _notebook_figure()(figsize=(6.4, 3.8))
     ax = fig.subplots()
     for order, curve in points.groupby("order"):
-        curve = curve.sort_values("fraction")
-        ax.plot(curve["fraction"], curve["loss"], marker="o", markersize=3, label=f"{order} order")
+        stats = curve.groupby("fraction")["loss"].agg(["mean", "min", "max", "size"]).sort_index()
+        seeds = curve["seed"].nunique() if "seed" in curve else 1
+        line, = ax.plot(stats.index, stats["mean"], marker="o", markersize=3,
+                        label=f"{order} order" + (f" (mean of {seeds} seeds)" if seeds > 1 else ""))
+        if seeds > 1:
+            ax.fill_between(stats.index, stats["min"], stats["max"], color=line.get_color(), alpha=0.2)
+    if threshold is not None:
+        ax.axhline(threshold, color="gray", linestyle=":", linewidth=1, label="+5% of the clean loss")
     ax.set_xlabel("fraction of heads pruned")
-    ax.set_ylabel("loss")
+    ax.set_ylabel("held-out loss")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     ax.set_title("pruning curve (Michel et al. 2019)", fontsize=10)
@@ -318,5 +325,30 @@ def attribution_scatter(table: pd.DataFrame):
     corr = {m: table.loc[table["metric"] == f"attribution_{m}", "value"] for m in ("pearson", "spearman")}
     r = ", ".join(f"{m} {float(v.iloc[0]):+.2f}" for m, v in corr.items() if len(v))
     ax.set_title("attribution patching vs exact ablation" + (f"\n({r})" if r else ""), fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def position_losses(points: pd.DataFrame, bin_size: int | None = None):
+    """Loss against position, one line per (setting, window): `points` [setting, window, position,
+    loss]; losses averaged over bins of `bin_size` positions (default: ~64 bins) to tame the noise."""
+    if points.empty:
+        return None
+    n = int(points["position"].max()) + 1
+    bin_size = bin_size or max(1, n // 64)
+    fig = _notebook_figure()(figsize=(7.5, 3.8))
+    ax = fig.subplots()
+    for (setting, window), curve in points.groupby(["setting", "window"], sort=False):
+        binned = curve.groupby(curve["position"] // bin_size * bin_size)["loss"].mean()
+        label = setting if not window else f"{setting} (window {window})"
+        ax.plot(binned.index, binned.to_numpy(), linewidth=1.2, label=label,
+                linestyle="-" if setting != "window" else "--")
+    for window in sorted({int(w) for w in points["window"] if w}):
+        ax.axvline(window, color="gray", linewidth=0.6, alpha=0.6)
+    ax.set_xlabel("position in the stream")
+    ax.set_ylabel(f"next-token loss (mean over {bin_size} positions)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.set_title("StreamingLLM: loss per position (grey lines: window sizes)", fontsize=10)
     fig.tight_layout()
     return fig

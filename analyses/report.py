@@ -7,8 +7,9 @@ Sections, in order (HTML ids in brackets): summary [summary], errors and skipped
 section per registered analysis that declares one (`analyses/registry/`, in registration order:
 sinks, ablation, pruning, attribution), and settings [settings]. This module knows no analysis by
 name: the head-score figure takes every metric declared `heatmap`, the curves every metric declared
-`curve`, the summary every `headline` metric. A section whose analysis was not run says so, rather
-than vanishing, so every report has the same shape. With several runs, per-run sections repeat per run.
+`curve`, the summary every `headline` metric. Sections without data are left out: an analysis that
+was not run, and the across-checkpoint figures of a single checkpoint (`interp analyze`), whose
+report is titled "head atlas". With several runs, per-run sections repeat per run.
 
 Phase change (`phase_change`): over consecutive checkpoints, the step interval where the maximum
 induction score (Olsson et al.'s, on repeated random tokens) of heads outside layer 0 rises fastest
@@ -76,8 +77,16 @@ def _top_head(last: pd.DataFrame, metric: str) -> str | None:
     return f"{head_name(r['layer'], r['head'])} ({r['value']:.3f})"
 
 
-def _not_run(analysis: str) -> str:
-    return f"Not run in this sweep: add `{analysis}` to `--analyses`."
+def _ranked(last: pd.DataFrame, names: list[str], top: int = 10) -> pd.DataFrame | None:
+    """The `top` heads per metric, named L{layer}H{head} with their score, one column per metric."""
+    cols = {}
+    for m in names:
+        part = last[(last["metric"] == m) & last["layer"].notna()].nlargest(top, "value")
+        cols[m] = [f"{head_name(r.layer, r.head)} ({r.value:.3f})" for r in part.itertuples()]
+    if not cols:
+        return None
+    n = max(len(c) for c in cols.values())
+    return pd.DataFrame({"rank": range(1, n + 1), **{m: c + [""] * (n - len(c)) for m, c in cols.items()}})
 
 
 def _view(table: pd.DataFrame, run: str, several: bool, settings: dict) -> RunView:
@@ -101,18 +110,20 @@ def build_sections(out) -> tuple[str, list[Section]]:
     analyses = settings.get("analyses", [])
     runs = list(settings.get("runs", {})) or sorted(table["run"].dropna().unique())
     views = [_view(table, run, len(runs) > 1, settings) for run in runs]
+    single = all(len(settings.get("runs", {}).get(r, {}).get("checkpoints", [])) <= 1 for r in runs) and \
+        table.groupby("run")["checkpoint"].nunique().le(1).all()
     sections = [_summary(settings, table, errors, timing, store, views), _errors(errors)]
-    across = {sid: Section(sid, title) for sid, title in _ACROSS}
-    own = {a.name: Section(a.section.id, a.section.title) for a in ANALYSES.values() if a.section}
+    across = {sid: Section(sid, title) for sid, title in _ACROSS if not (single and sid != "heatmaps")}
+    own = {a.name: Section(a.section.id, a.section.title) for a in ANALYSES.values() if a.section and a.name in analyses}
     for v in views:
         _across_checkpoints(across, v, analyses)
         for name, section in own.items():
-            section.add(*(ANALYSES[name].section.render(v) if name in analyses else [_not_run(name)]))
+            section.add(*ANALYSES[name].section.render(v))
     sections += list(across.values()) + list(own.values())
     sections.append(Section("settings", "Settings").add(
         "The settings every result in this folder was computed with (`settings.json`).",
         "```\n" + json.dumps(settings, indent=2) + "\n```"))
-    return f"interp sweep: {', '.join(runs)}", sections
+    return f"{'head atlas' if single else 'interp sweep'}: {', '.join(runs)}", sections
 
 
 def _summary(settings, table, errors, timing, store, views: list[RunView]) -> Section:
@@ -146,13 +157,20 @@ def _summary(settings, table, errors, timing, store, views: list[RunView]) -> Se
         facts = [f"{m} {h}" for m in headline if (h := _top_head(v.last, m))]
         icl = _per_model(v.table, "icl_score")
         if not icl.empty:
-            facts.append(f"ICL score {icl['value'].iloc[-1]:+.3f} at step {icl['step'].iloc[-1]}")
+            where = {m: _per_model(v.table, f"icl_{m}_position")["value"] for m in ("early", "late")}
+            at = (f" (loss at token {int(where['late'].iloc[-1])} minus token {int(where['early'].iloc[-1])})"
+                  if all(len(w) for w in where.values()) else "")
+            step = icl["step"].iloc[-1]
+            facts.append(f"ICL score {icl['value'].iloc[-1]:+.3f}{at}" + (f" at step {int(step)}" if pd.notna(step) else ""))
         phase = phase_change(v.table)
         if phase:
             facts.append(f"phase change between steps {phase['start']} and {phase['end']} "
                          f"(max induction score {phase['score_before']:.2f} -> {phase['score_after']:.2f})")
         if facts:
             s.add(f"{row['run']}: best heads at the last checkpoint: " + "; ".join(facts) + ".")
+    missing = [a for a in ANALYSES if a not in settings.get("analyses", []) and ANALYSES[a].section]
+    if missing:
+        s.add("Not run here (add to --analyses): " + ", ".join(f"`{a}`" for a in missing) + ".")
     s.add(f"Versions: {', '.join(f'{k} {v}' for k, v in settings.get('versions', {}).items())}. "
           f"Report written {time.strftime('%Y-%m-%d %H:%M:%S')}.")
     return s
@@ -176,9 +194,12 @@ def _across_checkpoints(sec: dict, v: RunView, analyses: list) -> None:
         f"{v.prefix}Layers (rows) x heads (columns) at {v.where}. "
         + " ".join(f"{a}: {ANALYSES[a].description}." for a in described)
         if heat else f"{v.prefix}No head scores: run previous_token, duplicate_token, induction or sinks (or see Errors).",
+        _ranked(v.last, [m.name for m in heat]) if heat else None,
         v.figure(plots.head_heatmaps(v.last, [m.name for m in heat], f"{v.run} at {v.where}",
                                      {m.name: m.label or m.name for m in heat}), "heatmaps") if heat else None)
 
+    if "curves" not in sec:  # a single checkpoint: nothing across checkpoints
+        return
     fig = plots.small_multiples(v.table, "induction_score")
     sec["small-multiples"].add(
         f"{v.prefix}Olsson et al.'s induction score of every head at each checkpoint (shared colour scale)." if fig

@@ -10,24 +10,16 @@ sliding window.
   ||v_k|| of each sink key is reported next to the mean norm of the other keys.
   Exact and O(pos) memory: one fused forward; per layer, each row's log-sum-exp and then only the
   columns k < n_sink of the pattern (`interp.models.stats`).
-* `window_eval` is the StreamingLLM experiment (Xiao et al. 2023, "Efficient Streaming Language
-  Models with Attention Sinks"): the loss with sliding-window attention, without and with the first
-  n_sink tokens kept visible, evaluated through the KV cache (`model.new_kv_cache(..., n_sink=...)`,
-  mask: j <= p and (p - j < window or j < n_sink)). Positions stay the original ones (our cache keeps
-  keys after RoPE, so StreamingLLM's re-numbering of positions inside the cache is not reproduced).
+* StreamingLLM (what keeping the sinks buys a sliding window) is in `analyses/streaming.py`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Iterator, Sequence
 
 import pandas as pd
 import torch
 from torch import Tensor
-
-from interp.models import lm_loss
 
 from ._common import kv_group, token_batch, valid_mask
 from interp.models.stats import _layer_geometry, attention_logsumexp, attention_weights_at, for_each_layer_qk
@@ -97,63 +89,4 @@ def sink_rate(frame: pd.DataFrame, epsilon: float | None = None) -> pd.DataFrame
     return out.rename(columns={"above": "sink_rate"}).assign(epsilon=eps)[["layer", "key", "sink_rate", "epsilon"]]
 
 
-# ---- StreamingLLM: sliding windows with and without sinks ---------------------------------------
-
-
-@contextlib.contextmanager
-def sliding_window(model, window: int | None) -> Iterator[None]:
-    """Give every attention layer the sliding window `window` (None: full attention) inside the block."""
-    saved = [b.attn.window for b in model.blocks]
-    try:
-        for b in model.blocks:
-            b.attn.window = window
-        yield
-    finally:
-        for b, w in zip(model.blocks, saved):
-            b.attn.window = w
-
-
-@torch.no_grad()
-def streaming_loss(
-    model, tokens: Tensor, window: int | None, n_sink: int = 0, *, chunk_size: int | None = None,
-    attention_mask: Tensor | None = None,
-) -> Tensor:
-    """Per-token next-token loss [batch, pos - 1] when every layer attends through a window of
-    `window` keys plus the first `n_sink` keys, fed through a KV cache `chunk_size` tokens at a time
-    (None: all at once; any chunking gives the same numbers, the mask being exact)."""
-    batch, n = tokens.shape
-    step = n if chunk_size is None else chunk_size
-    cache = model.new_kv_cache(batch, n, n_sink=n_sink)
-    with sliding_window(model, window):
-        logits = [
-            model(tokens[:, s : s + step], kv_cache=cache,
-                  attention_mask=None if attention_mask is None else attention_mask[:, s : s + step])
-            for s in range(0, n, step)
-        ]
-    valid = valid_mask(tokens, attention_mask)
-    return lm_loss(torch.cat(logits, dim=1), tokens, valid, per_token=True)
-
-
-def window_eval(
-    model, tokens, window: int | Sequence[int], n_sink: int = 4, *, chunk_size: int | None = None,
-    attention_mask: Tensor | None = None,
-) -> pd.DataFrame:
-    """StreamingLLM's comparison (Xiao et al. 2023, Table/Fig. 3): mean next-token loss with
-    full attention, with a sliding window of `window` keys ("window"), and with the window plus the
-    first `n_sink` tokens ("window+sink"). Several windows may be given.
-
-    Returns rows: setting, window, n_sink, loss, perplexity, n_tokens, chunk_size."""
-    tokens = token_batch(model, tokens)
-    windows = [window] if isinstance(window, int) else list(window)
-    if any(w < 1 for w in windows) or n_sink < 0:
-        raise ValueError(f"windows must be >= 1 and n_sink >= 0, got window={window}, n_sink={n_sink}")
-    valid = valid_mask(tokens, attention_mask)
-    pairs = (valid[:, :-1] & valid[:, 1:]).sum()
-    settings = [("full", None, 0)] + [(name, w, s) for w in windows for name, s in (("window", 0), ("window+sink", n_sink))]
-    rows = []
-    for name, w, s in settings:
-        nll = streaming_loss(model, tokens, w, s, chunk_size=chunk_size, attention_mask=attention_mask)
-        loss = float(nll.sum() / pairs)
-        rows.append(dict(setting=name, window=w, n_sink=s, loss=loss, perplexity=math.exp(loss),
-                         n_tokens=int(pairs), chunk_size=chunk_size))
-    return pd.DataFrame(rows)
+from .streaming import sliding_window, streaming_loss, window_eval  # noqa: E402,F401  (their old home)

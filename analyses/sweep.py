@@ -34,9 +34,12 @@ from .executors import ExecutorSettings, make_executor
 from .registry import ANALYSES, Context, resolve_analyses
 from interp.models.runs import Checkpoint, Run, discover
 from .store import LOAD, ResultStore
-from .sweep_data import DataSpec, build_tokens, prebuild_tokens, resolve_kind
+from .sweep_data import DataSpec, build_tokens, check_data, prebuild_tokens, resolve_kind
 
-DEFAULT_ANALYSES = ("induction", "previous_token", "duplicate_token", "sinks", "ablation", "pruning", "importance")
+DEFAULT_ANALYSES = ("induction", "previous_token", "duplicate_token", "sinks", "streaming", "composition", "ablation", "pruning",
+                    "importance")
+# `interp analyze`: the head atlas of one model, sized for a real one (no per-head exact ablation)
+ATLAS_ANALYSES = ("induction", "previous_token", "duplicate_token", "sinks", "streaming", "composition", "pruning")
 EXPENSIVE_ON = ("last", "all")
 _COLLECT_ABOVE_BYTES = 64 * 2**20
 
@@ -331,9 +334,10 @@ def _as_run(spec, last_only: bool) -> Run:
 def _resolve_data(settings: SweepSettings, runs: Sequence[Run]) -> SweepSettings:
     """Settle `data.kind == "auto"` before anything is recorded, so settings.json names real data."""
     kind = resolve_kind(settings.data.kind, [c.path for r in runs for c in r.checkpoints])
-    if kind == settings.data.kind:
-        return settings
-    return dataclasses.replace(settings, data=dataclasses.replace(settings.data, kind=kind))
+    if kind != settings.data.kind:
+        settings = dataclasses.replace(settings, data=dataclasses.replace(settings.data, kind=kind))
+    check_data(settings.data)
+    return settings
 
 
 def load_settings(out) -> dict:
@@ -343,5 +347,5 @@ def load_settings(out) -> dict:
     return json.loads(f.read_text())
 
 
-__all__ = ["CheckpointTask", "DEFAULT_ANALYSES", "SettingsMismatch", "SweepResult", "SweepSettings",
+__all__ = ["ATLAS_ANALYSES", "CheckpointTask", "DEFAULT_ANALYSES", "SettingsMismatch", "SweepResult", "SweepSettings",
            "plan", "run_checkpoint", "sweep"]

@@ -5,8 +5,14 @@ small, frozen and JSON-serialisable; `settings.json` records it, and `build_toke
 identical tensor in any process (local workers, Ray workers on other machines) from it alone.
 
 kinds:
-  auto             "corpus" when every checkpoint of the sweep is a byte-level zoo model, else
-                   "repeated_random"; settled (`resolve_kind`) before settings.json is written.
+  auto             "corpus" when every checkpoint of the sweep is a byte-level zoo model, "text"
+                   when every checkpoint has a real (subword) tokenizer, else "repeated_random";
+                   settled (`resolve_kind`) before settings.json is written.
+  text             real English prose: by default the Python Language Reference that ships with
+                   the standard library (`pydoc_data.topics`, ~465 KB: every topic, sorted by name,
+                   joined by blank lines), or the UTF-8 file at `path` (`--text-file`). Tokenized
+                   with the model's tokenizer, cut into consecutive `seq_len`-token windows (BOS
+                   first when the tokenizer has one), of which `n_seqs` are drawn with `seed`.
   repeated_random  `n_seqs` rows of `seq_len` tokens: a random half (uniform over the vocabulary,
                    from `seed`) followed by the same half again. Previous-token, duplicate-token
                    and induction behaviour all show on it (Olsson et al. 2022), and it needs no
@@ -34,8 +40,9 @@ from torch import Tensor
 
 from interp.models.tokenizer import ByteTokenizer, load_tokenizer
 
-DataKind = Literal["auto", "repeated_random", "corpus", "file"]
-DATA_KINDS = ("auto", "repeated_random", "corpus", "file")
+DataKind = Literal["auto", "repeated_random", "corpus", "file", "text"]
+DATA_KINDS = ("auto", "repeated_random", "corpus", "file", "text")
+DEFAULT_TEXT = "pydoc_data.topics"  # what kind="text" reads when no path is given
 
 
 @dataclass(frozen=True)
@@ -44,15 +51,17 @@ class DataSpec:
     n_seqs: int = 16
     seq_len: int = 256  # the zoo's context; a model with a shorter one is refused by build_tokens
     seed: int = 0
-    path: str | None = None  # token file, for kind="file"
+    path: str | None = None  # token file (kind="file"), or a UTF-8 text file (kind="text"; None: pydoc_data.topics)
 
     def __post_init__(self) -> None:
         if self.kind not in DATA_KINDS:
             raise ValueError(f"unknown data kind {self.kind!r}; choose one of {DATA_KINDS}")
         if self.n_seqs < 1 or self.seq_len < 4:
             raise ValueError(f"need n_seqs >= 1 and seq_len >= 4, got {self.n_seqs} x {self.seq_len}")
-        if (self.kind == "file") != (self.path is not None):
-            raise ValueError("kind='file' needs path=...; the other kinds take no path")
+        if self.kind == "file" and self.path is None:
+            raise ValueError("kind='file' needs path=... (token ids in .pt or .npy)")
+        if self.kind not in ("file", "text") and self.path is not None:
+            raise ValueError(f"kind={self.kind!r} takes no path; a path goes with kind 'file' (token ids) or 'text'")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -66,13 +75,15 @@ class DataSpec:
             "repeated_random": "random tokens repeated once (first half uniform over the vocabulary, second half a copy)",
             "corpus": "held-out windows of the zoo training corpus",
             "file": f"token ids from {self.path}",
+            "text": f"consecutive windows of {self.path or 'the Python Language Reference (pydoc_data.topics)'}",
             "auto": "chosen per sweep",
         }[self.kind]
         return f"{self.n_seqs} sequences x {self.seq_len} tokens, {what}, seed {self.seed}"
 
 
 def resolve_kind(kind: str, checkpoint_paths: list[str]) -> str:
-    """`kind`, with "auto" settled: "corpus" if every checkpoint has the zoo's byte tokenizer."""
+    """`kind`, with "auto" settled: "corpus" if every checkpoint has the zoo's byte tokenizer,
+    "text" if every one has a real tokenizer (a Hugging Face tokenizer file or a GGUF's)."""
     if kind != "auto":
         return kind
 
@@ -82,7 +93,41 @@ def resolve_kind(kind: str, checkpoint_paths: list[str]) -> str:
         except Exception:  # noqa: BLE001 - a broken tokenizer file just means "not the zoo's"
             return False
 
-    return "corpus" if checkpoint_paths and all(is_bytes(p) for p in checkpoint_paths) else "repeated_random"
+    def has_tokenizer(path: str) -> bool:
+        p = Path(path)
+        return p.suffix == ".gguf" or (p / "tokenizer.json").exists() or (p / "tokenizer_config.json").exists()
+
+    if checkpoint_paths and all(is_bytes(p) for p in checkpoint_paths):
+        return "corpus"
+    if checkpoint_paths and all(has_tokenizer(p) for p in checkpoint_paths):
+        return "text"
+    return "repeated_random"
+
+
+def read_text(path: str | None = None) -> str:
+    """The text of kind "text": the file at `path`, or the Python Language Reference (stdlib)."""
+    if path is None:
+        from pydoc_data.topics import topics
+
+        return "\n\n".join(topics[k] for k in sorted(topics))
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--text-file {path}: no such file") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--text-file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def check_data(spec: DataSpec) -> None:
+    """Cheap checks before any model is loaded: the data file exists and (for text) is long enough
+    that the windows can possibly fit (a token is at least one character)."""
+    if spec.path is not None and not Path(spec.path).is_file():
+        raise FileNotFoundError(f"data file {spec.path} does not exist")
+    if spec.kind == "text":
+        n = len(read_text(spec.path))
+        if n < spec.n_seqs * spec.seq_len:
+            raise ValueError(f"the text ({n} characters) is too short for {spec.n_seqs} sequences of {spec.seq_len} "
+                             "tokens; use a longer --text-file or fewer/shorter sequences (--n-seqs, --seq-len)")
 
 
 def prebuild_tokens(spec: DataSpec) -> Tensor | None:
@@ -103,7 +148,8 @@ def build_tokens(spec: DataSpec, model, prebuilt: Tensor | None = None) -> Tenso
     if cfg.positional in ("learned", "sinusoidal") and spec.seq_len > cfg.n_ctx:
         raise ValueError(f"the data's sequences ({spec.seq_len} tokens) are longer than this model's context "
                          f"(n_ctx={cfg.n_ctx}); pass --seq-len {cfg.n_ctx} (or less)")
-    tokens = prebuilt if prebuilt is not None else _cached(spec, cfg.d_vocab)
+    tokens = prebuilt if prebuilt is not None else (
+        _text(spec, model) if spec.kind == "text" else _cached(spec, cfg.d_vocab))
     if int(tokens.max()) >= cfg.d_vocab or int(tokens.min()) < 0:
         raise ValueError(f"the data ({spec.kind}) holds token ids outside this model's vocabulary [0, {cfg.d_vocab})")
     if spec.kind == "corpus" and not isinstance(model.tokenizer, ByteTokenizer):
@@ -139,6 +185,29 @@ def _file(spec: DataSpec, d_vocab: int | None) -> Tensor:
     if tokens.numel() < need:
         raise ValueError(f"{path} holds {tokens.numel()} tokens; the data spec needs {spec.n_seqs} x {spec.seq_len} = {need}")
     return tokens[:need].reshape(spec.n_seqs, spec.seq_len)
+
+
+def _text(spec: DataSpec, model) -> Tensor:
+    if model.tokenizer is None:
+        raise ValueError("data kind 'text' needs the model's tokenizer, and this model has none: use --data "
+                         "repeated_random or --data file")
+    return _text_windows(spec, model.tokenizer)
+
+
+@functools.lru_cache(maxsize=4)
+def _text_windows(spec: DataSpec, tokenizer) -> Tensor:
+    ids = tokenizer.encode(read_text(spec.path), add_special_tokens=False)
+    bos = getattr(tokenizer, "bos_token_id", None)
+    body = spec.seq_len - (bos is not None)
+    n_windows = len(ids) // body
+    if n_windows < spec.n_seqs:
+        raise ValueError(f"the text holds {len(ids)} tokens: {n_windows} windows of {spec.seq_len}, fewer than the "
+                         f"{spec.n_seqs} asked for; use a longer --text-file or fewer/shorter sequences")
+    chosen = torch.randperm(n_windows, generator=torch.Generator().manual_seed(spec.seed))[: spec.n_seqs].sort().values
+    windows = torch.tensor(ids[: n_windows * body], dtype=torch.long).view(n_windows, body)[chosen]
+    if bos is not None:
+        windows = torch.cat([torch.full((spec.n_seqs, 1), bos, dtype=torch.long), windows], dim=1)
+    return windows
 
 
 _BUILDERS = {"repeated_random": _repeated_random, "corpus": _corpus, "file": _file}

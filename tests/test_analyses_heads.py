@@ -151,13 +151,15 @@ def test_induction_scores_are_the_stripe_of_the_pattern():
 def test_icl_score_from_hand_computed_losses():
     model = build("learned")
     toks = tokens(3, 40, seed=8)
-    row = icl_score(model, toks, early=5, late=500).iloc[0]
+    row = icl_score(model, toks, early=5).iloc[0]  # late=None: the last position
     with torch.no_grad():
         logits = model(toks)
     nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), toks[:, 1:].flatten(), reduction="none").view(3, 39)
-    assert row["late"] == 39  # clipped to the context
+    assert row["late"] == 39
     assert row["loss_early"] == pytest.approx(float(nll[:, 4].mean()), abs=1e-5)  # token 5 <- tokens[:5]
     assert row["loss_late"] == pytest.approx(float(nll[:, 38].mean()), abs=1e-5)
     assert row["icl_score"] == pytest.approx(row["loss_late"] - row["loss_early"])
     with pytest.raises(ValueError, match="early < late"):
-        icl_score(model, toks, early=45, late=50)
+        icl_score(model, toks, early=39, late=39)
+    with pytest.raises(ValueError, match="late=500 is beyond the 40-token sequences"):
+        icl_score(model, toks, early=5, late=500)  # never clipped silently

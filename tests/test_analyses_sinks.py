@@ -101,7 +101,7 @@ def test_streaming_loss_equals_a_materialised_masked_attention(name):
 def test_window_eval_rows():
     model = build("rotary-gqa")
     toks = tokens(2, 24, seed=4)
-    frame = window_eval(model, toks, window=[4, 8], n_sink=2)
+    frame = window_eval(model, toks, window=[4, 8], n_sink=2, positions="original")
     assert list(frame["setting"]) == ["full", "window", "window+sink", "window", "window+sink"]
     with torch.no_grad():
         assert frame.loc[0, "loss"] == pytest.approx(float(model(toks, return_type="loss")), abs=1e-5)
@@ -113,3 +113,65 @@ def test_window_eval_rows():
     want = float(_masked_reference_loss(model, toks, 8, 2).mean())
     assert frame.loc[4, "loss"] == pytest.approx(want, abs=1e-5)
     assert (frame["perplexity"] - frame["loss"].map(math.exp)).abs().max() < 1e-6
+
+
+# ---- StreamingLLM as published: positions inside the rolling cache ------------------------------
+def _rolling_cache_by_hand(model, toks, window, n_sink):
+    """Xiao et al.'s streaming decode written out: one token at a time; per layer a cache of the
+    n_sink first and the `window` latest tokens (the current one included), keys kept before RoPE
+    and rotated by their slot in the cache, the query by its own (last) slot. Per-token losses."""
+    from interp.models.positions import Rotary
+
+    b, n = toks.shape
+    group = model.cfg.n_heads // model.cfg.kv_heads
+    caches = [[] for _ in model.blocks]
+    logits = []
+    with torch.no_grad():
+        for t in range(n):
+            resid = model.embed(toks[:, t : t + 1])
+            for l, block in enumerate(model.blocks):
+                x = block.ln1(resid)[:, 0]
+                q = torch.einsum("bd,hde->bhe", x, model.W_Q[l])
+                k = torch.einsum("bd,hde->bhe", x, model.W_K[l])
+                v = torch.einsum("bd,hde->bhe", x, model.W_V[l])
+                caches[l].append((k, v))
+                if len(caches[l]) > n_sink + window:
+                    del caches[l][n_sink]  # evict the oldest token that is not a sink
+                K = torch.stack([c[0] for c in caches[l]], 1)  # [b, slots, kv, dh], before RoPE
+                V = torch.stack([c[1] for c in caches[l]], 1)
+                slots = K.shape[1]
+                cos, sin = model.rotary.cos_sin(torch.arange(slots)[None].expand(b, slots), K.dtype)
+                K = Rotary.rotate(K, cos, sin).repeat_interleave(group, dim=2)
+                q = Rotary.rotate(q[:, None], cos[:, -1:], sin[:, -1:])[:, 0]  # the query's slot is the last
+                pattern = torch.softmax(torch.einsum("bhe,bshe->bhs", q, K) * block.attn.scale, dim=-1)
+                z = torch.einsum("bhs,bshe->bhe", pattern, V.repeat_interleave(group, dim=2))
+                out = torch.einsum("bhe,hed->bd", z, model.W_O[l])
+                if block.attn.b_O is not None:
+                    out = out + block.attn.b_O
+                resid = block.after_attention(resid, out[:, None])
+            logits.append(model.unembed(model.ln_final(resid)))
+    return lm_loss(torch.cat(logits, 1), toks, per_token=True)
+
+
+@pytest.mark.parametrize("window, n_sink", [(5, 2), (3, 4), (1, 1), (9, 1)])
+def test_cache_positions_equal_a_rolling_cache_decoded_by_hand(window, n_sink):
+    model = build("rotary-gqa")
+    toks = tokens(2, 22, seed=5)
+    want = _rolling_cache_by_hand(model, toks, window, n_sink)
+    got = streaming_loss(model, toks, window, n_sink, positions="cache")
+    assert torch.allclose(got, want, atol=2e-5), (got - want).abs().max()
+    # the sinks moved: with the original positions the numbers differ once the cache is full
+    original = streaming_loss(model, toks, window, n_sink, positions="original")
+    assert torch.allclose(original[:, : n_sink + window - 1], want[:, : n_sink + window - 1], atol=2e-5)
+    assert not torch.allclose(original, want, atol=1e-3)
+    # and window_eval's per-position rows are these losses, averaged over the batch
+    rows = window_eval(model, toks, window=window, n_sink=n_sink, per_position=True)
+    mine = rows[rows["setting"] == "window+sink"]["loss"].to_numpy()
+    assert torch.allclose(torch.tensor(mine, dtype=torch.float32), want.mean(0), atol=2e-5)
+
+
+def test_cache_positions_need_rotary_and_windows_shorter_than_the_sequence():
+    with pytest.raises(NotImplementedError, match="positions='original'"):
+        window_eval(build("learned"), tokens(1, 20), window=4, n_sink=2)
+    with pytest.raises(ValueError, match="not smaller than the 20-token"):
+        window_eval(build("rotary-gqa"), tokens(1, 20), window=20)

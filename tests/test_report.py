@@ -83,13 +83,19 @@ def test_markdown_links_existing_figures(swept):
 
 
 def test_report_of_a_partial_sweep_says_what_was_not_run(tmp_path):
+    """Sections without data are left out; the summary names what was not run and how to add it."""
     run = make_run(tmp_path, steps=(0, 10))
     out = tmp_path / "out"
     sweep([str(run)], out, settings(["previous_token"]), progress=False, report=False, log=lambda *_: None)
     write_report(out)
-    text = (out / "report.html").read_text()
-    for analysis in ("sinks", "ablation", "pruning", "importance"):
-        assert f"add `{analysis}` to `--analyses`" in text.replace("&#x27;", "'").replace("&quot;", '"')
+    page = _Collect()
+    page.feed((out / "report.html").read_text())
+    text = " ".join(page.text)
+    assert "Not run here (add to --analyses): " in text
+    for analysis, section in (("sinks", "sinks"), ("ablation", "ablation"), ("pruning", "pruning"),
+                              ("importance", "attribution")):
+        assert f"`{analysis}`" in text.split("Not run here")[1].split(".")[0]
+        assert section not in page.ids
 
 
 def test_phase_change_is_the_steepest_rise_outside_layer_zero():

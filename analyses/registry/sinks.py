@@ -8,6 +8,7 @@ import pandas as pd
 
 from .. import plots
 from ..sinks import attention_sinks, sink_rate
+from ..document import head_name
 from .base import Analysis, Context, Metric, ReportSection, RunView, concat, per_head, per_model, register, rows
 
 PARAMS = MappingProxyType(dict(n_sink=1, epsilon=0.3))
@@ -33,9 +34,20 @@ def section(v: RunView) -> list:
     per_layer = rates[rates["layer"].notna()][["layer", "value"]].rename(columns={"value": "sink_rate"})
     overall = rates[rates["layer"].isna()]["value"]
     eps = v.params("sinks").get("epsilon", PARAMS["epsilon"])
+    alpha = v.last[(v.last["metric"] == "sink_alpha") & v.last["layer"].notna()]
+    ratio = v.last[(v.last["metric"] == "sink_value_norm_ratio") & v.last["layer"].notna()]
+    top = alpha.merge(ratio, on=["layer", "head"], suffixes=("", "_ratio")).nlargest(10, "value")
+    top = pd.DataFrame({"head": [head_name(r.layer, r.head) for r in top.itertuples()],
+                        "alpha_0": top["value"].round(3).to_numpy(),
+                        "||v_0|| / mean ||v_j||": top["value_ratio"].round(3).to_numpy()})
     return [f"{v.prefix}Sink rate (Gu et al. 2024): the share of heads whose mean attention to token 0 exceeds "
             f"epsilon = {eps}, per layer at {v.where}" + (f"; over the model {float(overall.iloc[0]):.2f}." if len(overall) else "."),
-            per_layer.reset_index(drop=True) if not per_layer.empty else None,
+            f"The {len(top)} heads attending most to token 0, with the first token's value norm over the mean value "
+            "norm of the other tokens (sinks tend to carry small values: ratios below 1)." if len(top) else None,
+            top if len(top) else None,
+            pd.DataFrame([{"layer": "sink rate", **{str(int(l)): round(float(r), 2) for l, r in
+                                                    zip(per_layer["layer"], per_layer["sink_rate"])}}])
+            if not per_layer.empty else None,
             v.figure(plots.sinks_per_layer(v.table), "sinks")]
 
 

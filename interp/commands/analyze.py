@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-HELP = "run the head analyses on one model and write its report (a sweep of a single checkpoint)"
+HELP = "the head atlas of one model: head scores, sinks, StreamingLLM, composition, pruning, and its report"
 EPILOG = """examples:
+  interp analyze smollm2-135m --out out/smollm2        # real text: the Python Language Reference
+  interp analyze smollm2-135m --out out/s --text-file my.txt
   interp analyze attn-only-2l --out out/one
   interp analyze path/to/checkpoint --out out/ckpt --analyses induction,sinks,ablation
   interp analyze path/to/hf-checkpoint --out out/hf --data repeated_random --seq-len 128
 
-Same options, outputs and resumption as `interp sweep`; MODEL is a checkpoint folder (ours or
-Hugging Face), or a zoo name or run folder (its last checkpoint).
+Same options, outputs and resumption as `interp sweep` (a sweep of a single checkpoint); MODEL is a
+real-model name, a .gguf file, a Hugging Face repo id or checkpoint folder, or a zoo name or run
+folder (its last checkpoint). Add ablation,importance to --analyses for exact per-head ablation (a
+forward per head: minutes on a 270-head model).
 """
 
 
@@ -17,7 +21,9 @@ def add_arguments(p) -> None:
     from .sweep import add_sweep_options
 
     p.add_argument("model", help="a checkpoint folder (ours or Hugging Face), or a zoo name or run folder (its last checkpoint)")
-    add_sweep_options(p)
+    from interp.analyses.sweep import ATLAS_ANALYSES
+
+    add_sweep_options(p, ATLAS_ANALYSES)
 
 
 def run(args) -> int:

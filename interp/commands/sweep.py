@@ -24,11 +24,14 @@ differ from those already in DIR.
 """
 
 
-def add_sweep_options(p) -> None:
+def add_sweep_options(p, default_analyses=None) -> None:
     """Options shared by `interp sweep` and `interp analyze`."""
     from interp.analyses.registry import ANALYSES
     from interp.analyses.sweep import DEFAULT_ANALYSES
+
     from interp.analyses.sweep_data import DATA_KINDS, DataSpec
+
+    DEFAULT_ANALYSES = default_analyses or DEFAULT_ANALYSES
 
     d = DataSpec()
     p.add_argument("--out", required=True, help="output folder (created; an existing sweep folder is resumed)")
@@ -39,8 +42,12 @@ def add_sweep_options(p) -> None:
                         "or on all")
     data = p.add_argument_group("data (identical for every checkpoint)")
     data.add_argument("--data", choices=DATA_KINDS, default=d.kind,
-                      help="auto: held-out zoo corpus windows for byte-level zoo models, else repeated random tokens")
+                      help="auto: held-out zoo corpus windows for byte-level zoo models, real text (--text-file, default "
+                           "the Python Language Reference) for models with a real tokenizer, else repeated random tokens")
     data.add_argument("--data-file", default=None, help="token ids (.pt or .npy) for --data file")
+    data.add_argument("--text-file", default=None,
+                      help="a UTF-8 text file for --data text (default text: the Python Language Reference, "
+                           "pydoc_data.topics, which ships with Python)")
     data.add_argument("--n-seqs", type=int, default=d.n_seqs, help=f"sequences (default {d.n_seqs})")
     data.add_argument("--seq-len", type=int, default=d.seq_len, help=f"tokens per sequence (default {d.seq_len})")
     data.add_argument("--seed", type=int, default=d.seed, help="data seed (default 0)")
@@ -73,12 +80,19 @@ def settings_from_args(args):
     from pathlib import Path
 
     from interp.analyses.sweep import SweepSettings
-    from interp.analyses.sweep_data import DataSpec
+    from interp.analyses.registry import resolve_analyses
+    from interp.analyses.sweep_data import DataSpec, check_data
 
-    path = str(Path(args.data_file).resolve()) if args.data_file else None
-    kind = "file" if path and args.data == "auto" else args.data
+    if args.data_file and args.text_file:
+        raise ValueError("give --data-file (token ids) or --text-file (text), not both")
+    given = args.data_file or args.text_file
+    path = str(Path(given).resolve()) if given else None
+    kind = args.data
+    if kind == "auto" and path:
+        kind = "file" if args.data_file else "text"
     data = DataSpec(kind=kind, n_seqs=args.n_seqs, seq_len=args.seq_len, seed=args.seed, path=path)
-    analyses = tuple(a.strip() for a in args.analyses.split(",") if a.strip())
+    analyses = resolve_analyses(tuple(a.strip() for a in args.analyses.split(",") if a.strip()))
+    check_data(data)  # before any name is resolved or model loaded
     return SweepSettings(analyses=analyses, data=data, expensive_on=args.expensive_on, device=args.device)
 
 
@@ -90,8 +104,8 @@ def run_sweep(args, runs, executor=None, last_only: bool = False) -> int:
     from interp.loading import ModelNotFound
 
     try:
-        runs = [_run_of(r, getattr(args, "revisions", None), last_only) for r in runs]
         settings = settings_from_args(args)
+        runs = [_run_of(r, getattr(args, "revisions", None), last_only) for r in runs]
         result = sweep(runs, args.out, settings, executor, force=args.force, last_only=last_only,
                        progress=not args.no_progress, report=not args.no_report)
     except (SettingsMismatch, ValueError, FileNotFoundError, ModelNotFound, ImportError) as e:

@@ -1,0 +1,162 @@
+"""StreamingLLM (Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks"):
+the loss when every layer attends through a sliding window of the last `window` keys, without and
+with the first `n_sink` tokens (the attention sinks) kept visible.
+
+Positions, two ways (`positions=`):
+
+* "cache" (as published): the rolling cache holds the n_sink sink tokens and the `window` most
+  recent ones, keys cached *before* RoPE and rotated by their slot in the cache, so the sinks sit at
+  the start of the positional range however long the stream is. With RoPE only the distance q - k
+  matters, and for a window key that distance is the same as with the original positions; for a sink
+  key s it is (n_sink + window - 1) - s once the cache is full (query position p >= n_sink + window - 1),
+  instead of p - s. So the sink scores are recomputed with the query rotated to slot
+  min(p, n_sink + window - 1); everything else is the ordinary forward. Exact, one forward per
+  setting on the instrumented path (the [pos, pos] scores of one layer at a time). Rotary models only.
+* "original": the query and keys keep their positions in the stream (our KV cache keeps keys after
+  RoPE); past the trained context a sink is then further than the model ever saw, which is why
+  window + sinks can be worse than the window alone there.
+
+`window_eval` returns the mean loss and perplexity per setting (full attention, window, window + sinks,
+per window), or with `per_position=True` the loss at every position (mean over the batch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator, Literal, Sequence
+
+import pandas as pd
+import torch
+from torch import Tensor
+
+from interp.models import lm_loss
+from interp.models.positions import Rotary
+
+from ._common import token_batch, valid_mask
+
+POSITIONS = ("cache", "original")
+
+
+@contextlib.contextmanager
+def sliding_window(model, window: int | None) -> Iterator[None]:
+    """Give every attention layer the sliding window `window` (None: full attention) inside the block."""
+    saved = [b.attn.window for b in model.blocks]
+    try:
+        for b in model.blocks:
+            b.attn.window = window
+        yield
+    finally:
+        for b, w in zip(model.blocks, saved):
+            b.attn.window = w
+
+
+@torch.no_grad()
+def streaming_loss(
+    model, tokens: Tensor, window: int | None, n_sink: int = 0, *, chunk_size: int | None = None,
+    attention_mask: Tensor | None = None, positions: Literal["cache", "original"] = "original",
+) -> Tensor:
+    """Per-token next-token loss [batch, pos - 1] when every layer attends through a window of
+    `window` keys plus the first `n_sink` keys.
+
+    positions="original": fed through a KV cache `chunk_size` tokens at a time (None: all at once;
+    any chunking gives the same numbers, the mask being exact). positions="cache": StreamingLLM's
+    re-numbering inside the rolling cache (module docstring); one forward, `chunk_size` unused."""
+    if positions not in POSITIONS:
+        raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
+    batch, n = tokens.shape
+    valid = valid_mask(tokens, attention_mask)
+    if positions == "cache" and window is not None and n_sink > 0:
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            raise ValueError("positions='cache' streams unpadded sequences; drop the padding or use positions='original'")
+        with sliding_window(model, window):
+            logits = model.run_with_hooks(tokens, fwd_hooks=_cache_position_hooks(model, window, n_sink),
+                                          attention_mask=attention_mask)
+        return lm_loss(logits, tokens, valid, per_token=True)
+    step = n if chunk_size is None else chunk_size
+    cache = model.new_kv_cache(batch, n, n_sink=n_sink)
+    with sliding_window(model, window):
+        logits = [
+            model(tokens[:, s : s + step], kv_cache=cache,
+                  attention_mask=None if attention_mask is None else attention_mask[:, s : s + step])
+            for s in range(0, n, step)
+        ]
+    return lm_loss(torch.cat(logits, dim=1), tokens, valid, per_token=True)
+
+
+def _cache_position_hooks(model, window: int, n_sink: int) -> list:
+    """Hooks that give the sink keys StreamingLLM's in-cache distance: per layer, keep the query
+    before RoPE and the rotated keys, and overwrite the sink columns of the (masked) scores with
+    the query rotated to slot min(p, n_sink + window - 1) against the sink keys."""
+    if model.rotary is None:
+        raise NotImplementedError(
+            f"positions='cache' re-numbers rotary positions inside the cache; this model's positions are "
+            f"{model.cfg.positional!r}. Use positions='original'.")
+    group = model.cfg.n_heads // model.cfg.kv_heads
+    seen: dict = {}
+
+    def keep(name):
+        def hook(x: Tensor, hook) -> None:
+            seen[(hook.name.split(".")[1], name)] = x
+        return hook
+
+    def scores(s: Tensor, hook) -> Tensor:  # [batch, head, q, k], -inf where not visible
+        layer = hook.name.split(".")[1]
+        q, k = seen.pop((layer, "q")), seen.pop((layer, "k"))  # [b, pos, h, dh], [b, pos, kv, dh] (rotated)
+        b, n = q.shape[:2]
+        p = torch.arange(n, device=q.device)
+        slot = p.clamp(max=n_sink + window - 1)
+        cos, sin = model.rotary.cos_sin(slot[None].expand(b, n), q.dtype)
+        q_slot = Rotary.rotate(q, cos, sin).transpose(1, 2)  # [b, h, pos, dh]
+        k_sink = k[:, :n_sink].transpose(1, 2).repeat_interleave(group, dim=1)  # [b, h, n_sink, dh]
+        sink = torch.matmul(q_slot, k_sink.transpose(-1, -2)).float() * model.blocks[int(layer)].attn.scale
+        visible = p[:, None] >= torch.arange(min(n_sink, n), device=q.device)[None]  # [pos, n_sink]: causal
+        s = s.clone()
+        s[..., :n_sink] = torch.where(visible, sink, float("-inf"))
+        return s
+
+    hooks = []
+    for l in range(model.cfg.n_layers):
+        hooks += [(f"blocks.{l}.attn.hook_q", keep("q")), (f"blocks.{l}.attn.hook_rot_k", keep("k")),
+                  (f"blocks.{l}.attn.hook_attn_scores", scores)]
+    return hooks
+
+
+def window_eval(
+    model, tokens, window: int | Sequence[int], n_sink: int = 4, *, chunk_size: int | None = None,
+    attention_mask: Tensor | None = None, positions: Literal["cache", "original"] = "cache",
+    per_position: bool = False,
+) -> pd.DataFrame:
+    """StreamingLLM's comparison (Xiao et al. 2023, Fig. 3): next-token loss with full attention,
+    with a sliding window of `window` keys ("window"), and with the window plus the first `n_sink`
+    tokens ("window+sink"), for each window given.
+
+    Returns one row per setting: setting, window, n_sink, positions, loss, perplexity, n_tokens,
+    chunk_size; with per_position=True one row per (setting, window, position) with the loss of
+    predicting token position+1 (mean over the batch's real tokens)."""
+    tokens = token_batch(model, tokens)
+    windows = [window] if isinstance(window, int) else list(window)
+    if any(w < 1 for w in windows) or n_sink < 0:
+        raise ValueError(f"windows must be >= 1 and n_sink >= 0, got window={window}, n_sink={n_sink}")
+    if positions not in POSITIONS:
+        raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
+    n = tokens.shape[1]
+    if any(w >= n for w in windows):
+        raise ValueError(f"window {max(windows)} is not smaller than the {n}-token sequences: every key would be "
+                         f"inside it; use windows < {n} or longer sequences")
+    valid = valid_mask(tokens, attention_mask)
+    pairs = valid[:, :-1] & valid[:, 1:]
+    settings = [("full", None, 0)] + [(name, w, s) for w in windows for name, s in (("window", 0), ("window+sink", n_sink))]
+    rows = []
+    for name, w, s in settings:
+        nll = streaming_loss(model, tokens, w, s, chunk_size=chunk_size, attention_mask=attention_mask,
+                             positions=positions)
+        if per_position:
+            per = (nll * pairs).sum(0) / pairs.sum(0).clamp(min=1)
+            rows += [dict(setting=name, window=w, n_sink=s, positions=positions, position=i, loss=float(v))
+                     for i, v in enumerate(per.tolist())]
+            continue
+        loss = float(nll[pairs].sum() / pairs.sum())
+        rows.append(dict(setting=name, window=w, n_sink=s, positions=positions, loss=loss, perplexity=math.exp(loss),
+                         n_tokens=int(pairs.sum()), chunk_size=chunk_size))
+    return pd.DataFrame(rows)
