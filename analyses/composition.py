@@ -20,6 +20,7 @@ TransformerLens's composition demos; subtract it to read scores as "above chance
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import pandas as pd
@@ -73,6 +74,7 @@ def composition_matrix(model, kind: str) -> Tensor:
     return out.float()
 
 
+@functools.lru_cache(maxsize=16)
 def random_baseline(d_model: int, d_head: int, n_samples: int = 200, seed: int = 0) -> float:
     """Mean composition score of products of i.i.d. Gaussian factors of the model's shapes."""
     g = torch.Generator().manual_seed(seed)

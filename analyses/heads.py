@@ -12,6 +12,10 @@ a whole batch, two ways that agree to float32 round-off:
       sum_K A*D = sum_p stat_kind - (the excluded entries of D that the stat counted)
       sum_K D   = token counts (p >= 1, or earlier occurrences of tok[p]) minus excluded entries.
 * method="pattern": the instrumented path; each layer's pattern is scored inside its hook and dropped.
+* method="auto" (the default): "pattern" for short sequences whose per-layer pattern fits in
+  `PATTERN_BUDGET_BYTES`, else "streaming". Materialising is a few large matmuls, cheaper than the
+  streaming kernel's tiles at short context; past a few hundred tokens streaming wins, and it never
+  needs O(pos^2) memory (`interp bench --sections head_scan` times both).
 """
 
 from __future__ import annotations
@@ -30,7 +34,22 @@ from ._common import head_frame, pair_mask, token_batch, valid_mask
 from .detect import DETECTION_PATTERNS, ErrorMeasure, canonical_kind, pattern_scores
 from interp.models.stats import _layer_geometry, attention_logsumexp, attention_weights_at, for_each_layer_qk
 
-METHODS = ("streaming", "pattern")
+METHODS = ("auto", "streaming", "pattern")
+# "auto" runs "pattern" up to this many tokens per sequence (measured crossovers, `python -m
+# interp.benchmarks.head_scan`: ~128 tokens on SmolLM2-135M and rope-gqa-4l, whose grouped K/V the
+# pattern path must expand; past 256 on the multi-head attn-only-2l) ...
+PATTERN_MAX_LEN = {"gqa": 96, "mha": 256}
+PATTERN_BUDGET_BYTES = 256 * 2**20  # ... and for a per-layer scores + pattern of at most this size
+
+
+def resolve_method(model, tokens: Tensor, method: str) -> str:
+    """The scan `method="auto"` runs on these tokens: "pattern" or "streaming"."""
+    if method != "auto":
+        return method
+    b, n = tokens.shape
+    pattern_bytes = 2 * b * model.cfg.n_heads * n * n * 4  # float32 scores and pattern of one layer
+    limit = PATTERN_MAX_LEN["gqa" if model.cfg.kv_heads < model.cfg.n_heads else "mha"]
+    return "pattern" if n <= limit and pattern_bytes <= PATTERN_BUDGET_BYTES else "streaming"
 
 
 def earlier_occurrences(tokens: Tensor) -> Tensor:
@@ -65,7 +84,7 @@ def detect_heads(
     model,
     tokens,
     kinds: Sequence[str] = ("previous_token", "duplicate_token", "induction"),
-    method: str = "streaming",
+    method: str = "auto",
     *,
     exclude_bos: bool = False,
     exclude_current_token: bool = False,
@@ -77,7 +96,9 @@ def detect_heads(
 
     tokens [batch, pos] (each row a prompt; scores are the mean of the per-row scores, as
     `detect_head` averages a list of prompts). Right padding may be given by `attention_mask`.
-    method: "streaming" (no pattern; long context) or "pattern" (materialised, one layer at a time).
+    method: "streaming" (no pattern; long context), "pattern" (materialised, one layer at a time), or
+    "auto": the faster of the two where memory allows (see the module docstring); the frame's
+    `method` column says which ran.
     backend: the kernel backend for "streaming" ("torch", "triton", "auto").
 
     Returns a DataFrame: layer, head, kind, score, method, exclude_bos, exclude_current_token,
@@ -89,6 +110,7 @@ def detect_heads(
     kinds = [canonical_kind(k) for k in ([kinds] if isinstance(kinds, str) else kinds)]
     tokens = token_batch(model, tokens)
     valid = valid_mask(tokens, attention_mask, right_padded_only=True)
+    method = resolve_method(model, tokens, method)
     runner = _streaming_scores if method == "streaming" else _pattern_scores
     scores = runner(model, tokens, valid, kinds, exclude_bos, exclude_current_token, error_measure, attention_mask, backend)
     settings = dict(

@@ -152,8 +152,21 @@ def _summary(settings, table, errors, timing, store, views: list[RunView]) -> Se
     if not compute.empty:
         s.add(compute.groupby("analysis", as_index=False)
               .agg(tasks=("seconds", "size"), seconds=("seconds", "sum"), per_task=("seconds", "mean")).round(2))
+    for line in _headlines(views):
+        s.add(line)
+    missing = [a for a in ANALYSES if a not in settings.get("analyses", []) and ANALYSES[a].section]
+    if missing:
+        s.add("Not run here (add to --analyses): " + ", ".join(f"`{a}`" for a in missing) + ".")
+    s.add(f"Versions: {', '.join(f'{k} {v}' for k, v in settings.get('versions', {}).items())}. "
+          f"Report written {time.strftime('%Y-%m-%d %H:%M:%S')}.")
+    return s
+
+
+def _headlines(views: list[RunView]) -> list[str]:
+    """One sentence per run with its headline facts (best heads, ICL score, phase change)."""
     headline = [m.name for m in metrics(lambda m: m.headline)]
-    for row, v in zip(run_rows, views):
+    lines = []
+    for v in views:
         facts = [f"{m} {h}" for m in headline if (h := _top_head(v.last, m))]
         icl = _per_model(v.table, "icl_score")
         if not icl.empty:
@@ -165,15 +178,23 @@ def _summary(settings, table, errors, timing, store, views: list[RunView]) -> Se
         phase = phase_change(v.table)
         if phase:
             facts.append(f"phase change between steps {phase['start']} and {phase['end']} "
-                         f"(max induction score {phase['score_before']:.2f} -> {phase['score_after']:.2f})")
+                         f"(max induction score {phase['score_before']:.2f} -> {phase['score_after']:.2f}, "
+                         f"{phase['score_final']:.2f} at the end)")
         if facts:
-            s.add(f"{row['run']}: best heads at the last checkpoint: " + "; ".join(facts) + ".")
-    missing = [a for a in ANALYSES if a not in settings.get("analyses", []) and ANALYSES[a].section]
-    if missing:
-        s.add("Not run here (add to --analyses): " + ", ".join(f"`{a}`" for a in missing) + ".")
-    s.add(f"Versions: {', '.join(f'{k} {v}' for k, v in settings.get('versions', {}).items())}. "
-          f"Report written {time.strftime('%Y-%m-%d %H:%M:%S')}.")
-    return s
+            lines.append(f"{v.run}: best heads at the last checkpoint: " + "; ".join(facts) + ".")
+    return lines
+
+
+def headline(out) -> str:
+    """The summary's headline sentences of a sweep folder, as the README quotes them
+    (`interp report DIR --headline`)."""
+    store = ResultStore(Path(out))
+    settings = store.read_json("settings.json")
+    if settings is None:
+        raise FileNotFoundError(f"{out} is not a sweep folder (no settings.json)")
+    table = load_results(out)
+    runs = list(settings.get("runs", {})) or sorted(table["run"].dropna().unique())
+    return "\n".join(_headlines([_view(table, r, len(runs) > 1, settings) for r in runs]))
 
 
 def _errors(errors: list[dict]) -> Section:

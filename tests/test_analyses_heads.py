@@ -163,3 +163,18 @@ def test_icl_score_from_hand_computed_losses():
         icl_score(model, toks, early=39, late=39)
     with pytest.raises(ValueError, match="late=500 is beyond the 40-token sequences"):
         icl_score(model, toks, early=5, late=500)  # never clipped silently
+
+
+def test_auto_scan_picks_patterns_for_short_sequences_and_streaming_for_long():
+    from interp.analyses.heads import resolve_method
+
+    gqa, mha = build("rotary-gqa"), build("learned")
+    assert resolve_method(gqa, tokens(4, 64), "auto") == "pattern"
+    assert resolve_method(gqa, tokens(1, 200), "auto") == "streaming"
+    assert resolve_method(mha, tokens(1, 200), "auto") == "pattern"
+    assert resolve_method(mha, tokens(2000, 256), "auto") == "streaming"  # the pattern would not fit the budget
+    assert resolve_method(gqa, tokens(1, 20), "streaming") == "streaming"  # an explicit choice stands
+    frame = detect_heads(gqa, tokens(2, 20))
+    assert set(frame["method"]) == {"pattern"}
+    same = detect_heads(gqa, tokens(2, 20), method="streaming")
+    assert (frame["score"] - same["score"]).abs().max() < 1e-5

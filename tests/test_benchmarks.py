@@ -164,3 +164,11 @@ def test_gpu_kernel_table_runs_on_the_cpu():
     table = gpu.kernel_table(Options.quick_config(long_seqs=(64,)), device="cpu", backends=("torch",), dtype=torch.float32)
     (row,) = table.rows
     assert row[0] == 64 and row[3] == "-" and isinstance(row[6], float)
+
+
+def test_head_scan_section_compares_both_methods(page):
+    found = sections(page)
+    scan = next(body for title, body in found.items() if title.startswith("Head scan"))
+    diffs = [float(x) for x in column(scan, "max abs diff")]
+    assert diffs and max(diffs) < 1e-5  # patterns and streaming give the same scores
+    assert set(column(scan, "auto picks")) <= {"pattern", "streaming"}

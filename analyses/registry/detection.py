@@ -18,7 +18,7 @@ def detect(kind: str) -> Callable[[Context], pd.DataFrame]:
 
     def run(ctx: Context) -> pd.DataFrame:
         frame = ctx.once("detect_heads", lambda: detect_heads(ctx.model, ctx.tokens, kinds=DETECT_KINDS,
-                                                               method="streaming"))
+                                                               method="auto"))
         return per_head(frame[frame["kind"] == kind], "score", kind)
 
     return run
@@ -34,5 +34,5 @@ def detect_metric(kind: str) -> Metric:
 for _kind in DETECT_KINDS[:2]:
     register(Analysis(
         _kind, detect(_kind),
-        f"{_kind.replace('_', '-')} head scores (TransformerLens detect_head, streaming) on the sweep data",
-        MappingProxyType(dict(method="streaming")), metrics=(detect_metric(_kind),)))
+        f"{_kind.replace('_', '-')} head scores (TransformerLens detect_head) on the sweep data",
+        MappingProxyType(dict(method="auto")), metrics=(detect_metric(_kind),)))

@@ -12,7 +12,7 @@ from ..heads import icl_score, induction_scores
 from .base import Analysis, Context, Metric, concat, per_head, per_model, register
 from .detection import detect, detect_metric
 
-PARAMS = MappingProxyType(dict(method="streaming", seq_len=50, n_repeats=2, batch_size=10, seed=0,
+PARAMS = MappingProxyType(dict(method="auto", seq_len=50, n_repeats=2, batch_size=10, seed=0,
                                prepend_bos=True, icl_early=50, icl_late=None))
 # icl_late None: the last position of the data's sequences (Olsson et al. use 500 of 512). The
 # positions used are results (icl_early_position, icl_late_position), so the report states them.

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import ablation, caching, forward, generation, gpu, long_context, patching, real_model
+from . import ablation, caching, forward, generation, gpu, head_scan, long_context, patching, real_model
 from .report import Options, Section, load_average, render
 from .timing import default_clock
 
@@ -31,6 +31,7 @@ SECTIONS: dict[str, Callable[[Options], Section]] = {
     "generation": generation.section,
     "patching": patching.section,
     "real_model": real_model.section,
+    "head_scan": head_scan.section,
 }
 ALL = (*SECTIONS, "gpu")
 

@@ -15,14 +15,19 @@ the report code or to re-render a partial sweep (it reads DIR/results.parquet or
 def add_arguments(p) -> None:
     p.add_argument("out", metavar="DIR", help="a sweep folder (with settings.json)")
     p.add_argument("--title", default=None, help="report title (default: the runs' names)")
+    p.add_argument("--headline", action="store_true",
+                   help="print the summary's headline sentences (best heads, ICL, phase change) instead")
 
 
 def run(args) -> int:
     import sys
 
-    from interp.analyses.report import write_report
+    from interp.analyses.report import headline, write_report
 
     try:
+        if args.headline:
+            print(headline(args.out))
+            return 0
         path = write_report(args.out, title=args.title)
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
