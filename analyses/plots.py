@@ -61,6 +61,12 @@ def _figure(n_panels: int, width: float = 4.2, height: float = 3.4, ncols: int |
     return fig, list(axes.flat[:n_panels])
 
 
+def text_colour(rgba) -> str:
+    """Black or white, whichever reads on a cell of colour `rgba` (relative luminance, ITU-R BT.709)."""
+    r, g, b = rgba[:3]
+    return "black" if 0.2126 * r + 0.7152 * g + 0.0722 * b > 0.45 else "white"
+
+
 def plot_head_scores(
     df: pd.DataFrame, value: str | None = None, *, facet: str | None = None, title: str | None = None,
     cmap: str = "viridis", vmin: float | None = None, vmax: float | None = None, annotate: bool | None = None,
@@ -88,7 +94,8 @@ def plot_head_scores(
         grid = part.pivot_table(index="layer", columns="head", values=value, aggfunc="mean")
         im = ax.imshow(grid.to_numpy(), cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto")
         ax.set_xticks(range(grid.shape[1]), [str(h) for h in grid.columns])
-        ax.set_yticks(range(grid.shape[0]), [str(l) for l in grid.index])
+        every = max(1, -(-grid.shape[0] // 16))  # at most ~16 layer labels, so 30 layers stay legible
+        ax.set_yticks(range(0, grid.shape[0], every), [str(l) for l in grid.index[::every]])
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
         label = name if isinstance(name, str) else f"{facet} {name}"  # a bare number ("0: alpha") says nothing
@@ -98,8 +105,9 @@ def plot_head_scores(
             for i in range(arr.shape[0]):
                 for j in range(arr.shape[1]):
                     if arr[i, j] == arr[i, j]:  # not NaN
-                        ax.text(j, i, f"{arr[i, j]:.2f}", ha="center", va="center", fontsize=7, color="w")
-        fig.colorbar(im, ax=ax, shrink=0.8)
+                        ax.text(j, i, f"{arr[i, j]:.2f}", ha="center", va="center", fontsize=7,
+                                color=text_colour(im.cmap(im.norm(arr[i, j]))))
+        fig.colorbar(im, ax=ax, shrink=0.8).set_label(value)
     if title:
         fig.suptitle(title)
     fig.tight_layout()

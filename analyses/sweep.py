@@ -252,6 +252,7 @@ def sweep(
     if len(set(names)) != len(names):
         raise ValueError(f"two runs share a name ({names}); give each run folder a distinct name")
     settings = _resolve_data(settings, found)
+    check_up_front(settings, found)
     store = ResultStore(out)
     record = _check_settings(store, settings, found, force)
     store.write_json("settings.json", record)
@@ -329,6 +330,55 @@ def _as_run(spec, last_only: bool) -> Run:
     if isinstance(spec, Run):
         return Run(spec.name, spec.source, spec.checkpoints[-1:]) if last_only else spec
     return discover(spec, last_only=last_only)
+
+
+def check_up_front(settings: SweepSettings, runs: Sequence[Run]) -> None:
+    """Refuse, before anything is loaded or written, settings that would fail on every checkpoint:
+    a device this machine does not have, sequences longer than a learned position table, token ids
+    outside the vocabulary. Configs are read without weights; an unreadable one is left to the
+    sweep, which reports that checkpoint and goes on."""
+    from interp.models.checkpoint import CheckpointError, read_config
+
+    _check_device(settings.device)
+    spec = settings.data
+    file_tokens = _file_max_token(spec)
+    for run in runs:
+        try:
+            cfg = read_config(run.checkpoints[-1].path)
+        except (CheckpointError, FileNotFoundError, ValueError, KeyError, ImportError):
+            continue
+        if cfg.positional in ("learned", "sinusoidal") and spec.seq_len > cfg.n_ctx:
+            raise ValueError(f"--seq-len {spec.seq_len} is longer than {run.name}'s context (n_ctx={cfg.n_ctx}, "
+                             f"{cfg.positional} positions): pass --seq-len {cfg.n_ctx} or less")
+        if file_tokens is not None and file_tokens >= cfg.d_vocab:
+            raise ValueError(f"{spec.path} holds token id {file_tokens}, outside {run.name}'s vocabulary "
+                             f"[0, {cfg.d_vocab})")
+
+
+def _file_max_token(spec: DataSpec) -> int | None:
+    if spec.kind != "file":
+        return None
+    from .sweep_data import _file
+
+    return int(_file(spec, None).max())
+
+
+def _check_device(device: str | None) -> None:
+    if device is None or device == "cpu":
+        return
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"--device {device}: {e}") from None
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0 or (dev.index or 0) >= n:
+            have = "no CUDA device" if n == 0 else f"{n} CUDA device(s): cuda:0..cuda:{n - 1}"
+            raise ValueError(f"--device {device} is not available: this machine has {have}; use --device cpu")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {device} is not available on this machine; use --device cpu")
 
 
 def _resolve_data(settings: SweepSettings, runs: Sequence[Run]) -> SweepSettings:

@@ -123,6 +123,8 @@ def check_data(spec: DataSpec) -> None:
     that the windows can possibly fit (a token is at least one character)."""
     if spec.path is not None and not Path(spec.path).is_file():
         raise FileNotFoundError(f"data file {spec.path} does not exist")
+    if spec.kind == "file":
+        _file(spec, None)  # reads it: wrong dtype, shape or length fail here, before any model
     if spec.kind == "text":
         n = len(read_text(spec.path))
         if n < spec.n_seqs * spec.seq_len:
@@ -179,8 +181,17 @@ def _file(spec: DataSpec, d_vocab: int | None) -> Tensor:
     import numpy as np
 
     path = str(spec.path)
-    raw = np.load(path) if path.endswith(".npy") else torch.load(path, map_location="cpu", weights_only=True)
-    tokens = torch.as_tensor(raw, dtype=torch.long).reshape(-1)
+    try:
+        raw = np.load(path) if path.endswith(".npy") else torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file gets the same one-line answer
+        raise ValueError(f"cannot read token ids from {path} ({type(e).__name__}: {e}); save a tensor of token ids "
+                         "with torch.save (.pt) or numpy.save (.npy)") from None
+    raw = torch.as_tensor(raw)
+    if raw.is_floating_point() or raw.is_complex() or raw.dtype == torch.bool:
+        raise ValueError(f"{path} holds {raw.dtype} values; token ids must be integers (e.g. int64)")
+    if raw.dim() > 2:
+        raise ValueError(f"{path} has shape {tuple(raw.shape)}; token ids must be [n_seqs, seq_len] or flat")
+    tokens = raw.to(torch.long).reshape(-1)
     need = spec.n_seqs * spec.seq_len
     if tokens.numel() < need:
         raise ValueError(f"{path} holds {tokens.numel()} tokens; the data spec needs {spec.n_seqs} x {spec.seq_len} = {need}")

@@ -2,27 +2,42 @@
 
 Attention runs fused (SDPA / FlashAttention) by default and switches, per layer and on demand, to an
 instrumented path that exposes scores and patterns to hooks.
+
+The names below are imported on first use (PEP 562), so `import interp` (and the `interp` command's
+`--help`) does not pay for torch until a model is touched.
 """
 
-from interp.models.cache import ActivationCache, KVCache
-from interp.models.hooks import HookPoint, act_name
-from interp.models import HookedTransformer, ModelConfig, RopeScaling
-from interp.loading import CheckpointError, from_hf, load, save_model
-from interp.interop import from_transformer_lens  # imports transformer_lens only when called
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ActivationCache",
-    "CheckpointError",
-    "HookPoint",
-    "HookedTransformer",
-    "KVCache",
-    "ModelConfig",
-    "RopeScaling",
-    "act_name",
-    "from_hf",
-    "from_transformer_lens",
-    "load",
-    "save_model",
-]
+_LAZY = {
+    "ActivationCache": "interp.models.cache",
+    "KVCache": "interp.models.cache",
+    "HookPoint": "interp.models.hooks",
+    "act_name": "interp.models.hooks",
+    "HookedTransformer": "interp.models",
+    "ModelConfig": "interp.models",
+    "RopeScaling": "interp.models",
+    "CheckpointError": "interp.loading",
+    "from_hf": "interp.loading",
+    "load": "interp.loading",
+    "save_model": "interp.loading",
+    "from_transformer_lens": "interp.interop",  # imports transformer_lens only when called
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module 'interp' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_LAZY])

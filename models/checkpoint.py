@@ -155,6 +155,25 @@ def load_checkpoint(path, *, dtype: torch.dtype = torch.float32, device: torch.d
     return model
 
 
+def read_config(path) -> ModelConfig:
+    """The ModelConfig of a checkpoint (folder, file inside one, or .gguf) without reading its weights."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        from .gguf import _reader, hf_config
+
+        config = hf_config(_reader(path), str(path))
+        return get_family(config["model_type"]).config(config)
+    if path.is_file():
+        path = path.parent
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read {path / 'config.json'} ({e})") from None
+    if "interp_format" in raw:
+        return ModelConfig.from_dict(raw["config"])
+    return get_family(raw.get("model_type")).config(raw)
+
+
 def _getter(tensors: dict[str, Tensor], source: str) -> Callable[[str], Tensor]:
     """get(name, *alternatives): a tensor by its Hugging Face name (or the first alternative name
     present, e.g. Pythia's `embed_out` vs transformers 5's `lm_head`), tolerating a missing or extra

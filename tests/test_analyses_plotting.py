@@ -57,3 +57,13 @@ def test_curves_and_composition():
     import matplotlib.pyplot as plt
 
     assert plt.get_fignums() == []  # figures are built without pyplot: nothing accumulates globally
+
+
+def test_annotations_are_readable_on_their_cells():
+    frame = pd.DataFrame({"layer": [0, 0], "head": [0, 1], "score": [0.0, 1.0]})
+    texts = plot_head_scores(frame, annotate=True).axes[0].texts
+    colour = {t.get_text(): t.get_color() for t in texts}
+    assert colour == {"0.00": "white", "1.00": "black"}  # white on viridis's dark purple, black on its yellow
+    fig = plot_head_scores(pd.DataFrame({"layer": range(30), "head": 0, "score": 0.5}))
+    assert fig.axes[1].get_ylabel() == "score"  # the colour bar says what it measures
+    assert len(fig.axes[0].get_yticks()) <= 16

@@ -248,10 +248,11 @@ def test_failing_analysis_is_reported_and_others_go_on(run_dir, tmp_path, monkey
 
 
 def test_data_longer_than_the_context_is_refused_clearly(run_dir, tmp_path):
+    """Refused once, up front, from the checkpoints' configs: nothing loaded, nothing written."""
     long = settings(["loss"], data=DataSpec(kind="repeated_random", n_seqs=2, seq_len=CFG.n_ctx + 1))
-    result = sweep([str(run_dir)], tmp_path, long, progress=False, report=False, log=lambda *_: None)
-    assert len(result.errors) == len(STEPS) and result.table.empty
-    assert all(f"--seq-len {CFG.n_ctx}" in e["message"] for e in result.errors)
+    with pytest.raises(ValueError, match=f"pass --seq-len {CFG.n_ctx} or less"):
+        sweep([str(run_dir)], tmp_path / "out", long, progress=False, report=False, log=lambda *_: None)
+    assert not (tmp_path / "out").exists()
 
 
 # ---- Hugging Face run folders ------------------------------------------------------------------------

@@ -21,7 +21,7 @@ def add_arguments(p) -> None:
     from .sweep import add_sweep_options
 
     p.add_argument("model", help="a checkpoint folder (ours or Hugging Face), or a zoo name or run folder (its last checkpoint)")
-    from interp.analyses.sweep import ATLAS_ANALYSES
+    from .choices import ATLAS_ANALYSES
 
     add_sweep_options(p, ATLAS_ANALYSES)
 

@@ -46,7 +46,7 @@ _SIZED = [
 
 
 def add_arguments(p) -> None:
-    from interp.benchmarks.suite import ALL
+    from .choices import BENCH_SECTIONS as ALL
 
     p.add_argument("--sections", type=_names, default=ALL, help=f"comma-separated, from {','.join(ALL)} (default: all)")
     p.add_argument("--quick", action="store_true", help="a tiny configuration of every section (seconds; what the tests run)")

@@ -10,8 +10,9 @@ EPILOG = """examples:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("model", help="a checkpoint directory (ours or Hugging Face) or a zoo name")
-    p.add_argument("--context", type=int, default=1024, help="context length for the FLOP figures (default 1024)")
+    p.add_argument("model", help="a checkpoint directory (ours or Hugging Face), a .gguf file, a zoo or real-model name")
+    p.add_argument("--context", type=int, default=None,
+                   help="context length for the FLOP figures (default: the model's own n_ctx)")
 
 
 def run(args) -> int:
@@ -22,8 +23,9 @@ def run(args) -> int:
     print(model)
     print(f"parameters             {cfg.n_params():,}")
     print(f"KV cache per token     {cfg.kv_cache_bytes_per_token(model.dtype.itemsize):,} bytes ({model.dtype})")
-    flops = cfg.flops_per_token(args.context)
-    print(f"FLOPs per token @ {args.context:<6} " + ", ".join(f"{k} {v / 1e6:,.2f}M" for k, v in flops.items()))
+    context = args.context or cfg.n_ctx
+    flops = cfg.flops_per_token(context)
+    print(f"FLOPs per token @ {context:<6} " + ", ".join(f"{k} {v / 1e6:,.2f}M" for k, v in flops.items()))
     for k, v in cfg.to_dict().items():
         print(f"  {k:20s} {v}")
     return 0

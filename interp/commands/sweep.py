@@ -25,32 +25,28 @@ differ from those already in DIR.
 
 
 def add_sweep_options(p, default_analyses=None) -> None:
-    """Options shared by `interp sweep` and `interp analyze`."""
-    from interp.analyses.registry import ANALYSES
-    from interp.analyses.sweep import DEFAULT_ANALYSES
+    """Options shared by `interp sweep` and `interp analyze` (names from `choices`: no torch import)."""
+    from .choices import ANALYSES, DATA_KINDS, DATA_N_SEQS, DATA_SEED, DATA_SEQ_LEN
+    from .choices import DEFAULT_ANALYSES as SWEEP_DEFAULT
 
-    from interp.analyses.sweep_data import DATA_KINDS, DataSpec
-
-    DEFAULT_ANALYSES = default_analyses or DEFAULT_ANALYSES
-
-    d = DataSpec()
+    DEFAULT_ANALYSES = default_analyses or SWEEP_DEFAULT
     p.add_argument("--out", required=True, help="output folder (created; an existing sweep folder is resumed)")
     p.add_argument("--analyses", default=",".join(DEFAULT_ANALYSES),
-                   help=f"comma-separated, from: {', '.join(sorted(ANALYSES))} (default: {','.join(DEFAULT_ANALYSES)})")
+                   help=f"comma-separated, from: {', '.join(ANALYSES)} (default: {','.join(DEFAULT_ANALYSES)})")
     p.add_argument("--expensive-on", choices=("last", "all"), default="last",
                    help="run ablation, pruning and importance on the last checkpoint of each run only (default), "
                         "or on all")
     data = p.add_argument_group("data (identical for every checkpoint)")
-    data.add_argument("--data", choices=DATA_KINDS, default=d.kind,
+    data.add_argument("--data", choices=DATA_KINDS, default="auto",
                       help="auto: held-out zoo corpus windows for byte-level zoo models, real text (--text-file, default "
                            "the Python Language Reference) for models with a real tokenizer, else repeated random tokens")
     data.add_argument("--data-file", default=None, help="token ids (.pt or .npy) for --data file")
     data.add_argument("--text-file", default=None,
                       help="a UTF-8 text file for --data text (default text: the Python Language Reference, "
                            "pydoc_data.topics, which ships with Python)")
-    data.add_argument("--n-seqs", type=int, default=d.n_seqs, help=f"sequences (default {d.n_seqs})")
-    data.add_argument("--seq-len", type=int, default=d.seq_len, help=f"tokens per sequence (default {d.seq_len})")
-    data.add_argument("--seed", type=int, default=d.seed, help="data seed (default 0)")
+    data.add_argument("--n-seqs", type=int, default=DATA_N_SEQS, help=f"sequences (default {DATA_N_SEQS})")
+    data.add_argument("--seq-len", type=int, default=DATA_SEQ_LEN, help=f"tokens per sequence (default {DATA_SEQ_LEN})")
+    data.add_argument("--seed", type=int, default=DATA_SEED, help=f"data seed (default {DATA_SEED})")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--force", action="store_true", help="discard results in --out computed with other settings")
     p.add_argument("--no-report", action="store_true", help="skip writing report.html / report.md")
@@ -58,7 +54,7 @@ def add_sweep_options(p, default_analyses=None) -> None:
 
 
 def add_arguments(p) -> None:
-    from interp.analyses.executors import EXECUTOR_KINDS
+    from .choices import EXECUTOR_KINDS
 
     p.add_argument("runs", nargs="+", metavar="RUN",
                    help="zoo name, run folder, checkpoint folder, .gguf file, real-model name, or Hugging Face repo id")

@@ -1,0 +1,20 @@
+"""Names the CLI's help and argument parsing need, without importing torch, pandas or the analyses.
+
+`interp --help` and every subcommand's `--help` must answer in well under a second, and importing
+torch alone takes about one. So the few names a parser shows (analysis names and defaults, data
+kinds and sizes, executors, benchmark sections) are restated here, and `tests/test_cli.py` checks
+that every one equals its definition (`interp.analyses.registry`, `interp.analyses.sweep`, ...):
+change one there and that test says what to update here.
+"""
+
+ANALYSES = ("ablation", "composition", "duplicate_token", "importance", "induction", "loss", "previous_token",
+            "pruning", "sinks", "streaming")  # interp.analyses.registry.ANALYSES, sorted
+DEFAULT_ANALYSES = ("induction", "previous_token", "duplicate_token", "sinks", "streaming", "composition",
+                    "ablation", "pruning", "importance")  # interp.analyses.sweep.DEFAULT_ANALYSES
+ATLAS_ANALYSES = ("induction", "previous_token", "duplicate_token", "sinks", "streaming", "composition",
+                  "pruning")  # interp.analyses.sweep.ATLAS_ANALYSES
+DATA_KINDS = ("auto", "repeated_random", "corpus", "file", "text")  # interp.analyses.sweep_data.DATA_KINDS
+DATA_N_SEQS, DATA_SEQ_LEN, DATA_SEED = 16, 256, 0  # interp.analyses.sweep_data.DataSpec()
+EXECUTOR_KINDS = ("local", "ray")  # interp.analyses.executors.EXECUTOR_KINDS
+BENCH_SECTIONS = ("forward", "cache", "long_context", "ablation", "generation", "patching", "real_model",
+                  "head_scan", "gpu")  # interp.benchmarks.suite.ALL
