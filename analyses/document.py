@@ -23,6 +23,15 @@ class Image:
 
 
 @dataclass
+class Html:
+    """A self-contained interactive block (inline HTML, CSS and JS; nothing fetched): shown as is in
+    report.html; report.md gets `markdown` instead."""
+
+    html: str
+    markdown: str = "(interactive: open report.html)"
+
+
+@dataclass
 class Section:
     id: str
     title: str
@@ -59,6 +68,8 @@ nav a{margin-right:1em}figcaption{font-size:.85em;color:#555}"""
 
 
 def _html_block(b) -> str:
+    if isinstance(b, Html):
+        return b.html
     if isinstance(b, pd.DataFrame):
         return b.to_html(index=False, border=0, na_rep="", float_format=lambda x: f"{x:.4g}")
     if isinstance(b, Image):
@@ -97,6 +108,8 @@ def render_markdown(title: str, sections: list[Section]) -> str:
                 parts.append("\n" + md_table(b))
             elif isinstance(b, Image):
                 parts.append(f"\n![{b.caption or b.name}](figures/{b.name})\n")
+            elif isinstance(b, Html):
+                parts.append(f"\n{b.markdown}\n")
             else:
                 parts.append(f"\n{b}\n")
     return "".join(parts)

@@ -220,9 +220,11 @@ def small_multiples(table: pd.DataFrame, metric: str, max_panels: int = 24):
     return fig
 
 
-def best_head_curves(table: pd.DataFrame, metrics: list[str], phase: dict | None, icl: pd.DataFrame | None):
+def best_head_curves(table: pd.DataFrame, metrics: list[str], phase: dict | None, icl: pd.DataFrame | None,
+                     log_steps: bool = False):
     """Score vs step of the best head (at the last checkpoint) per metric; the phase change shaded;
-    the ICL score on a second axis below."""
+    the ICL score on a second axis below. The step axis is linear (a phase change late in training
+    stays wide); `log_steps` for a symmetric-log axis."""
     part = table[table["metric"].isin(metrics) & table["layer"].notna() & table["step"].notna()]
     if part["step"].nunique() < 2:
         return None
@@ -249,7 +251,7 @@ def best_head_curves(table: pd.DataFrame, metrics: list[str], phase: dict | None
         if phase is not None:
             a.axvspan(phase["start"], phase["end"], color="orange", alpha=0.25,
                       label="phase change" if a is axes[0] else None)
-        if part["step"].min() >= 0:
+        if log_steps and part["step"].min() >= 0:
             a.set_xscale("symlog", linthresh=max(1.0, float(part.loc[part["step"] > 0, "step"].min())))
     if phase is not None:
         ax.legend(fontsize=8)
@@ -260,8 +262,9 @@ def best_head_curves(table: pd.DataFrame, metrics: list[str], phase: dict | None
     return fig
 
 
-def sinks_per_layer(table: pd.DataFrame):
-    """Mean attention to the first token (alpha_0) per layer, against step (or per layer at one checkpoint)."""
+def sinks_per_layer(table: pd.DataFrame, log_steps: bool = False):
+    """Mean attention to the first token (alpha_0) per layer, against step (or per layer at one
+    checkpoint); the y-range fitted to the data."""
     part = table[(table["metric"] == "sink_alpha") & table["layer"].notna()]
     if part.empty:
         return None
@@ -273,14 +276,16 @@ def sinks_per_layer(table: pd.DataFrame):
             curve = curve.sort_values("step")
             ax.plot(curve["step"], curve["value"], marker="o", markersize=3, label=f"layer {layer}")
         ax.set_xlabel("training step")
-        if per["step"].min() >= 0 and (per["step"] > 0).any():
+        if log_steps and per["step"].min() >= 0 and (per["step"] > 0).any():
             ax.set_xscale("symlog", linthresh=float(per.loc[per["step"] > 0, "step"].min()))
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, ncol=max(1, per["layer"].nunique() // 8))
     else:
         ax.bar(per["layer"].astype(int), per["value"])
         ax.set_xlabel("layer")
     ax.set_ylabel("mean attention to token 0")
-    ax.set_ylim(0, 1)
+    lo, hi = float(per["value"].min()), float(per["value"].max())
+    pad = max(0.02, 0.08 * (hi - lo))
+    ax.set_ylim(max(0.0, lo - pad), min(1.0, hi + pad))
     ax.grid(alpha=0.3)
     ax.set_title("attention sink: mean alpha_0 over the heads of each layer (Gu et al. 2024)", fontsize=10)
     fig.tight_layout()

@@ -89,16 +89,20 @@ def _ranked(last: pd.DataFrame, names: list[str], top: int = 10) -> pd.DataFrame
     return pd.DataFrame({"rank": range(1, n + 1), **{m: c + [""] * (n - len(c)) for m, c in cols.items()}})
 
 
-def _view(table: pd.DataFrame, run: str, several: bool, settings: dict) -> RunView:
+def _view(table: pd.DataFrame, run: str, several: bool, settings: dict, log_steps: bool = False,
+          extras: list[dict] = ()) -> RunView:
     t = table[table["run"] == run]
+    latest: dict = {}
+    for e in sorted((e for e in extras if e["run"] == run), key=lambda e: -1 if e["step"] is None else e["step"]):
+        latest[e["analysis"]] = e["extra"]  # the last checkpoint's wins
     last = _last(t)
     step = last["step"].dropna() if len(last) else pd.Series(dtype=float)
     return RunView(run, t, last, settings, f"{run}: " if several else "", run.replace("/", "_"),
-                   f"step {int(step.max())}" if len(step) else "the last checkpoint")
+                   f"step {int(step.max())}" if len(step) else "the last checkpoint", log_steps, latest)
 
 
 # ---- sections ----------------------------------------------------------------------------------
-def build_sections(out) -> tuple[str, list[Section]]:
+def build_sections(out, log_steps: bool = False) -> tuple[str, list[Section]]:
     out = Path(out)
     store = ResultStore(out)
     settings = store.read_json("settings.json")
@@ -109,7 +113,8 @@ def build_sections(out) -> tuple[str, list[Section]]:
     timing = store.read_json("timing.json", {"invocations": []})
     analyses = settings.get("analyses", [])
     runs = list(settings.get("runs", {})) or sorted(table["run"].dropna().unique())
-    views = [_view(table, run, len(runs) > 1, settings) for run in runs]
+    extras = store.extras()
+    views = [_view(table, run, len(runs) > 1, settings, log_steps, extras) for run in runs]
     single = all(len(settings.get("runs", {}).get(r, {}).get("checkpoints", [])) <= 1 for r in runs) and \
         table.groupby("run")["checkpoint"].nunique().le(1).all()
     sections = [_summary(settings, table, errors, timing, store, views), _errors(errors)]
@@ -229,7 +234,7 @@ def _across_checkpoints(sec: dict, v: RunView, analyses: list) -> None:
 
     phase = phase_change(v.table)
     fig = plots.best_head_curves(v.table, [m.name for m in metrics(lambda m: m.curve)], phase,
-                                 _per_model(v.table, "icl_score"))
+                                 _per_model(v.table, "icl_score"), log_steps=v.log_steps)
     text = (f"{v.prefix}Each line follows the head that scores highest at the last checkpoint. " +
             (f"Phase change (shaded): the max induction score ({phase['layers']}) rises fastest between steps "
              f"{phase['start']} and {phase['end']} ({phase['score_before']:.2f} -> {phase['score_after']:.2f}; "
@@ -240,7 +245,8 @@ def _across_checkpoints(sec: dict, v: RunView, analyses: list) -> None:
                       v.figure(fig, "curves"))
 
 
-def write_report(out, title: str | None = None) -> Path:
-    """Write `out/report.html`, `out/report.md` and `out/figures/*.png`; return the HTML path."""
-    default_title, sections = build_sections(out)
+def write_report(out, title: str | None = None, log_steps: bool = False) -> Path:
+    """Write `out/report.html`, `out/report.md` and `out/figures/*.png`; return the HTML path.
+    `log_steps`: training-step axes on a symmetric-log scale (default linear)."""
+    default_title, sections = build_sections(out, log_steps)
     return write_document(out, title or default_title, sections)

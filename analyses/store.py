@@ -76,6 +76,8 @@ class ResultStore:
                     for v in rows[c].tolist()] for c in ROW_FIELDS}
         record = {"run": run, "checkpoint": checkpoint, "step": step, "analysis": analysis,
                   "seconds": round(seconds, 4), "rows": cols}
+        if rows.attrs.get("extra") is not None:  # JSON an analysis keeps beside its rows (e.g. the viewer's sample)
+            record["extra"] = rows.attrs["extra"]
         atomic_write_text(self._path(run, checkpoint, analysis, ".json"), json.dumps(record))
         self._path(run, checkpoint, analysis, ".error.json").unlink(missing_ok=True)
 
@@ -138,6 +140,11 @@ class ResultStore:
             os.replace(tmp, self.out / "results.parquet")
         atomic_write_text(self.out / "errors.json", json.dumps(self.errors(), indent=1))
         return table
+
+    def extras(self) -> list[dict]:
+        """The `extra` payloads of finished tasks: [{run, checkpoint, step, analysis, extra}]."""
+        return [{k: r[k] for k in ("run", "checkpoint", "step", "analysis", "extra")}
+                for r in self.part_records() if r.get("extra") is not None]
 
     def seconds(self) -> pd.DataFrame:
         """Compute time of every finished task: [run, checkpoint, step, analysis, seconds]."""

@@ -36,10 +36,11 @@ from interp.models.runs import Checkpoint, Run, discover
 from .store import LOAD, ResultStore
 from .sweep_data import DataSpec, build_tokens, check_data, prebuild_tokens, resolve_kind
 
-DEFAULT_ANALYSES = ("induction", "previous_token", "duplicate_token", "sinks", "streaming", "composition", "ablation", "pruning",
-                    "importance")
+DEFAULT_ANALYSES = ("induction", "previous_token", "duplicate_token", "sinks", "viewer", "streaming", "composition",
+                    "ablation", "pruning", "importance")
 # `interp analyze`: the head atlas of one model, sized for a real one (no per-head exact ablation)
-ATLAS_ANALYSES = ("induction", "previous_token", "duplicate_token", "sinks", "streaming", "composition", "pruning")
+ATLAS_ANALYSES = ("induction", "previous_token", "duplicate_token", "sinks", "viewer", "streaming", "composition",
+                  "pruning")
 EXPENSIVE_ON = ("last", "all")
 _COLLECT_ABOVE_BYTES = 64 * 2**20
 
@@ -141,7 +142,9 @@ def run_checkpoint(task: CheckpointTask) -> Iterator[PartEvent | ErrorEvent]:
                 tb = traceback.format_exc(limit=-3)
                 yield ErrorEvent(ckpt, name, type(e).__name__, f"{e}\n{tb}")
                 continue
-            yield PartEvent(ckpt, name, rows.reset_index(drop=True), time.perf_counter() - start)
+            out = rows.reset_index(drop=True)
+            out.attrs = dict(rows.attrs)  # an analysis's `extra` travels with its rows
+            yield PartEvent(ckpt, name, out, time.perf_counter() - start)
     finally:
         size = sum(t.numel() * t.element_size() for t in model.parameters())
         del ctx, model

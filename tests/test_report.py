@@ -50,7 +50,7 @@ class _Collect(HTMLParser):
             value = attrs.get(key) or ""
             if value and not value.startswith(("data:", "#")):
                 self.external.append((tag, value))
-        if tag in ("link", "script"):
+        if tag == "link" or (tag == "script" and "src" in attrs):  # inline scripts (the viewer) are fine
             self.external.append((tag, attrs))
 
     def handle_data(self, data):

@@ -57,6 +57,8 @@ class RunView:
     prefix: str  # "run: " when a report has several runs, else ""
     slug: str  # file-name-safe run name, for figure names
     where: str  # "step N" or "the last checkpoint"
+    log_steps: bool = False  # training-step axes on a symmetric-log scale (default linear)
+    extras: dict = field(default_factory=dict)  # {analysis: its `extra` payload at the run's last checkpoint}
 
     def params(self, analysis: str) -> dict:
         return self.settings.get("params", {}).get(analysis, {})

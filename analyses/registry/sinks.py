@@ -48,7 +48,7 @@ def section(v: RunView) -> list:
             pd.DataFrame([{"layer": "sink rate", **{str(int(l)): round(float(r), 2) for l, r in
                                                     zip(per_layer["layer"], per_layer["sink_rate"])}}])
             if not per_layer.empty else None,
-            v.figure(plots.sinks_per_layer(v.table), "sinks")]
+            v.figure(plots.sinks_per_layer(v.table, v.log_steps), "sinks")]
 
 
 register(Analysis(

@@ -8,10 +8,10 @@ change one there and that test says what to update here.
 """
 
 ANALYSES = ("ablation", "composition", "duplicate_token", "importance", "induction", "loss", "previous_token",
-            "pruning", "sinks", "streaming")  # interp.analyses.registry.ANALYSES, sorted
-DEFAULT_ANALYSES = ("induction", "previous_token", "duplicate_token", "sinks", "streaming", "composition",
+            "pruning", "sinks", "streaming", "viewer")  # interp.analyses.registry.ANALYSES, sorted
+DEFAULT_ANALYSES = ("induction", "previous_token", "duplicate_token", "sinks", "viewer", "streaming", "composition",
                     "ablation", "pruning", "importance")  # interp.analyses.sweep.DEFAULT_ANALYSES
-ATLAS_ANALYSES = ("induction", "previous_token", "duplicate_token", "sinks", "streaming", "composition",
+ATLAS_ANALYSES = ("induction", "previous_token", "duplicate_token", "sinks", "viewer", "streaming", "composition",
                   "pruning")  # interp.analyses.sweep.ATLAS_ANALYSES
 DATA_KINDS = ("auto", "repeated_random", "corpus", "file", "text")  # interp.analyses.sweep_data.DATA_KINDS
 DATA_N_SEQS, DATA_SEQ_LEN, DATA_SEED = 16, 256, 0  # interp.analyses.sweep_data.DataSpec()

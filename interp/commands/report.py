@@ -15,6 +15,8 @@ the report code or to re-render a partial sweep (it reads DIR/results.parquet or
 def add_arguments(p) -> None:
     p.add_argument("out", metavar="DIR", help="a sweep folder (with settings.json)")
     p.add_argument("--title", default=None, help="report title (default: the runs' names)")
+    p.add_argument("--log-steps", action="store_true",
+                   help="training-step axes on a symmetric-log scale (default linear, which keeps a late phase change wide)")
     p.add_argument("--headline", action="store_true",
                    help="print the summary's headline sentences (best heads, ICL, phase change) instead")
 
@@ -28,7 +30,7 @@ def run(args) -> int:
         if args.headline:
             print(headline(args.out))
             return 0
-        path = write_report(args.out, title=args.title)
+        path = write_report(args.out, title=args.title, log_steps=args.log_steps)
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

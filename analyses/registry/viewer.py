@@ -1,0 +1,224 @@
+"""viewer: the attention patterns of every head on a short sample of the data, for report.html's
+interactive attention viewer (written here: inline HTML, CSS and JS, nothing fetched). Pick a layer
+and head, or click a cell of the head-score grid; hover a token to see where it attends (blue) and
+which later tokens attend to it (orange)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from types import MappingProxyType
+
+import pandas as pd
+import torch
+
+from ..document import Html
+from .base import Analysis, Context, Metric, ReportSection, RunView, metrics, per_model, register
+
+PARAMS = MappingProxyType(dict(max_tokens=48))
+
+
+def _str_tokens(model, tokens) -> list[str]:
+    if getattr(model, "tokenizer", None) is None:
+        return [str(int(t)) for t in tokens]
+    try:
+        return list(model.to_str_tokens(tokens))
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot decode single ids: show the ids
+        return [str(int(t)) for t in tokens]
+
+
+def sample_window(tokens: torch.Tensor, n: int) -> torch.Tensor:
+    """[1, n]: a row's first token (BOS, where attention sinks park) and the n - 1 tokens, from the first
+    rows at offsets 1, 9, 17, ..., with the most repeated bigrams, so induction has something to show."""
+    best, best_score = tokens[:1, :n], -1
+    for row in tokens[:4]:
+        for start in range(1, max(2, row.shape[0] - n + 2), 8):
+            body = row[start : start + n - 1].tolist()
+            if len(body) < n - 1:
+                break
+            seen, score = set(), 0
+            for bigram in zip(body, body[1:]):
+                if bigram[0] != bigram[1]:  # runs of one token (indentation) are not what induction copies
+                    score += bigram in seen
+                    seen.add(bigram)
+            if score > best_score:
+                best, best_score = torch.cat([row[:1], row[start : start + n - 1]])[None], score
+    return best
+
+
+def run(ctx: Context) -> pd.DataFrame:
+    n = min(PARAMS["max_tokens"], ctx.tokens.shape[1])
+    sample = sample_window(ctx.tokens, n)
+    with torch.no_grad():
+        _, cache = ctx.model.run_with_cache(sample, names_filter=lambda name: name.endswith("hook_pattern"))
+    patterns = torch.stack([cache["pattern", l][0] for l in range(ctx.model.cfg.n_layers)])  # [layer, head, q, k]
+    codes = (patterns.float().clamp(0, 1) * 255).round().to(torch.uint8).contiguous()
+    rows = per_model("viewer_tokens", n)
+    rows.attrs["extra"] = {
+        "tokens": _str_tokens(ctx.model, sample[0].tolist()), "n_layers": int(patterns.shape[0]),
+        "n_heads": int(patterns.shape[1]), "n": n,
+        "patterns_u8": base64.b64encode(codes.numpy().tobytes()).decode(),  # A * 255, rounded; [layer, head, q, k]
+    }
+    return rows
+
+
+def _grid_scores(v: RunView) -> dict:
+    """{metric label: [[score per head] per layer]} for the viewer's clickable grid."""
+    out = {}
+    for m in metrics(lambda m: m.heatmap and m.per == "head"):
+        part = v.last[(v.last["metric"] == m.name) & v.last["layer"].notna()]
+        if part.empty:
+            continue
+        grid = part.pivot_table(index="layer", columns="head", values="value", aggfunc="mean")
+        out[m.label or m.name] = [[None if pd.isna(x) else round(float(x), 4) for x in row] for row in grid.to_numpy()]
+    return out
+
+
+def section(v: RunView) -> list:
+    data = v.extras.get("viewer")
+    if data is None:
+        return [f"{v.prefix}No attention sample (see Errors)."]
+    payload = dict(data, scores=_grid_scores(v), run=v.run, where=v.where)
+    uid = "viewer-" + "".join(ch if ch.isalnum() else "-" for ch in v.slug)
+    return [f"{v.prefix}The attention of every head on {data['n']} tokens of the data at {v.where} (the first token, "
+            "then the stretch of the first sequences with the most repeated token pairs, where induction heads show). "
+            "Choose a layer and head, or click a cell of the grid (coloured by the chosen score); hover a token to "
+            "see where it attends (blue) and which later tokens attend to it (orange); the matrix on the right is "
+            "the head's whole pattern (rows: queries, columns: keys).",
+            Html(_HTML.replace("__UID__", uid).replace("__DATA__", json.dumps(payload).replace("</", "<\\/")),
+                 "(The interactive attention viewer is in report.html.)")]
+
+
+register(Analysis(
+    "viewer", run, "attention patterns of every head on a short sample of the data, for the report's viewer",
+    PARAMS, expensive=True,
+    metrics=(Metric("viewer_tokens", "model", "tokens in the sample (the patterns are in the part's extra)"),),
+    section=ReportSection("viewer", "Attention viewer", section)))
+
+
+_HTML = r"""
+<div class="attn-viewer" id="__UID__">
+<style>
+#__UID__ .controls{display:flex;gap:1em;align-items:center;flex-wrap:wrap;margin:.5em 0}
+#__UID__ .panes{display:flex;gap:1.5em;align-items:flex-start;flex-wrap:wrap}
+#__UID__ .grid{display:inline-grid;gap:1px;background:#ddd;padding:1px}
+#__UID__ .grid div{cursor:pointer}
+#__UID__ .grid div.sel{outline:2px solid #e4572e;outline-offset:-2px}
+#__UID__ .tokens{flex:1 1 320px;max-width:480px;min-width:0;overflow:hidden;line-height:1.9;font-family:ui-monospace,monospace;font-size:.85em}
+#__UID__ .tok{padding:1px 2px;margin:0 1px;border-radius:3px;cursor:default;white-space:pre-wrap;word-break:break-all}
+#__UID__ .tok.hover{outline:2px solid #222}
+#__UID__ .legend{font-size:.8em;color:#555}
+#__UID__ canvas{border:1px solid #ccc;image-rendering:pixelated}
+</style>
+<div class="controls">
+  <label>layer <select class="layer"></select></label>
+  <label>head <select class="head"></select></label>
+  <label>grid colour <select class="metric"></select></label>
+  <span class="label" style="font-weight:600"></span>
+</div>
+<div class="panes">
+  <div><div class="grid" title="rows: layers, columns: heads; click a head"></div>
+       <div class="legend">rows: layers, columns: heads</div></div>
+  <div class="tokens"></div>
+  <div><canvas width="240" height="240"></canvas><div class="legend">pattern: queries down, keys across</div></div>
+</div>
+<script type="application/json" class="data">__DATA__</script>
+<script>
+(function () {
+  const root = document.getElementById("__UID__");
+  const d = JSON.parse(root.querySelector("script.data").textContent);
+  const raw = atob(d.patterns_u8), A = new Uint8Array(raw.length);
+  for (let i = 0; i < raw.length; i++) A[i] = raw.charCodeAt(i);
+  const L = d.n_layers, H = d.n_heads, n = d.n;
+  const at = (l, h, q, k) => A[((l * H + h) * n + q) * n + k] / 255;
+  const layerSel = root.querySelector("select.layer"), headSel = root.querySelector("select.head");
+  const metricSel = root.querySelector("select.metric"), grid = root.querySelector(".grid");
+  const tokensDiv = root.querySelector(".tokens"), label = root.querySelector(".label");
+  const canvas = root.querySelector("canvas"), ctx = canvas.getContext("2d");
+  for (let l = 0; l < L; l++) layerSel.add(new Option(String(l), l));
+  for (let h = 0; h < H; h++) headSel.add(new Option(String(h), h));
+  const metrics = Object.keys(d.scores);
+  metrics.forEach(m => metricSel.add(new Option(m, m)));
+  if (!metrics.length) metricSel.parentElement.style.display = "none";
+  const viridis = t => {  // 5-stop approximation of matplotlib's viridis
+    const s = [[68,1,84],[59,82,139],[33,145,140],[94,201,98],[253,231,37]];
+    t = Math.max(0, Math.min(1, t)) * 4; const i = Math.min(3, Math.floor(t)), f = t - i;
+    return "rgb(" + s[i].map((c, j) => Math.round(c + f * (s[i + 1][j] - c))).join(",") + ")";
+  };
+  let layer = 0, head = 0, hover = null;
+  // start on the best head of the first score, so the viewer opens on something worth seeing
+  if (metrics.length) {
+    let best = -Infinity;
+    d.scores[metrics[metrics.length > 1 ? 1 : 0]].forEach((row, l) => row.forEach((x, h) => {
+      if (x !== null && x > best) { best = x; layer = l; head = h; } }));
+  }
+  const cell = (H <= 16 && L <= 16 ? 22 : 14) + "px";
+  grid.style.gridTemplateColumns = "repeat(" + H + ", " + cell + ")";
+  grid.style.gridAutoRows = cell;
+  const cells = [];
+  for (let l = 0; l < L; l++) for (let h = 0; h < H; h++) {
+    const c = document.createElement("div");
+    c.dataset.layer = l; c.dataset.head = h;
+    c.addEventListener("click", () => { layer = l; head = h; draw(); });
+    grid.appendChild(c); cells.push(c);
+  }
+  const spans = d.tokens.map((t, i) => {
+    const s = document.createElement("span");
+    s.className = "tok"; s.dataset.i = i;
+    s.textContent = t.replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5").replace(/ /g, "\u00b7");  // whitespace shown
+    s.addEventListener("mouseenter", () => { hover = i; paintTokens(); });
+    s.addEventListener("mouseleave", () => { hover = null; paintTokens(); });
+    tokensDiv.appendChild(s); return s;
+  });
+  function paintGrid() {
+    const m = d.scores[metricSel.value];
+    let lo = Infinity, hi = -Infinity;
+    if (m) m.forEach(r => r.forEach(x => { if (x !== null) { lo = Math.min(lo, x); hi = Math.max(hi, x); } }));
+    cells.forEach(c => {
+      const l = +c.dataset.layer, h = +c.dataset.head, x = m ? m[l][h] : null;
+      c.style.background = x === null ? "#eee" : viridis(hi > lo ? (x - lo) / (hi - lo) : 0.5);
+      c.title = "L" + l + "H" + h + (x === null ? "" : " " + metricSel.value + " " + x.toFixed(3));
+      c.classList.toggle("sel", l === layer && h === head);
+    });
+  }
+  function paintTokens() {
+    let top = 1e-9;  // colours are scaled to the strongest weight shown; data-weight keeps the raw value
+    if (hover !== null) spans.forEach((s, j) => {
+      top = Math.max(top, j <= hover ? at(layer, head, hover, j) : at(layer, head, j, hover)); });
+    spans.forEach((s, j) => {
+      s.classList.toggle("hover", j === hover);
+      if (hover === null) { s.style.background = ""; s.dataset.weight = ""; return; }
+      const to = j <= hover ? at(layer, head, hover, j) : 0;     // hover attends to j
+      const from = j > hover ? at(layer, head, j, hover) : 0;    // j attends to hover
+      s.dataset.weight = (j <= hover ? to : from).toFixed(3);
+      s.style.background = j <= hover ? "rgba(31,119,180," + (to / top).toFixed(3) + ")"
+                                      : "rgba(255,127,14," + (from / top).toFixed(3) + ")";
+      s.title = j <= hover ? "attention from the hovered token: " + to.toFixed(3)
+                           : "attention to the hovered token: " + from.toFixed(3);
+    });
+  }
+  function paintPattern() {
+    const img = ctx.createImageData(n, n);
+    for (let q = 0; q < n; q++) for (let k = 0; k < n; k++) {
+      const v = 255 - Math.round(at(layer, head, q, k) * 255), o = (q * n + k) * 4;
+      img.data[o] = v; img.data[o + 1] = v; img.data[o + 2] = 255; img.data[o + 3] = 255;
+    }
+    const off = document.createElement("canvas"); off.width = n; off.height = n;
+    off.getContext("2d").putImageData(img, 0, 0);
+    ctx.imageSmoothingEnabled = false; ctx.clearRect(0, 0, canvas.width, canvas.height);
+    ctx.drawImage(off, 0, 0, canvas.width, canvas.height);
+  }
+  function draw() {
+    layerSel.value = layer; headSel.value = head;
+    label.textContent = d.run + ": L" + layer + "H" + head + " at " + d.where;
+    root.dataset.selected = "L" + layer + "H" + head;
+    paintGrid(); paintTokens(); paintPattern();
+  }
+  layerSel.addEventListener("change", () => { layer = +layerSel.value; draw(); });
+  headSel.addEventListener("change", () => { head = +headSel.value; draw(); });
+  metricSel.addEventListener("change", paintGrid);
+  draw();
+})();
+</script>
+</div>
+"""
