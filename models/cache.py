@@ -186,8 +186,8 @@ class KVCache:
             raise ValueError(f"n_sink must be an int >= 0 (keys kept visible past a sliding window), got {n_sink!r}")
         self.n_sink = n_sink
         shape = (n_layers, batch_size, n_kv_heads, max_len, d_head)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.dtype = dtype
+        self._allocate(shape, dtype, device)
         self.queries = (
             torch.zeros((n_layers, batch_size, n_heads or n_kv_heads, max_len, d_head), dtype=dtype, device=device)
             if capture_queries
@@ -198,6 +198,11 @@ class KVCache:
         self.n_seen = torch.zeros(batch_size, dtype=torch.long, device=device)  # real tokens per row
         self.length = 0
         self.batch_size, self.max_len = batch_size, max_len
+
+    def _allocate(self, shape: tuple, dtype: torch.dtype, device) -> None:
+        """Key and value storage; `QuantizedKVCache` stores codes and scales instead."""
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
 
     @property
     def nbytes(self) -> int:

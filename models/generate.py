@@ -56,6 +56,7 @@ def generate(
     attention_mask: Tensor | None = None,
     capture_queries: bool = False,
     return_kv_cache: bool = False,
+    kv_precision=None,
 ) -> Tensor | tuple[Tensor, "KVCache"]:
     """Continue `tokens` ([batch, pos]; rows of different lengths left-padded with `attention_mask`).
 
@@ -63,6 +64,8 @@ def generate(
     `seed`. A row stops at any of `stop_tokens` and is padded with `pad_token_id` (default: the stop
     token) afterwards; generation ends when every row has stopped. Returns [batch, pos + new]
     (and the KV cache with `return_kv_cache=True`, e.g. to read queries/keys back for analysis).
+    `kv_precision`: decode through a quantized cache ("int8", "fp8", "int4", ... or a
+    {(layer, kv_head): name} map; see `model.new_kv_cache`).
     """
     tokens = model._as_tokens(tokens)
     batch, n = tokens.shape
@@ -76,7 +79,7 @@ def generate(
     if seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(seed)
 
-    cache = model.new_kv_cache(batch, n + max_new_tokens, capture_queries=capture_queries)
+    cache = model.new_kv_cache(batch, n + max_new_tokens, capture_queries=capture_queries, precision=kv_precision)
     # Prefill through the blocks, then unembed the last position only (as HF's logits_to_keep=1): the
     # other n - 1 rows of [n, vocab] logits are never read, and for a small model the unembedding of a
     # whole prompt costs several decoding steps.

@@ -336,17 +336,24 @@ class HookedTransformer(HookedRootModule):
         return order
 
     def new_kv_cache(
-        self, batch_size: int, max_len: int | None = None, capture_queries: bool = False, n_sink: int = 0
+        self, batch_size: int, max_len: int | None = None, capture_queries: bool = False, n_sink: int = 0,
+        precision=None, default: str = "fp32",
     ) -> KVCache:
         """A preallocated KV cache for `max_len` tokens (default n_ctx), in the model's dtype and device.
 
-        n_sink > 0 keeps the first n_sink keys visible past sliding windows (StreamingLLM)."""
+        n_sink > 0 keeps the first n_sink keys visible past sliding windows (StreamingLLM).
+        precision: None (the model's dtype, unquantized), a name ("int8", "fp8", "int4", "fp16", "bf16",
+        "fp32") for every KV head, or a {(layer, kv_head): name} map with `default` for the rest: a
+        `QuantizedKVCache` (`interp.models.kv_cache_quant`)."""
         cfg = self.cfg
-        return KVCache(
-            cfg.n_layers, batch_size, max_len or cfg.n_ctx, cfg.kv_heads, cfg.head_dim,
-            n_heads=cfg.n_heads, capture_queries=capture_queries, dtype=self.dtype, device=self.device,
-            n_sink=n_sink,
-        )
+        args = (cfg.n_layers, batch_size, max_len or cfg.n_ctx, cfg.kv_heads, cfg.head_dim)
+        kwargs = dict(n_heads=cfg.n_heads, capture_queries=capture_queries, dtype=self.dtype, device=self.device,
+                      n_sink=n_sink)
+        if precision is None:
+            return KVCache(*args, **kwargs)
+        from .kv_cache_quant import QuantizedKVCache
+
+        return QuantizedKVCache(*args, precision=precision, default=default, **kwargs)
 
     def attention_stats(
         self, tokens=None, *, kv_cache: KVCache | None = None, attention_mask: Tensor | None = None,

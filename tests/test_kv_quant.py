@@ -1,0 +1,121 @@
+"""Quantized KV caches against quantization done by hand: the cache's logits equal a forward pass
+whose K (after RoPE) and V are quantized and dequantized in hooks, prefill or token by token; a
+precision map that keeps everything in full precision changes nothing; bytes are what the codes and
+scales take; bad precisions and maps are refused clearly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from analyses_fixtures import build, tokens  # noqa: F401
+from test_real_models import needs_smol
+
+import interp
+from interp.kernels.kv_quant import bytes_per_vector, dequantize, fake_quantize, quantize
+
+
+def test_the_scheme_by_hand():
+    x = torch.tensor([[0.5, -1.0, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    codes, scale = quantize(x, "int8")
+    assert torch.allclose(scale, torch.tensor([1.0 / 127, 1.0]))  # max|x| / 127; a zero vector gets scale 1
+    assert codes[0].tolist() == [64, -127, 32, 0]  # round(0.5 * 127) = 64 (63.5 rounds to even 64)
+    codes4, scale4 = quantize(x, "int4")
+    assert codes4.shape == (2, 2) and codes4.dtype == torch.uint8  # two codes per byte
+    s4 = torch.tensor(1.0) / 7  # x / s in float32: 0.5 / (1/7) = 3.4999998, which rounds to 3
+    want4 = (x[0] / s4).round().clamp(-7, 7) * s4
+    assert torch.allclose(dequantize(codes4, scale4, "int4", torch.float32)[0], want4)
+    assert want4.tolist() == pytest.approx([3 / 7, -1.0, 2 / 7, 0.0])
+    fp8 = fake_quantize(x, "fp8")[0]
+    want = (x[0] / (1.0 / 448)).to(torch.float8_e4m3fn).float() * (1.0 / 448)
+    assert torch.equal(fp8, want)
+    assert bytes_per_vector("int4", 64) == 32 + 4 and bytes_per_vector("fp16", 64) == 128
+
+
+def _hand_quantized_logits(model, toks, precision: str, heads=None):
+    """A plain forward whose cached K (after RoPE) and V are quantized and dequantized in hooks."""
+    def q(x, hook):
+        if heads is None:
+            return fake_quantize(x, precision)
+        layer = int(hook.name.split(".")[1])
+        out = x.clone()
+        for (l, g) in heads:
+            if l == layer:
+                out[:, :, g] = fake_quantize(x[:, :, g], precision)
+        return out
+
+    names = ("hook_rot_k", "hook_v") if model.cfg.positional == "rotary" else ("hook_k", "hook_v")
+    hooks = [(f"blocks.{l}.attn.{n}", q) for l in range(model.cfg.n_layers) for n in names]
+    with torch.no_grad():
+        return model.run_with_hooks(toks, fwd_hooks=hooks)
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8", "int4", "fp16", "bf16"])
+@pytest.mark.parametrize("name", ["rotary-gqa", "learned"])
+def test_quantized_cache_equals_quantizing_by_hand(name, precision):
+    model = build(name)
+    toks = tokens(2, 20, seed=3)
+    want = _hand_quantized_logits(model, toks, precision)
+    with torch.no_grad():
+        cache = model.new_kv_cache(2, 20, precision=precision)
+        prefill = model(toks, kv_cache=cache)
+        cache = model.new_kv_cache(2, 20, precision=precision)
+        stepwise = torch.cat([model(toks[:, i : i + 1], kv_cache=cache) for i in range(20)], dim=1)
+    assert torch.allclose(prefill, want, atol=1e-4), (prefill - want).abs().max()
+    assert torch.allclose(stepwise, want, atol=1e-4), (stepwise - want).abs().max()
+    with torch.no_grad():
+        full = model(toks)
+    if precision != "fp16":
+        assert not torch.allclose(prefill, full, atol=1e-6)  # it did quantize
+
+
+def test_precision_map_quantizes_only_the_named_heads():
+    model = build("rotary-gqa")  # 2 layers x 2 KV heads
+    toks = tokens(1, 16, seed=4)
+    heads = [(0, 1), (1, 0)]
+    want = _hand_quantized_logits(model, toks, "int4", heads)
+    with torch.no_grad():
+        got = model(toks, kv_cache=model.new_kv_cache(1, 16, precision={h: "int4" for h in heads}))
+    assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_everything_in_full_precision_changes_nothing():
+    model = build("rotary-gqa")
+    toks = tokens(2, 16, seed=5)
+    with torch.no_grad():
+        plain = model(toks, kv_cache=model.new_kv_cache(2, 16))
+        mapped = model(toks, kv_cache=model.new_kv_cache(2, 16, precision={(0, 0): "fp32"}, default="fp32"))
+        out_plain = model.generate(toks, 5)
+        out_mapped = model.generate(toks, 5, kv_precision="fp32")
+    assert torch.equal(plain, mapped) and torch.equal(out_plain, out_mapped)
+
+
+def test_bytes_are_the_codes_and_scales_held():
+    model = build("rotary-gqa")
+    cfg = model.cfg
+    for precision, per_vector in [("fp32", 4 * cfg.head_dim), ("int8", cfg.head_dim + 4), ("int4", cfg.head_dim // 2 + 4)]:
+        cache = model.new_kv_cache(3, 10, precision=precision)
+        assert cache.nbytes == 2 * cfg.n_layers * cfg.kv_heads * 3 * 10 * per_vector
+        assert cache.bytes_per_token() == 2 * cfg.n_layers * cfg.kv_heads * per_vector
+    mixed = model.new_kv_cache(1, 10, precision={(0, 0): "fp32"}, default="int4")
+    assert mixed.nbytes == 2 * 10 * (4 * cfg.head_dim + (cfg.n_layers * cfg.kv_heads - 1) * (cfg.head_dim // 2 + 4))
+
+
+def test_bad_precisions_are_refused():
+    model = build("rotary-gqa")
+    with pytest.raises(ValueError, match="unknown KV precision 'int3'"):
+        model.new_kv_cache(1, 8, precision="int3")
+    with pytest.raises(ValueError, match="names layer 5, KV head 0; this model has layers 0..1"):
+        model.new_kv_cache(1, 8, precision={(5, 0): "int8"})
+    with pytest.raises(ValueError, match="keyed by \\(layer, kv_head\\)"):
+        model.new_kv_cache(1, 8, precision={3: "int8"})
+    odd = interp.HookedTransformer(interp.ModelConfig(n_layers=1, d_model=12, n_heads=4, d_vocab=10, n_ctx=8))
+    with pytest.raises(ValueError, match="even d_head"):
+        odd.new_kv_cache(1, 8, precision="int4")
+
+
+@needs_smol
+def test_int8_greedy_still_knows_paris():
+    model = interp.load("smollm2-135m")
+    prompt = model.to_tokens("The capital of France is")
+    out = model.generate(prompt, 1, kv_precision="int8")
+    assert model.to_string(out[0, -1:]) == " Paris"
