@@ -365,3 +365,25 @@ def position_losses(points: pd.DataFrame, bin_size: int | None = None):
     ax.set_title("StreamingLLM: loss per position (grey lines: window sizes)", fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def mixed_precision_curve(mixed: pd.DataFrame):
+    """Perplexity against bytes per token: one line per selection over k, the uniform caches as points."""
+    fig = _notebook_figure()(figsize=(6.8, 4.0))
+    ax = fig.subplots()
+    uni = mixed[mixed["selection"] == "uniform"]
+    ax.scatter(uni["bytes_per_token"], uni["perplexity"], color="black", zorder=3, label="uniform")
+    for r in uni.itertuples():
+        ax.annotate(r.precision, (r.bytes_per_token, r.perplexity), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    for sel, part in mixed[mixed["selection"] != "uniform"].groupby("selection"):
+        curve = part.groupby("k")[["bytes_per_token", "perplexity"]].mean().sort_values("bytes_per_token")
+        ax.plot(curve["bytes_per_token"], curve["perplexity"], marker="o", markersize=3,
+                label=f"{sel}" + (" (mean of seeds)" if sel == "random" else ""), linestyle="--" if sel == "random" else "-")
+    ax.set_xscale("log")
+    ax.set_xlabel("KV-cache bytes per token (log)")
+    ax.set_ylabel("perplexity")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("mixed precision: top-k KV heads in fp32, the rest int4", fontsize=10)
+    fig.tight_layout()
+    return fig

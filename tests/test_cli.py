@@ -29,9 +29,12 @@ def test_the_help_names_are_the_librarys():
     assert (choices.DATA_N_SEQS, choices.DATA_SEQ_LEN, choices.DATA_SEED) == (d.n_seqs, d.seq_len, d.seed)
     assert choices.EXECUTOR_KINDS == executors.EXECUTOR_KINDS
     assert choices.BENCH_SECTIONS == tuple(ALL)
+    from interp.kernels.kv_quant import PRECISIONS
+
+    assert choices.KV_PRECISIONS == PRECISIONS
 
 
-@pytest.mark.parametrize("args", [[], ["sweep"], ["analyze"], ["bench"], ["info"], ["report"], ["train"]])
+@pytest.mark.parametrize("args", [[], ["sweep"], ["analyze"], ["bench"], ["info"], ["report"], ["train"], ["kv"]])
 def test_help_is_instant_and_imports_no_torch(args):
     """Under a second, measured in a fresh interpreter (what a user's shell pays), torch never imported."""
     code = ("import sys, time; t = time.perf_counter(); from interp.cli import main\n"

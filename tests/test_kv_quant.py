@@ -119,3 +119,88 @@ def test_int8_greedy_still_knows_paris():
     prompt = model.to_tokens("The capital of France is")
     out = model.generate(prompt, 1, kv_precision="int8")
     assert model.to_string(out[0, -1:]) == " Paris"
+
+
+# ---- the study ----------------------------------------------------------------------------------
+def test_head_kl_and_sensitivities_by_hand():
+    from interp.analyses.kv import head_table, kv_sensitivity, mixed_precision, precision_table
+
+    model = build("rotary-gqa")
+    toks = tokens(2, 24, seed=6)
+    heads = head_table(model, toks, ("int4",), chunk=7)  # chunks that do not divide the length
+    _, cache = model.run_with_cache(toks, names_filter=lambda n: n.endswith(("hook_rot_q", "hook_rot_k", "hook_v",
+                                                                            "hook_pattern")))
+    group = model.cfg.n_heads // model.cfg.kv_heads
+    for l in range(model.cfg.n_layers):
+        q = cache[f"blocks.{l}.attn.hook_rot_q"].transpose(1, 2)
+        kq = fake_quantize(cache[f"blocks.{l}.attn.hook_rot_k"], "int4").transpose(1, 2).repeat_interleave(group, 1)
+        scores = q @ kq.transpose(-1, -2) * model.blocks[l].attn.scale
+        scores = scores.masked_fill(torch.ones(24, 24, dtype=torch.bool).triu(1), float("-inf"))
+        p, logq = cache["pattern", l], scores.log_softmax(-1)
+        kl = torch.where(p > 0, p * (p.log() - logq), 0.0).sum(-1).mean((0, 2))
+        got = heads[heads.layer == l].sort_values("head")["kl"].to_numpy()
+        assert torch.allclose(torch.tensor(got, dtype=torch.float32), kl, atol=1e-5)
+    sens = kv_sensitivity(model, toks, heads)
+    assert len(sens) == model.cfg.n_layers * model.cfg.kv_heads and (sens["loss"].abs() > 0).all()
+    for r in sens.itertuples():  # the batched loss ranking equals one cache per KV head, by the precision map
+        with torch.no_grad():
+            one = lm_loss(model(toks, kv_cache=model.new_kv_cache(2, 24, precision={(r.layer, r.kv_head): "int4"})), toks)
+            clean = lm_loss(model(toks), toks)
+        assert r.loss == pytest.approx(float(one - clean), abs=1e-5)
+    table = precision_table(model, toks, ("fp32", "int4"))
+    assert table.loc[0, "loss_diff"] == 0 and table.loc[1, "bytes_per_token"] < table.loc[0, "bytes_per_token"]
+    mixed = mixed_precision(model, toks, sens, ks=[1], seeds=(0, 1))
+    assert set(mixed["selection"]) == {"uniform", "loss", "kl", "gradient", "random"}
+    full = mixed[(mixed.selection == "uniform") & (mixed.precision == "fp32")]["loss"].iloc[0]
+    assert full == pytest.approx(table.loc[0, "loss"], abs=1e-6)
+
+
+from interp.models import lm_loss  # noqa: E402
+
+
+# ---- interp kv ------------------------------------------------------------------------------------
+def test_interp_kv_refuses_bad_input_before_loading(tmp_path, capsys):
+    import numpy as np
+
+    from interp.cli import main as cli
+
+    out = tmp_path / "out"
+
+    def refused(argv, message):
+        assert cli(["kv", *argv, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+        assert not out.exists()
+
+    refused(["attn-only-2l", "--precisions", "fp32,int3"], "unknown KV precision 'int3'")
+    refused(["attn-only-2l", "--seq-len", "1024"], "longer than this model's context (n_ctx=256)")
+    floats = tmp_path / "f.npy"
+    np.save(floats, np.zeros((2, 16), dtype=np.float32))
+    refused(["attn-only-2l", "--data-file", str(floats)], "token ids must be integers")
+    long = tmp_path / "long.npy"
+    np.save(long, np.zeros((1, 300), dtype=np.int64))
+    refused(["attn-only-2l", "--data-file", str(long)], "longer than this model's context")
+    odd = interp.HookedTransformer(interp.ModelConfig(n_layers=1, d_model=12, n_heads=4, d_vocab=10, n_ctx=16))
+    interp.save_model(odd, tmp_path / "odd")
+    refused([str(tmp_path / "odd"), "--seq-len", "8"], "even d_head")
+
+
+def test_interp_kv_on_the_zoo(tmp_path):
+    import pandas as pd
+
+    from interp.cli import main as cli
+
+    out = tmp_path / "kv"
+    assert cli(["kv", "attn-only-2l", "--out", str(out), "--seq-len", "96", "--sensitivity-tokens", "64",
+                "--seeds", "2", "--no-progress"]) == 0
+    table = pd.read_parquet(out / "kv.parquet").set_index("precision")
+    cfg = interp.load("attn-only-2l").cfg
+    assert table.loc["int8", "bytes_per_token"] == 2 * cfg.n_layers * cfg.kv_heads * (cfg.head_dim + 4)
+    assert table.loc["fp32", "loss_diff"] == 0
+    heads = pd.read_parquet(out / "kv_heads.parquet")
+    assert len(heads) == 3 * cfg.n_layers * cfg.n_heads and (heads["kl"] >= 0).all()
+    mixed = pd.read_parquet(out / "kv_mixed.parquet")
+    assert {"k", "selection", "seed", "perplexity", "bytes_per_token"} <= set(mixed.columns)
+    assert set(mixed["selection"]) == {"uniform", "loss", "kl", "gradient", "random"}
+    text = (out / "report.md").read_text()
+    assert "of the int4 -> fp32 loss gap" in text and "How the atlas's heads fare" in text

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import ablation, caching, forward, generation, gpu, head_scan, long_context, patching, real_model
+from . import ablation, caching, forward, generation, gpu, head_scan, kv_cache, long_context, patching, real_model
 from .report import Options, Section, load_average, render
 from .timing import default_clock
 
@@ -32,6 +32,7 @@ SECTIONS: dict[str, Callable[[Options], Section]] = {
     "patching": patching.section,
     "real_model": real_model.section,
     "head_scan": head_scan.section,
+    "kv_cache": kv_cache.section,
 }
 ALL = (*SECTIONS, "gpu")
 
