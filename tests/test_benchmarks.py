@@ -172,3 +172,10 @@ def test_head_scan_section_compares_both_methods(page):
     diffs = [float(x) for x in column(scan, "max abs diff")]
     assert diffs and max(diffs) < 1e-5  # patterns and streaming give the same scores
     assert set(column(scan, "auto picks")) <= {"pattern", "streaming"}
+
+
+def test_kv_cache_section_measures_what_theory_says(page):
+    found = sections(page)
+    kv = next(body for title, body in found.items() if title.startswith("Quantized KV caches"))
+    assert [float(r) for r in column(kv, "ratio")] == [1.0] * 6  # measured bytes per token = theoretical
+    assert set(column(kv, "precision")) == {"fp32", "fp16", "bf16", "int8", "fp8", "int4"}
