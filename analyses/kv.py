@@ -81,11 +81,12 @@ def head_table(model, tokens, precisions: Sequence[str] = ("int8", "fp8", "int4"
             rows_n = qs.shape[2]
             mask = torch.arange(n, device=q.device)[None, :] > torch.arange(s, s + rows_n, device=q.device)[:, None]
             logp = (qs @ kf.transpose(-1, -2) * scale).masked_fill(mask, float("-inf")).log_softmax(-1)
-            z = logp.exp() @ vf
+            p_full = logp.exp()
+            z = p_full @ vf
             zz += z.pow(2).sum((0, 2, 3)).cpu()
             for p, (kq, vq) in quant.items():
                 logq = (qs @ kq.transpose(-1, -2) * scale).masked_fill(mask, float("-inf")).log_softmax(-1)
-                terms = torch.where(mask, 0.0, logp.exp() * (logp - logq))
+                terms = torch.where(mask, 0.0, p_full * (logp - logq))
                 kl[p] += terms.sum(-1).sum((0, 2)).cpu()
                 dz[p] += (logq.exp() @ vq - z).pow(2).sum((0, 2, 3)).cpu()
         for p in precisions:

@@ -55,9 +55,9 @@ def run_study(model, tokens, out, *, precisions: Sequence[str] = ("fp32", "int8"
     quantized = [p for p in precisions if p not in ("fp32",)]
     heads = stage("per-head pattern KL", lambda: head_table(model, tokens, quantized or ("int4",)))
     sens_tokens = tokens[:, :sensitivity_tokens]
-    sens_heads = heads if "int4" in set(heads["precision"]) else None
-    sens = stage("sensitivity rankings", lambda: kv_sensitivity(model, sens_tokens, sens_heads if sens_tokens.shape == tokens.shape else None,
-                                                             "int4", progress_bar))
+    # the int4 KLs just computed serve the kl ranking when it is measured on the same tokens
+    reuse = heads if "int4" in set(heads["precision"]) and sens_tokens.shape == tokens.shape else None
+    sens = stage("sensitivity rankings", lambda: kv_sensitivity(model, sens_tokens, reuse, "int4", progress_bar))
     n_kv = model.cfg.n_layers * model.cfg.kv_heads
     ks = sorted({max(1, round(f * n_kv)) for f in KEEP_FRACTIONS})
     mixed = stage("mixed precision", lambda: mixed_precision(model, tokens, sens, ks, seeds=seeds, uniform=(),

@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from . import plots
-from .document import Image, Section, head_name, render_html, render_markdown, write_document  # noqa: F401
+from .document import Section, head_name, write_document
 from .registry import ANALYSES, RunView, metrics
 from .store import ResultStore, load_results
 

@@ -344,7 +344,7 @@ def check_up_front(settings: SweepSettings, runs: Sequence[Run]) -> None:
 
     _check_device(settings.device)
     spec = settings.data
-    file_tokens = _file_max_token(spec)
+    file_tokens = int(prebuild_tokens(spec).max()) if spec.kind == "file" else None
     for run in runs:
         try:
             cfg = read_config(run.checkpoints[-1].path)
@@ -356,14 +356,6 @@ def check_up_front(settings: SweepSettings, runs: Sequence[Run]) -> None:
         if file_tokens is not None and file_tokens >= cfg.d_vocab:
             raise ValueError(f"{spec.path} holds token id {file_tokens}, outside {run.name}'s vocabulary "
                              f"[0, {cfg.d_vocab})")
-
-
-def _file_max_token(spec: DataSpec) -> int | None:
-    if spec.kind != "file":
-        return None
-    from .sweep_data import _file
-
-    return int(_file(spec, None).max())
 
 
 def _check_device(device: str | None) -> None:

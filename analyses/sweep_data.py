@@ -42,7 +42,6 @@ from interp.models.tokenizer import ByteTokenizer, load_tokenizer
 
 DataKind = Literal["auto", "repeated_random", "corpus", "file", "text"]
 DATA_KINDS = ("auto", "repeated_random", "corpus", "file", "text")
-DEFAULT_TEXT = "pydoc_data.topics"  # what kind="text" reads when no path is given
 
 
 @dataclass(frozen=True)
@@ -124,7 +123,7 @@ def check_data(spec: DataSpec) -> None:
     if spec.path is not None and not Path(spec.path).is_file():
         raise FileNotFoundError(f"data file {spec.path} does not exist")
     if spec.kind == "file":
-        _file(spec, None)  # reads it: wrong dtype, shape or length fail here, before any model
+        prebuild_tokens(spec)  # reads it (once: cached): wrong dtype, shape or length fail here, before any model
     if spec.kind == "text":
         n = len(read_text(spec.path))
         if n < spec.n_seqs * spec.seq_len:
@@ -138,7 +137,7 @@ def prebuild_tokens(spec: DataSpec) -> Tensor | None:
     corpus is read once, not per worker). None for kinds that depend on the model's vocabulary."""
     if spec.kind == "auto":
         raise ValueError("settle data kind 'auto' with resolve_kind() first")
-    return _BUILDERS[spec.kind](spec, None) if spec.kind in ("corpus", "file") else None
+    return _cached(spec, None) if spec.kind in ("corpus", "file") else None
 
 
 def build_tokens(spec: DataSpec, model, prebuilt: Tensor | None = None) -> Tensor:
@@ -161,7 +160,7 @@ def build_tokens(spec: DataSpec, model, prebuilt: Tensor | None = None) -> Tenso
 
 
 @functools.lru_cache(maxsize=4)
-def _cached(spec: DataSpec, d_vocab: int) -> Tensor:
+def _cached(spec: DataSpec, d_vocab: int | None) -> Tensor:
     return _BUILDERS[spec.kind](spec, d_vocab)
 
 
@@ -177,10 +176,14 @@ def _corpus(spec: DataSpec, d_vocab: int | None) -> Tensor:
     return eval_windows(load_corpus(), spec.seq_len, spec.n_seqs, seed=spec.seed)
 
 
-def _file(spec: DataSpec, d_vocab: int | None) -> Tensor:
+def read_token_file(path) -> Tensor:
+    """Integer token ids from a .npy or .pt file, as saved: [n_seqs, seq_len] or flat (int64).
+    A missing or unreadable file, non-integer values or more than two dimensions: a clear error."""
     import numpy as np
 
-    path = str(spec.path)
+    path = str(path)
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"data file {path} does not exist")
     try:
         raw = np.load(path) if path.endswith(".npy") else torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file gets the same one-line answer
@@ -191,7 +194,12 @@ def _file(spec: DataSpec, d_vocab: int | None) -> Tensor:
         raise ValueError(f"{path} holds {raw.dtype} values; token ids must be integers (e.g. int64)")
     if raw.dim() > 2:
         raise ValueError(f"{path} has shape {tuple(raw.shape)}; token ids must be [n_seqs, seq_len] or flat")
-    tokens = raw.to(torch.long).reshape(-1)
+    return raw.to(torch.long)
+
+
+def _file(spec: DataSpec, d_vocab: int | None) -> Tensor:
+    path = spec.path
+    tokens = read_token_file(path).reshape(-1)
     need = spec.n_seqs * spec.seq_len
     if tokens.numel() < need:
         raise ValueError(f"{path} holds {tokens.numel()} tokens; the data spec needs {spec.n_seqs} x {spec.seq_len} = {need}")

@@ -33,29 +33,17 @@ def add_arguments(p) -> None:
 
 
 def _data_file(path: str):
-    """Token ids as given: [n_seqs, seq_len] (a flat file is one sequence); clear errors otherwise."""
-    from pathlib import Path
+    """Token ids as given: [n_seqs, seq_len] (a flat file is one sequence)."""
+    from interp.analyses.sweep_data import read_token_file
 
-    import numpy as np
-    import torch
-
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"--data-file {path} does not exist")
-    try:
-        raw = torch.as_tensor(np.load(path) if path.endswith(".npy") else torch.load(path, weights_only=True))
-    except Exception as e:  # noqa: BLE001
-        raise ValueError(f"cannot read token ids from {path} ({type(e).__name__}: {e})") from None
-    if raw.is_floating_point() or raw.dtype == torch.bool:
-        raise ValueError(f"{path} holds {raw.dtype} values; token ids must be integers")
-    if raw.dim() not in (1, 2):
-        raise ValueError(f"{path} has shape {tuple(raw.shape)}; token ids must be [n_seqs, seq_len] or one flat sequence")
-    return raw.long().reshape(1, -1) if raw.dim() == 1 else raw.long()
+    ids = read_token_file(path)
+    return ids.reshape(1, -1) if ids.dim() == 1 else ids
 
 
 def run(args) -> int:
     import sys
 
-    from interp.kernels.kv_quant import check_precision
+    from interp.kernels.kv_quant import check_precision, code_shape
 
     try:
         precisions = [check_precision(p.strip()) for p in args.precisions.split(",") if p.strip()]
@@ -78,8 +66,8 @@ def run(args) -> int:
         if n > cfg.n_ctx:
             raise ValueError(f"sequences of {n} tokens are longer than this model's context (n_ctx={cfg.n_ctx}); "
                              f"use --seq-len {cfg.n_ctx} or shorter rows")
-        if "int4" in precisions and cfg.head_dim % 2:
-            raise ValueError(f"int4 packs two codes per byte and needs an even d_head; this model's is {cfg.head_dim}")
+        for p in precisions:
+            code_shape(p, cfg.head_dim)  # int4 with an odd d_head fails here, as the cache would
         if ids is not None and int(ids.max()) >= cfg.d_vocab:
             raise ValueError(f"{args.data_file} holds token id {int(ids.max())}, outside the vocabulary [0, {cfg.d_vocab})")
     except (ValueError, FileNotFoundError) as e:
