@@ -24,7 +24,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from ._common import HeadList, progress, resolve_heads, token_batch, valid_mask
+from ._common import HeadList, progress, resolve_heads, token_batch, token_input, valid_mask
 
 Method = Literal["mean", "zero", "resample"]
 METHODS = ("mean", "zero", "resample")
@@ -189,7 +189,7 @@ def ablate_heads(
 
     Returns layer, head, method, clean_loss, loss, delta (= loss - clean_loss), seed, n_sequences;
     for a custom metric the columns are clean_metric, metric_value and metric (its name)."""
-    tokens = token_batch(model, tokens)
+    tokens, attention_mask = token_input(model, tokens, attention_mask)
     pairs = resolve_heads(model.cfg.n_layers, model.cfg.n_heads, heads)
     runner = AblationRunner(model, tokens, method=method, seed=seed, attention_mask=attention_mask, metric=metric)
     results = runner.sweep(pairs, heads_per_batch, progress)

@@ -131,7 +131,7 @@ def pattern_scores(
 # ---- the TransformerLens-compatible entry point -------------------------------------------------
 
 
-def _prompts(model, seq, prepend_bos: bool) -> list[Tensor]:
+def _prompts(model, seq, prepend_bos: bool | None) -> list[Tensor]:
     """Each prompt as [1, pos] token ids: a string, a list of strings, or token ids [pos] / [batch, pos]."""
     if isinstance(seq, str):
         return [model.to_tokens(seq, prepend_bos=prepend_bos)]
@@ -151,14 +151,15 @@ def detect_head(
     exclude_bos: bool = False,
     exclude_current_token: bool = False,
     error_measure: ErrorMeasure = "mul",
-    prepend_bos: bool = True,
+    prepend_bos: bool | None = None,
 ) -> Tensor:
     """Score every head (or `heads`) against a detection pattern, as TransformerLens's `detect_head`.
 
     model               an `interp.HookedTransformer`.
     seq                 a string, a list of strings (each scored alone, scores averaged), or token ids
-                        [pos] / [batch, pos] (each row a prompt). Strings get BOS first when
-                        `prepend_bos` (TransformerLens's default).
+                        [pos] / [batch, pos] (each row a prompt). Strings get BOS first per
+                        `prepend_bos` (None: the model's `cfg.default_prepend_bos`, as
+                        TransformerLens's `to_tokens` does).
     detection_pattern   "previous_token_head" | "duplicate_token_head" | "induction_head" (or the short
                         names), or a lower-triangular tensor [pos, pos] (one prompt only).
     heads               [(layer, head), ...] or {layer: [head, ...]}; the other heads score -1.

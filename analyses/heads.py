@@ -30,7 +30,7 @@ from torch import Tensor
 
 from interp.kernels import attention_stats
 
-from ._common import head_frame, pair_mask, token_batch, valid_mask
+from ._common import head_frame, pair_mask, token_batch, token_input, valid_mask
 from .detect import DETECTION_PATTERNS, ErrorMeasure, canonical_kind, pattern_scores
 from interp.models.stats import _layer_geometry, attention_logsumexp, attention_weights_at, for_each_layer_qk
 
@@ -108,7 +108,7 @@ def detect_heads(
     if error_measure not in ("mul", "abs"):
         raise ValueError(f"error_measure must be 'mul' or 'abs', got {error_measure!r}")
     kinds = [canonical_kind(k) for k in ([kinds] if isinstance(kinds, str) else kinds)]
-    tokens = token_batch(model, tokens)
+    tokens, attention_mask = token_input(model, tokens, attention_mask)
     valid = valid_mask(tokens, attention_mask, right_padded_only=True)
     method = resolve_method(model, tokens, method)
     runner = _streaming_scores if method == "streaming" else _pattern_scores
@@ -257,7 +257,7 @@ def icl_score(model, tokens, early: int = 50, late: int | None = None, *,
     With `attention_mask`, sequences where either token is padding are skipped.
 
     Returns one row: early, late, loss_early, loss_late, icl_score, n_sequences."""
-    tokens = token_batch(model, tokens)
+    tokens, attention_mask = token_input(model, tokens, attention_mask)
     n = tokens.shape[1]
     if late is None:
         late = n - 1

@@ -20,7 +20,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from ._common import HeadList, frozen_params, head_frame, pair_mask, pearson, spearman, token_batch, valid_mask
+from ._common import HeadList, frozen_params, head_frame, pair_mask, pearson, spearman, token_batch, token_input, valid_mask
 from .ablation import Method, ablate_heads, ablation_values
 
 
@@ -95,7 +95,7 @@ def head_importance(
     Returns layer, head, importance (normalised per layer when `normalize`), importance_raw,
     attribution, [ablation_delta], method, normalize. With `compare_exact`, `.attrs` holds
     "pearson" and "spearman": the correlation of attribution with the exact ablation_delta."""
-    tokens = token_batch(model, tokens)
+    tokens, attention_mask = token_input(model, tokens, attention_mask)
     valid = valid_mask(tokens, attention_mask)
     values = ablation_values(model, tokens, method, valid=valid, seed=seed, attention_mask=attention_mask)
     grad_xi, zs, grads = gated_gradients(model, tokens, valid=valid, attention_mask=attention_mask)

@@ -28,7 +28,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from ._common import progress, token_batch, valid_mask
+from ._common import progress, token_batch, token_input, valid_mask
 from .ablation import AblationRunner, ablation_values
 from .importance import gated_gradients, michel_importance
 
@@ -63,7 +63,7 @@ def pruning_curve(
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     if method not in ("zero", "mean"):
         raise ValueError(f"pruning replaces heads by 'zero' (Michel et al.) or their 'mean', got {method!r}")
-    tokens = token_batch(model, tokens)
+    tokens, attention_mask = token_input(model, tokens, attention_mask)
     valid = valid_mask(tokens, attention_mask)
     cfg = model.cfg
     total = cfg.n_layers * cfg.n_heads

@@ -21,7 +21,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from ._common import kv_group, token_batch, valid_mask
+from ._common import kv_group, token_batch, token_input, valid_mask
 from interp.models.stats import _layer_geometry, attention_logsumexp, attention_weights_at, for_each_layer_qk
 
 
@@ -37,7 +37,7 @@ def attention_sinks(
     0 (share of all heads with alpha_0 > epsilon); `sink_rate(df)` gives it per layer and key."""
     if isinstance(n_sink, bool) or not isinstance(n_sink, int) or n_sink < 1:
         raise ValueError(f"n_sink must be an int >= 1 (how many first keys to examine), got {n_sink!r}")
-    tokens = token_batch(model, tokens)
+    tokens, attention_mask = token_input(model, tokens, attention_mask)
     batch, n = tokens.shape
     if n_sink >= n:
         raise ValueError(f"n_sink={n_sink} leaves no other keys in {n}-token sequences; use longer sequences")

@@ -38,7 +38,9 @@ REAL_MODELS = {
 
 
 def load(name_or_path, *, revision: str | None = None, dtype: torch.dtype = torch.float32,
-         device: torch.device | str | None = None, tokenizer=None) -> HookedTransformer:
+         device: torch.device | str | None = None, tokenizer=None, default_prepend_bos: bool | None = None,
+         fold_ln: bool = False, center_writing_weights: bool = False, center_unembed: bool = False,
+         fold_value_biases: bool = False, refactor_factored_attn_matrices: bool = False) -> HookedTransformer:
     """Load a model, resolving `name_or_path` in this order:
 
     1. a local path: a checkpoint folder (ours or Hugging Face's, or a file inside one) or a `.gguf` file;
@@ -48,9 +50,31 @@ def load(name_or_path, *, revision: str | None = None, dtype: torch.dtype = torc
        `HF_HUB_CACHE`, `HF_HUB_OFFLINE`), at `revision` (a branch, a tag such as Pythia's
        `step1000`, or a commit hash; default main).
 
-    Anything else raises `ModelNotFound` saying what was tried, with the closest name."""
+    Anything else raises `ModelNotFound` saying what was tried, with the closest name.
+
+    default_prepend_bos: override whether text gets BOS first (default: the saved config's, else
+    TransformerLens's rule, BOS when the tokenizer has one). fold_ln, center_writing_weights,
+    center_unembed, fold_value_biases, refactor_factored_attn_matrices: TransformerLens's weight
+    processing (`model.process_weights_`), all off by default so logits stay the checkpoint's own;
+    TransformerLens's processed defaults are fold_ln, center_writing_weights, center_unembed and
+    fold_value_biases all True."""
     path = resolve(name_or_path, revision=revision)
-    return load_checkpoint(path, dtype=dtype, device=device, tokenizer=tokenizer)
+    model = load_checkpoint(path, dtype=dtype, device=device, tokenizer=tokenizer)
+    return _conventions(model, default_prepend_bos, fold_ln=fold_ln, center_writing_weights=center_writing_weights,
+                        center_unembed=center_unembed, fold_value_biases=fold_value_biases,
+                        refactor_factored_attn_matrices=refactor_factored_attn_matrices)
+
+
+def _conventions(model: HookedTransformer, default_prepend_bos: bool | None, **processing: bool) -> HookedTransformer:
+    """Apply the TransformerLens-convention options of `load` / `from_hf` to a loaded model."""
+    if default_prepend_bos is not None:
+        model._set_prepend_bos(bool(default_prepend_bos))
+    if any(processing.values()):
+        from interp.models.processing import check_processing
+
+        check_processing(model.cfg, **processing)
+        model.process_weights_(**processing)
+    return model
 
 
 def resolve(name_or_path, *, revision: str | None = None) -> Path:
@@ -204,8 +228,12 @@ def _not_found_message(text: str) -> str:
             f"({', '.join(REAL_MODELS)}) or a Hugging Face repo id such as EleutherAI/pythia-70m also work)")
 
 
-def from_hf(hf_model, *, tokenizer=None, dtype: torch.dtype | None = None, device=None) -> HookedTransformer:
-    """Convert a `transformers` causal-LM object (GPT-2, GPT-NeoX/Pythia, Llama, Mistral, Qwen2)."""
+def from_hf(hf_model, *, tokenizer=None, dtype: torch.dtype | None = None, device=None,
+            default_prepend_bos: bool | None = None, fold_ln: bool = False, center_writing_weights: bool = False,
+            center_unembed: bool = False, fold_value_biases: bool = False,
+            refactor_factored_attn_matrices: bool = False) -> HookedTransformer:
+    """Convert a `transformers` causal-LM object (GPT-2, GPT-NeoX/Pythia, Llama, Mistral, Qwen2).
+    default_prepend_bos and the weight-processing options are `load`'s."""
     config = hf_model.config.to_dict()
     family = get_family(config.get("model_type"))
     cfg = family.config(config)
@@ -214,7 +242,9 @@ def from_hf(hf_model, *, tokenizer=None, dtype: torch.dtype | None = None, devic
     first = next(iter(tensors.values()))
     model = build_model(cfg, sd, type(hf_model).__name__, dtype or first.dtype, device or first.device)
     model.tokenizer = tokenizer
-    return model
+    return _conventions(model, default_prepend_bos, fold_ln=fold_ln, center_writing_weights=center_writing_weights,
+                        center_unembed=center_unembed, fold_value_biases=fold_value_biases,
+                        refactor_factored_attn_matrices=refactor_factored_attn_matrices)
 
 
 # ---- internals -----------------------------------------------------------------------------

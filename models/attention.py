@@ -106,17 +106,30 @@ class Attention(nn.Module):
         mask: AttentionMask,
         rope: tuple[Tensor, Tensor] | None = None,
         kv_cache: "KVCache | None" = None,
+        per_head: tuple[Tensor, Tensor, Tensor] | None = None,
     ) -> Tensor:
-        """x: [batch, pos, d_model] -> [batch, pos, d_model]."""
-        b, p, _ = x.shape
+        """x: [batch, pos, d_model] -> [batch, pos, d_model].
+
+        per_head: instead of x, the normalised inputs of each query head [batch, pos, head, d_model]
+        and of each KV head (keys, values) [batch, pos, kv_head, d_model], for TransformerLens's
+        split-input hooks (`set_use_split_qkv_input`, `set_use_attn_in`); x is then ignored."""
         h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
-        qkv = torch.matmul(x, self.W_qkv) if self.b_qkv is None else torch.addmm(
-            self.b_qkv, x.reshape(b * p, -1), self.W_qkv
-        ).view(b, p, -1)
-        q, k, v = self._split(qkv)
-        q = self.hook_q(q.view(b, p, h, dh))
-        k = self.hook_k(k.view(b, p, kv, dh))
-        v = self.hook_v(v.view(b, p, kv, dh))
+        if per_head is None:
+            b, p, _ = x.shape
+            qkv = torch.matmul(x, self.W_qkv) if self.b_qkv is None else torch.addmm(
+                self.b_qkv, x.reshape(b * p, -1), self.W_qkv
+            ).view(b, p, -1)
+            q, k, v = self._split(qkv)
+            q, k, v = q.view(b, p, h, dh), k.view(b, p, kv, dh), v.view(b, p, kv, dh)
+        else:
+            xq, xk, xv = per_head
+            b, p = xq.shape[:2]
+            q = torch.einsum("bphm,hmd->bphd", xq, self.W_Q) + self.b_Q
+            k = torch.einsum("bphm,hmd->bphd", xk, self.W_K) + self.b_K
+            v = torch.einsum("bphm,hmd->bphd", xv, self.W_V) + self.b_V
+        q = self.hook_q(q)
+        k = self.hook_k(k)
+        v = self.hook_v(v)
         if self.rotary:
             cos, sin = rope
             q = self.hook_rot_q(Rotary.rotate(q, cos, sin))

@@ -89,6 +89,11 @@ class ModelConfig:
     attn_scale: float | None = None  # None: 1 / sqrt(d_head)
     init_range: float = 0.02
     model_type: str = "interp"  # provenance only (e.g. "gpt2", "llama"); never branched on in forward
+    # Whether text gets a BOS token first by default (`to_tokens`, `model("...")`, analyzers).
+    # None follows TransformerLens: True when the tokenizer has a BOS token. False for models that
+    # never saw one in training (the byte-level zoo; GPT-NeoX/Pythia and Qwen2, as TransformerLens
+    # marks them). Read it resolved as `model.cfg.default_prepend_bos`.
+    prepend_bos: bool | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -164,17 +169,31 @@ class ModelConfig:
 
     # ---- TransformerLens names (read-only) --------------------------------------------------
     # TransformerLens's utilities (`patching`, `head_detector`, its `ActivationCache`) read these
-    # off `model.cfg`. They are derived, never stored or serialised, and describe how *this*
-    # package behaves: `default_prepend_bos` is False because our `to_tokens` adds BOS only when
-    # asked; `use_attn_result` is True because `hook_result` fires whenever it is hooked.
-    default_prepend_bos = False
+    # off `model.cfg`. They are derived, never stored or serialised, and describe how the model
+    # holding this config behaves (see `attached`): `default_prepend_bos` is `prepend_bos` resolved
+    # against the model's tokenizer; the `use_*` flags are the model's `set_use_*` switches.
+    # `use_attn_result` is always True: `hook_result` fires whenever it is hooked.
     tokenizer_prepends_bos = False  # our to_tokens never lets the tokenizer add special tokens
     use_attn_result = True
-    use_split_qkv_input = False  # no hook_q_input / hook_k_input / hook_v_input
-    use_attn_in = False
-    use_hook_mlp_in = False
     use_hook_tokens = False
     n_devices = 1
+
+    @property
+    def default_prepend_bos(self) -> bool:
+        """Whether text gets BOS first by default: `prepend_bos` resolved against the model's tokenizer."""
+        return self.__dict__.get("_attached", {}).get("default_prepend_bos", bool(self.prepend_bos))
+
+    @property
+    def use_split_qkv_input(self) -> bool:
+        return self.__dict__.get("_attached", {}).get("use_split_qkv_input", False)
+
+    @property
+    def use_attn_in(self) -> bool:
+        return self.__dict__.get("_attached", {}).get("use_attn_in", False)
+
+    @property
+    def use_hook_mlp_in(self) -> bool:
+        return self.__dict__.get("_attached", {}).get("use_hook_mlp_in", False)
 
     @property
     def n_key_value_heads(self) -> int | None:
@@ -183,8 +202,10 @@ class ModelConfig:
 
     @property
     def normalization_type(self) -> str | None:
-        """"LN", "RMS" or None (we never fold norms, so never "LNPre" / "RMSPre")."""
-        return {"layernorm": "LN", "rmsnorm": "RMS", None: None}[self.normalization]
+        """"LN", "RMS" or None; "LNPre" / "RMSPre" once the model's norms are folded (`process_weights_`)."""
+        kind = {"layernorm": "LN", "rmsnorm": "RMS", None: None}[self.normalization]
+        folded = self.__dict__.get("_attached", {}).get("processed_fold_ln", False)
+        return f"{kind}Pre" if kind and folded else kind
 
     @property
     def final_rms(self) -> bool:
@@ -217,15 +238,17 @@ class ModelConfig:
             raise AttributeError("dtype: this config is not held by a model; read model.cfg.dtype")
         return self.__dict__["_dtype"]
 
-    def attached(self, device, dtype) -> "ModelConfig":
-        """An equal copy that also reports the device and dtype of the model holding it.
+    def attached(self, device, dtype, **state) -> "ModelConfig":
+        """An equal copy that also reports the device and dtype of the model holding it, and `state`
+        (`default_prepend_bos`, the `use_*` hook switches).
 
-        TransformerLens reads `model.cfg.device` / `.dtype`; the model re-attaches its config
-        whenever it moves or casts, so the config itself stays immutable and shareable. Not part
-        of equality, hashing or `to_dict`."""
+        TransformerLens reads `model.cfg.device` / `.dtype` / `.default_prepend_bos`; the model
+        re-attaches its config whenever it moves, casts, changes tokenizer or switches a hook, so
+        the config itself stays immutable and shareable. Not part of equality, hashing or `to_dict`."""
         out = dataclasses.replace(self)
         object.__setattr__(out, "_device", str(device))
         object.__setattr__(out, "_dtype", dtype)
+        object.__setattr__(out, "_attached", dict(state))
         return out
 
     # ---- accounting -----------------------------------------------------------------------

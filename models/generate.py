@@ -57,8 +57,12 @@ def generate(
     capture_queries: bool = False,
     return_kv_cache: bool = False,
     kv_precision=None,
+    prepend_bos: bool | None = None,
+    return_type: str = "input",
 ) -> Tensor | tuple[Tensor, "KVCache"]:
-    """Continue `tokens` ([batch, pos]; rows of different lengths left-padded with `attention_mask`).
+    """Continue `tokens` ([batch, pos]; rows of different lengths left-padded with `attention_mask`),
+    or text: a string or a list of strings (BOS per `prepend_bos`, default the model's; a list is
+    left-padded and masked).
 
     Greedy by default; `do_sample=True` samples with temperature / top_k / top_p, reproducibly for a
     `seed`. A row stops at any of `stop_tokens` and is padded with `pad_token_id` (default: the stop
@@ -66,8 +70,14 @@ def generate(
     (and the KV cache with `return_kv_cache=True`, e.g. to read queries/keys back for analysis).
     `kv_precision`: decode through a quantized cache ("int8", "fp8", "int4", ... or a
     {(layer, kv_head): name} map; see `model.new_kv_cache`).
+    return_type: "input" (TransformerLens's default: text for text input, token ids for ids), "str"
+    or "tokens".
     """
-    tokens = model._as_tokens(tokens)
+    if return_type not in ("input", "str", "tokens"):
+        raise ValueError(f"return_type must be 'input', 'str' or 'tokens', got {return_type!r}")
+    single = isinstance(tokens, str)
+    text_in = single or (isinstance(tokens, (list, tuple)) and bool(tokens) and isinstance(tokens[0], str))
+    tokens, attention_mask = model._input_tokens(tokens, attention_mask, prepend_bos, padding_side="left")
     batch, n = tokens.shape
     if attention_mask is not None:
         am = attention_mask.to(model.device).bool()
@@ -97,4 +107,16 @@ def generate(
             break
         logits = model(nxt[:, None], kv_cache=cache)[:, -1]
     result = torch.cat(out, dim=1)
+    if return_type == "str" or (return_type == "input" and text_in):
+        # As TransformerLens: the prompt and its continuation, without the BOS and padding we added.
+        keep = torch.cat([attention_mask.bool() if attention_mask is not None else torch.ones_like(tokens, dtype=torch.bool),
+                          torch.ones_like(result[:, n:], dtype=torch.bool)], dim=1)
+        bos = getattr(model.tokenizer, "bos_token_id", None)
+        texts = []
+        for row, k in zip(result, keep):
+            ids = row[k].tolist()
+            if model._bos_id(prepend_bos) is not None and ids and ids[0] == bos:
+                ids = ids[1:]
+            texts.append(model.tokenizer.decode(ids))
+        result = texts[0] if single else texts
     return (result, cache) if return_kv_cache else result

