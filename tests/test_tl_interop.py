@@ -271,36 +271,80 @@ def test_patching_sweeps_match_the_bridge(name, sweep):
 
 
 # ---- ActivationCache helpers ---------------------------------------------------------------------
+CACHE_CALLS = [
+    ("stack_head_results", {}),
+    ("stack_head_results", dict(layer=1, return_labels=True)),
+    ("stack_head_results", dict(apply_ln=True, incl_remainder=True, pos_slice=-1)),
+    ("stack_head_results", dict(apply_ln=True, pos_slice=(2, 5))),
+    ("decompose_resid", {}),
+    ("decompose_resid", dict(apply_ln=True, return_labels=True)),
+    ("decompose_resid", dict(layer=1, mlp_input=True, mode="attn")),
+    ("decompose_resid", dict(layer=1, mlp_input=True, apply_ln=True, mode="mlp", return_labels=True)),
+    ("decompose_resid", dict(incl_embeds=False, pos_slice=[0, 3], apply_ln=True)),
+    ("accumulated_resid", {}),
+    ("accumulated_resid", dict(apply_ln=True)),
+    ("accumulated_resid", dict(layer=1, incl_mid=True, apply_ln=True, return_labels=True)),
+    ("accumulated_resid", dict(layer=1, mlp_input=True, apply_ln=True, return_labels=True)),
+    ("accumulated_resid", dict(incl_mid=True, pos_slice=-1, return_labels=True)),
+    ("get_full_resid_decomposition", dict(expand_neurons=False, apply_ln=True, return_labels=True)),
+    ("get_full_resid_decomposition", dict(expand_neurons=True, apply_ln=True, pos_slice=-1, return_labels=True)),
+    ("get_full_resid_decomposition", dict(layer=1, mlp_input=True, expand_neurons=False, return_labels=True)),
+    ("stack_neuron_results", dict(layer=2, return_labels=True, incl_remainder=True)),
+    ("stack_neuron_results", dict(layer=1, apply_ln=True, neuron_slice=(0, 7), pos_slice=-1)),
+    ("stack_activation", dict(activation_name="pattern")),
+    ("stack_activation", dict(activation_name="scale", sublayer_type="ln2")),
+]
+
+
 @pytest.mark.parametrize("name", CASES)
-def test_activation_cache_helpers_match_the_bridge(name):
-    ours, bridge = pair(name)
+@pytest.mark.parametrize("processed", [False, True], ids=["raw", "processed"])
+def test_activation_cache_arithmetic_matches_the_bridge(name, processed):
+    """Our own ActivationCache (no conversion) gives TransformerLens's numbers and labels for its
+    residual-stream arithmetic, on raw weights and on weights processed on both sides (where the
+    apply_ln approximations are the ones TransformerLens intends)."""
+    hf = build_hf(name)
+    ours = interp.from_hf(hf, tokenizer=tokenizer(), **(PROCESSED if processed else {}))
+    bridge = bridge_from_hf(hf, tokenizer=tokenizer())
+    if processed:
+        bridge.enable_compatibility_mode(disable_warnings=True)
     tokens = ours.to_tokens(CLEAN)
-    _, a = ours.run_with_cache(tokens, cache_type="transformer_lens")
+    _, a = ours.run_with_cache(tokens)
     _, b = bridge.run_with_cache(tokens)
-    assert isinstance(a, tl.ActivationCache)
-    calls = [
-        ("stack_head_results", {}),
-        ("stack_head_results", dict(layer=1, return_labels=True)),
-        ("stack_head_results", dict(apply_ln=True, incl_remainder=True, pos_slice=-1)),
-        ("decompose_resid", {}),
-        ("decompose_resid", dict(apply_ln=True, return_labels=True)),
-        ("decompose_resid", dict(layer=1, mlp_input=True, mode="attn")),
-        ("accumulated_resid", dict(apply_ln=True)),
-        ("accumulated_resid", dict(layer=1, incl_mid=True, apply_ln=True, return_labels=True)),
-        ("get_full_resid_decomposition", dict(expand_neurons=False, apply_ln=True)),
-        ("stack_activation", dict(activation_name="pattern")),
-    ]
-    for method, kw in calls:
+    assert isinstance(a, interp.ActivationCache)
+    for method, kw in CACHE_CALLS:
         x, y = getattr(a, method)(**kw), getattr(b, method)(**kw)
         if kw.get("return_labels"):
             assert x[1] == y[1], method
             x, y = x[0], y[0]
-        close(x, y)
+        close(x, y, TOL * max(1.0, y.abs().max().item()))
+    direction = torch.randn(ours.cfg.d_model, generator=torch.Generator().manual_seed(1))
+    kw = dict(expand_neurons=False, apply_ln=True, project_output_onto=direction)
+    close(a.get_full_resid_decomposition(**kw), b.get_full_resid_decomposition(**kw))
     stack_a, stack_b = a.decompose_resid(), b.decompose_resid()
     tok, wrong = torch.tensor([9, 4]), torch.tensor([3, 5])
     close(a.logit_attrs(stack_a, tok, incorrect_tokens=wrong), b.logit_attrs(stack_b, tok, incorrect_tokens=wrong))
     close(a.logit_attrs(stack_a, "w9", incorrect_tokens="w3"), b.logit_attrs(stack_b, "w9", incorrect_tokens="w3"))
-    # to_tl_cache gives the same cache, sharing our tensors.
+    close(a.logit_attrs(stack_a[:, :, -1], tok, pos_slice=-1), b.logit_attrs(stack_b[:, :, -1], tok, pos_slice=-1))
+    per_pos = tokens[:, 1:].cpu()
+    close(a.logit_attrs(stack_a[:, :, :-1], per_pos, pos_slice=(0, -1)),
+          b.logit_attrs(stack_b[:, :, :-1], per_pos, pos_slice=(0, -1)))
+    with pytest.raises(ValueError, match="same shape"):
+        a.logit_attrs(stack_a, tok, incorrect_tokens=torch.tensor([3]))
+    # The final ln's logit lens reproduces the logits (processed: up to the unembedding's bias).
+    if processed:
+        lens = a.accumulated_resid(apply_ln=True)[-1] @ ours.W_U
+        if ours.unembed.b_U is not None:
+            lens = lens + ours.unembed.b_U
+        close(lens, ours(tokens), 1e-4)
+
+
+def test_tl_cache_type_and_conversion_still_work():
+    ours, bridge = pair("gpt2")
+    tokens = ours.to_tokens(CLEAN)
+    _, a = ours.run_with_cache(tokens, cache_type="transformer_lens")
+    _, b = bridge.run_with_cache(tokens)
+    assert isinstance(a, tl.ActivationCache)
+    close(a.decompose_resid(apply_ln=True), b.decompose_resid(apply_ln=True))
     _, ours_cache = ours.run_with_cache(tokens)
     converted = to_tl_cache(ours_cache)
     close(converted.decompose_resid(apply_ln=True), b.decompose_resid(apply_ln=True))
