@@ -337,10 +337,10 @@ def test_stack_activation_and_accumulated_resid():
     assert labels == ["0_pre", "1_pre", "final_post"]
     torch.testing.assert_close(acc[-1], cache["resid_post", 1])
     assert cache.accumulated_resid(layer=1, return_labels=True)[1] == ["0_pre", "1_pre"]
-    # apply_ln: the final norm's linear part; with its weight and bias it gives ln_final's output.
+    # apply_ln at the end runs ln_final itself on each component (TransformerLens 4's logit lens).
     ln = model.ln_final
     acc_ln = cache.accumulated_resid(apply_ln=True)
-    torch.testing.assert_close(acc_ln[-1] * ln.w + ln.b, cache["ln_final.hook_normalized"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(acc_ln[-1], cache["ln_final.hook_normalized"], atol=1e-5, rtol=1e-5)
     heads = cache.stack_head_results(incl_remainder=True)
     torch.testing.assert_close(heads.sum(0), cache["resid_post", -1], atol=1e-5, rtol=1e-5)
     heads_ln = cache.stack_head_results(incl_remainder=True, apply_ln=True)
