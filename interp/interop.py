@@ -54,9 +54,8 @@ def from_transformer_lens(
     adding the biases the processing created where needed. Either way ours then computes the
     bridge's logits, and `check=True` verifies that on a short probe (raising if not).
 
-    The bridge's tokenizer comes along unless `tokenizer` is given. Defaults that differ are listed
-    in docs/migrating_from_transformer_lens.md (notably: our `to_tokens` does not prepend BOS
-    unless asked, `prepend_bos=True`; the bridge does by default).
+    The bridge's tokenizer comes along unless `tokenizer` is given, and so does its
+    `cfg.default_prepend_bos`. Conventions are listed in docs/migrating_from_transformer_lens.md.
     """
     hf = _original_model(bridge)
     tok = tokenizer if tokenizer is not None else getattr(bridge, "tokenizer", None)
@@ -74,6 +73,9 @@ def from_transformer_lens(
         first = next(iter(view.state_dict().values()))
         cfg = get_family(hf.config.model_type).config(hf.config.to_dict())
         model = HookedTransformer(cfg, seed=0, tokenizer=tok).to(device=device or first.device, dtype=dtype or first.dtype).eval()
+    bos = getattr(getattr(bridge, "cfg", None), "default_prepend_bos", None)
+    if isinstance(bos, bool) and bos != model.cfg.default_prepend_bos:
+        model._set_prepend_bos(bos)
     with torch.no_grad():
         if not all(_close(ours, theirs) for _, ours, theirs in _weight_pairs(model, bridge)):
             model = _from_processed(model, bridge)
@@ -87,7 +89,8 @@ def bridge_from_hf(hf_model, tokenizer=None, *, copy_model: bool = True):
 
     The bridge edits the model it wraps in place (it swaps in its own components and may switch
     attention to eager), so by default it wraps a deep copy and `hf_model` is left as it was.
-    The bridge's defaults stand: it prepends BOS in `to_tokens` and does not fold LayerNorm."""
+    The bridge's defaults stand: it prepends BOS in `to_tokens` (as ours does) and does not fold
+    LayerNorm until `enable_compatibility_mode()` (ours: `process_weights_()`)."""
     _tl()
     from transformer_lens.model_bridge.sources import build_bridge_from_module
 

@@ -90,9 +90,9 @@ class ModelConfig:
     init_range: float = 0.02
     model_type: str = "interp"  # provenance only (e.g. "gpt2", "llama"); never branched on in forward
     # Whether text gets a BOS token first by default (`to_tokens`, `model("...")`, analyzers).
-    # None follows TransformerLens: True when the tokenizer has a BOS token. False for models that
-    # never saw one in training (the byte-level zoo; GPT-NeoX/Pythia and Qwen2, as TransformerLens
-    # marks them). Read it resolved as `model.cfg.default_prepend_bos`.
+    # None follows TransformerLens: True when the tokenizer has a BOS token. The families
+    # TransformerLens marks BOS-free (GPT-NeoX/Pythia, Qwen2) set False; the zoo sets True (every
+    # training window starts with <bos>). Read it resolved as `model.cfg.default_prepend_bos`.
     prepend_bos: bool | None = None
 
     def __post_init__(self) -> None:

@@ -148,6 +148,16 @@ class HookedRootModule(nn.Module):
                 module.name = name
                 self.hook_dict[name] = module
         self.mod_dict = dict(self.named_modules())
+        # Second names for a hook point (TransformerLens's bridge has blocks.L.attn.hook_q_input for
+        # blocks.L.hook_q_input): alias -> the hook point's own name. Predicates never match an alias,
+        # so a hook is never attached twice; caches list both names.
+        self.hook_aliases: dict[str, str] = {}
+        for name, module in list(self.mod_dict.items()):
+            for alias, target in getattr(module, "hook_point_aliases", lambda: {})().items():
+                full, own = f"{name}.{alias}" if name else alias, f"{name}.{target}" if name else target
+                if own in self.hook_dict:
+                    self.hook_aliases[full] = own
+                    self.hook_dict[full] = self.hook_dict[own]
 
     def hook_points(self) -> list[HookPoint]:
         return list(self.hook_dict.values())
@@ -156,17 +166,18 @@ class HookedRootModule(nn.Module):
         """Hook names matching `names` (None = all; a name; a list of names; a predicate).
 
         A name that is not a hook point raises a KeyError naming the closest hook points."""
+        aliases = getattr(self, "hook_aliases", {})
         if names is None:
-            return list(self.hook_dict)
+            return [n for n in self.hook_dict if n not in aliases]
         if callable(names) and not isinstance(names, str):
-            return [n for n in self.hook_dict if names(n)]
+            return [n for n in self.hook_dict if n not in aliases and names(n)]
         if isinstance(names, str):
             names = [names]
         out = []
         for n in names:
             self._check_name(n)
-            out.append(n)
-        return out
+            out.append(aliases.get(n, n))
+        return list(dict.fromkeys(out))
 
     # Hook points that exist only once a `set_use_*` switch adds them, as in TransformerLens.
     _OPTIONAL_HOOKS = {"hook_q_input": "set_use_split_qkv_input", "hook_k_input": "set_use_split_qkv_input",

@@ -80,6 +80,11 @@ class TransformerBlock(nn.Module):
         if self.mlp_in:
             self.hook_mlp_in = HookPoint()
 
+    def hook_point_aliases(self) -> dict[str, str]:
+        """The bridge's names for the split-input hook points (`attn.hook_q_input`, ...)."""
+        names = {"qkv": ("hook_q_input", "hook_k_input", "hook_v_input"), "attn_in": ("hook_attn_in",)}
+        return {f"attn.{n}": n for n in names.get(self.split_input, ())}
+
     def _per_head_inputs(self, resid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The residual stream copied once per head (TransformerLens's hook_q_input / k / v, or one
         hook_attn_in whose first kv_head copies feed keys and values), each normalised by ln1."""
@@ -466,6 +471,11 @@ class HookedTransformer(HookedRootModule):
                 if not (isinstance(out, Tensor) and out.dim() == 0):
                     raise ValueError("incl_bwd=True differentiates the output, which must be a scalar: pass return_type='loss'")
                 out.backward()
+        for alias, own in self.hook_aliases.items():  # the bridge's second names, same tensors
+            if own in store:
+                store[alias] = store[own]
+            if f"{own}_grad" in store:
+                store[f"{alias}_grad"] = store[f"{own}_grad"]
         store = {n: store[n] for n in sorted(store, key=self._hook_order().get)}
         cache = ActivationCache(store, self) if return_cache_object else store
         if remove_batch_dim and return_cache_object:

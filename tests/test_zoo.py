@@ -101,9 +101,11 @@ def test_loaded_model_has_the_byte_tokenizer():
     assert isinstance(model.tokenizer, ByteTokenizer)
     text = "for i in range(10):\n    print(i)"
     tokens = model.to_tokens(text)
-    assert tokens.tolist() == [list(text.encode())]
+    assert model.cfg.default_prepend_bos  # trained on windows that start with <bos>: text gets it too
+    assert tokens.tolist() == [[256, *text.encode()]]
+    assert model.to_tokens(text, prepend_bos=False).tolist() == [list(text.encode())]
     assert model.to_string(tokens[0]) == text
-    assert model.to_str_tokens("é")[0] == "\ufffd" and "".join(model.to_str_tokens("def")) == "def"
+    assert model.to_str_tokens("é")[:2] == ["<bos>", "\ufffd"] and "".join(model.to_str_tokens("def", prepend_bos=False)) == "def"
     # the model has learned Python: its loss on Python source is far below uniform (ln 257 = 5.55)
     code = model.to_tokens("import os\nimport sys\n\n\ndef main():\n    for i in range(10):\n        print(i)\n")
     assert model(code, return_type="loss").item() < 2.5
