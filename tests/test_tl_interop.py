@@ -684,3 +684,21 @@ def test_direct_path_patching_matches_the_bridge(name):
             moved = max(moved, (a[1] - metric(ours(corrupted))).abs().max().item())
         assert moved > 5e-6  # the paths do move the metric
     assert not ours.cfg.use_split_qkv_input  # restored
+
+
+def test_analyzers_take_text_with_the_models_bos_and_padding():
+    """Analyzers that take tokens take text too: BOS per the model's default, texts of different
+    lengths right-padded and masked; the same as passing the ids and mask by hand."""
+    from interp.analyses import attention_sinks, head_importance
+
+    ours, _ = pair("llama-gqa")
+    texts = ["w5 w7 w9 w11 w13 w5 w7", "w2 w3 w4"]
+    tokens = ours.to_tokens(texts, padding_side="right")
+    mask = ours.to_text_mask(texts, padding_side="right")
+    assert tokens[0, 0] == 0 and tokens[1, 0] == 0  # BOS first on every row
+    a = attention_sinks(ours, texts)
+    b = attention_sinks(ours, tokens, attention_mask=mask)
+    close(torch.tensor(a["alpha"].values), torch.tensor(b["alpha"].values), 1e-6)
+    a = head_importance(ours, texts)
+    b = head_importance(ours, tokens, attention_mask=mask)
+    close(torch.tensor(a.select_dtypes("number").values), torch.tensor(b.select_dtypes("number").values), 1e-5)
