@@ -25,9 +25,7 @@ def token_batch(model, tokens) -> Tensor:
 def token_input(model, tokens, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(token ids [batch, pos], attention mask) for analyzers that take a mask: texts of different
     lengths are padded on the right (positions are scored by index) and masked."""
-    if isinstance(tokens, (list, tuple)) and tokens and isinstance(tokens[0], str):
-        return model._input_tokens(tokens, attention_mask, padding_side="right")
-    return model._input_tokens(tokens, attention_mask)
+    return model._input_tokens(tokens, attention_mask, padding_side="right")  # ids ignore the padding side
 
 
 def valid_mask(tokens: Tensor, attention_mask: Tensor | None, *, right_padded_only: bool = False) -> Tensor:

@@ -75,8 +75,9 @@ def generate(
     """
     if return_type not in ("input", "str", "tokens"):
         raise ValueError(f"return_type must be 'input', 'str' or 'tokens', got {return_type!r}")
-    single = isinstance(tokens, str)
-    text_in = single or (isinstance(tokens, (list, tuple)) and bool(tokens) and isinstance(tokens[0], str))
+    from .transformer import _is_text
+
+    single, text_in = isinstance(tokens, str), _is_text(tokens)
     tokens, attention_mask = model._input_tokens(tokens, attention_mask, prepend_bos, padding_side="left")
     batch, n = tokens.shape
     if attention_mask is not None:
