@@ -21,12 +21,25 @@ def sample_next(
     top_k: int | None = None,
     top_p: float | None = None,
     generator: torch.Generator | None = None,
+    counts: Tensor | None = None,
+    repetition_penalty: float = 1.0,
+    freq_penalty: float = 0.0,
 ) -> Tensor:
     """logits [batch, vocab] -> token ids [batch]. Greedy unless do_sample (then temperature,
-    top-k, then top-p / nucleus filtering, in that order, as Hugging Face applies them)."""
+    top-k, then top-p / nucleus filtering, in that order, as Hugging Face applies them).
+
+    `counts` [batch, vocab]: how often each token occurs in the sequence so far, for the penalties
+    as TransformerLens applies them: `repetition_penalty` (Hugging Face's: a seen token's logit is
+    divided by it if positive, multiplied if negative; greedy too), then, when sampling, after the
+    temperature, `freq_penalty` * count is subtracted."""
+    if repetition_penalty != 1.0 and counts is not None:
+        seen = counts > 0
+        logits = torch.where(seen, torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty), logits)
     if not do_sample or temperature == 0:
         return logits.argmax(-1)
     logits = logits.float() / temperature
+    if freq_penalty > 0 and counts is not None:
+        logits = logits - freq_penalty * counts
     if top_k is not None and top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -50,31 +63,52 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    repetition_penalty: float = 1.0,
+    freq_penalty: float = 0.0,
     seed: int | None = None,
     stop_tokens: int | Iterable[int] | None = None,
+    stop_at_eos: bool = True,
+    eos_token_id: int | Iterable[int] | None = None,
     pad_token_id: int | None = None,
     attention_mask: Tensor | None = None,
     capture_queries: bool = False,
     return_kv_cache: bool = False,
     kv_precision=None,
     prepend_bos: bool | None = None,
+    padding_side: str | None = None,
     return_type: str = "input",
+    use_past_kv_cache: bool = True,
+    verbose: bool = False,
 ) -> Tensor | tuple[Tensor, "KVCache"]:
     """Continue `tokens` ([batch, pos]; rows of different lengths left-padded with `attention_mask`),
     or text: a string or a list of strings (BOS per `prepend_bos`, default the model's; a list is
     left-padded and masked).
 
     Greedy by default; `do_sample=True` samples with temperature / top_k / top_p, reproducibly for a
-    `seed`. A row stops at any of `stop_tokens` and is padded with `pad_token_id` (default: the stop
-    token) afterwards; generation ends when every row has stopped. Returns [batch, pos + new]
+    `seed`. A row stops at any of `stop_tokens` and, as in TransformerLens, at the end-of-sequence
+    token when `stop_at_eos` (`eos_token_id`, default the tokenizer's; no tokenizer, no EOS stop); it
+    is padded with `pad_token_id` (default: the EOS, else the first stop token) afterwards;
+    generation ends when every row has stopped. Returns [batch, pos + new]
     (and the KV cache with `return_kv_cache=True`, e.g. to read queries/keys back for analysis).
     `kv_precision`: decode through a quantized cache ("int8", "fp8", "int4", ... or a
     {(layer, kv_head): name} map; see `model.new_kv_cache`).
     return_type: "input" (TransformerLens's default: text for text input, token ids for ids), "str"
-    or "tokens".
+    or "tokens". `repetition_penalty` / `freq_penalty`: as TransformerLens's (see `sample_next`),
+    counting the real tokens of each row (prompt and continuation, not padding).
+    `use_past_kv_cache=False` recomputes the whole sequence at every step (slow; a check on the
+    cache); `verbose=True` shows a progress bar. Unlike TransformerLens, decoding is greedy unless
+    `do_sample=True`.
     """
     if return_type not in ("input", "str", "tokens"):
         raise ValueError(f"return_type must be 'input', 'str' or 'tokens', got {return_type!r}")
+    if freq_penalty < 0:
+        raise ValueError(f"freq_penalty must be >= 0 (0 turns it off), got {freq_penalty}")
+    if repetition_penalty <= 0:
+        raise ValueError(f"repetition_penalty must be > 0 (1.0 turns it off), got {repetition_penalty}")
+    if padding_side not in (None, "left"):
+        raise ValueError(f"generation continues every row at its end, so it pads on the left; got padding_side={padding_side!r}")
+    if not use_past_kv_cache and (return_kv_cache or capture_queries or kv_precision is not None):
+        raise ValueError("return_kv_cache / capture_queries / kv_precision need the KV cache: drop use_past_kv_cache=False")
     from .transformer import _is_text
 
     single, text_in = isinstance(tokens, str), _is_text(tokens)
@@ -84,29 +118,58 @@ def generate(
         am = attention_mask.to(model.device).bool()
         if (am[:, -1] == 0).any():
             raise ValueError("generation needs left padding: the last position of every row must be a real token")
-    stops = torch.tensor(sorted({stop_tokens} if isinstance(stop_tokens, int) else set(stop_tokens or ())), device=model.device)
-    pad = pad_token_id if pad_token_id is not None else (int(stops[0]) if len(stops) else 0)
+    as_list = lambda t: [int(t)] if isinstance(t, int) else [int(x) for x in (t or ())]
+    eos = as_list(eos_token_id if eos_token_id is not None else getattr(model.tokenizer, "eos_token_id", None)) if stop_at_eos else []
+    stops = torch.tensor(sorted(set(as_list(stop_tokens) + eos)), device=model.device, dtype=torch.long)
+    # Finished rows are padded as TransformerLens pads them: with the (first) EOS.
+    pad = pad_token_id if pad_token_id is not None else eos[0] if eos else (int(stops[0]) if len(stops) else 0)
     generator = None
     if seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(seed)
 
-    cache = model.new_kv_cache(batch, n + max_new_tokens, capture_queries=capture_queries, precision=kv_precision)
-    # Prefill through the blocks, then unembed the last position only (as HF's logits_to_keep=1): the
-    # other n - 1 rows of [n, vocab] logits are never read, and for a small model the unembedding of a
-    # whole prompt costs several decoding steps.
-    resid = model(tokens, attention_mask=attention_mask, kv_cache=cache, stop_at_layer=model.cfg.n_layers)
-    logits = model(resid[:, -1:], start_at_layer=model.cfg.n_layers)[:, -1]
+    cache = None
+    if use_past_kv_cache:
+        cache = model.new_kv_cache(batch, n + max_new_tokens, capture_queries=capture_queries, precision=kv_precision)
+        # Prefill through the blocks, then unembed the last position only (as HF's logits_to_keep=1):
+        # the other n - 1 rows of [n, vocab] logits are never read, and for a small model the
+        # unembedding of a whole prompt costs several decoding steps.
+        resid = model(tokens, attention_mask=attention_mask, kv_cache=cache, stop_at_layer=model.cfg.n_layers)
+        logits = model(resid[:, -1:], start_at_layer=model.cfg.n_layers)[:, -1]
+    else:
+        logits = model(tokens, attention_mask=attention_mask)[:, -1]
+    real = attention_mask.to(model.device).bool() if attention_mask is not None else torch.ones_like(tokens, dtype=torch.bool)
+    counts = None
+    if repetition_penalty != 1.0 or freq_penalty > 0:
+        counts = torch.zeros(batch, logits.shape[-1], device=model.device)
+        counts.scatter_add_(1, tokens.clamp(0, logits.shape[-1] - 1), real.float())
     out = [tokens]
     done = torch.zeros(batch, dtype=torch.bool, device=model.device)
-    for step in range(max_new_tokens):
-        nxt = sample_next(logits, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+    steps = range(max_new_tokens)
+    if verbose:
+        from tqdm.auto import tqdm
+
+        steps = tqdm(steps, desc="generate", unit="tok")
+    for step in steps:
+        nxt = sample_next(logits, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                          generator=generator, counts=counts, repetition_penalty=repetition_penalty,
+                          freq_penalty=freq_penalty)
         nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
         out.append(nxt[:, None])
+        if counts is not None:
+            counts.scatter_add_(1, nxt[:, None], (~done).float()[:, None])
         if len(stops):
             done |= torch.isin(nxt, stops)
         if bool(done.all()) or step == max_new_tokens - 1:
             break
-        logits = model(nxt[:, None], kv_cache=cache)[:, -1]
+        if cache is not None:
+            logits = model(nxt[:, None], kv_cache=cache)[:, -1]
+        else:
+            seq = torch.cat(out, dim=1)
+            mask = None if attention_mask is None else torch.cat(
+                [attention_mask.to(model.device), torch.ones_like(seq[:, n:])], dim=1)
+            logits = model(seq, attention_mask=mask)[:, -1]
+    if verbose:
+        steps.close()
     result = torch.cat(out, dim=1)
     if return_type == "str" or (return_type == "input" and text_in):
         # As TransformerLens: the prompt and its continuation, without the BOS and padding we added.

@@ -270,3 +270,32 @@ def test_learned_positions_with_left_padding_in_the_cache():
         alone = model(toks[1, 3:][None])
     assert_same_on_real(inc, full, mask)
     torch.testing.assert_close(full[1, 3:], alone[0])
+
+
+def test_penalties_by_hand():
+    """repetition_penalty and freq_penalty on a hand-made example (TransformerLens's / Hugging Face's rules)."""
+    from interp.models.generate import sample_next
+
+    logits = torch.tensor([[2.0, 1.9, -1.0, -1.2]])
+    counts = torch.tensor([[1.0, 0.0, 3.0, 0.0]])
+    assert sample_next(logits, do_sample=False).item() == 0
+    # token 0 was seen: 2.0 / 2 = 1.0 < 1.9; token 2's -1.0 becomes -2.0, below token 3's -1.2
+    assert sample_next(logits, do_sample=False, counts=counts, repetition_penalty=2.0).item() == 1
+    # greedy ignores freq_penalty (as TransformerLens); sampling subtracts penalty * count after the temperature
+    assert sample_next(logits, do_sample=False, counts=counts, freq_penalty=5.0).item() == 0
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample_next(logits, do_sample=True, top_k=1, counts=counts, freq_penalty=0.2, generator=g)
+                         for _ in range(20)])
+    assert set(draws.flatten().tolist()) == {1}  # 2.0 - 0.2 = 1.8 < 1.9: top-1 is now token 1
+    model = own("learned-layernorm")
+    prompt = tokens(2, 5)
+    with pytest.raises(ValueError, match="freq_penalty must be >= 0"):
+        model.generate(prompt, freq_penalty=-1.0)
+    with pytest.raises(ValueError, match="repetition_penalty must be > 0"):
+        model.generate(prompt, repetition_penalty=0.0)
+    with pytest.raises(ValueError, match="need the KV cache"):
+        model.generate(prompt, use_past_kv_cache=False, return_kv_cache=True)
+    # without the cache (the whole sequence recomputed each step) the same tokens, left padding too
+    mask = left_mask(2, 5)
+    assert torch.equal(model.generate(prompt, attention_mask=mask, max_new_tokens=6),
+                       model.generate(prompt, attention_mask=mask, max_new_tokens=6, use_past_kv_cache=False))

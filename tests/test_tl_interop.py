@@ -202,6 +202,43 @@ def test_padding_and_mask_follow_the_bridge(side):
         ours.to_tokens(texts, padding_side="middle")
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa", "neox"])
+def test_generate_follows_the_bridge(name):
+    """`generate(text)` as TransformerLens's: BOS, left padding, stop at EOS (finished rows padded with
+    it), repetition penalty, text or tokens back. Greedy on both sides (TransformerLens samples by
+    default). The bridge runs without its KV cache: TransformerLens 4.x's cached decoding drifts from
+    its own uncached forward on the Llama/GQA model (ours equals both that and transformers'
+    `generate`, see test_kv_cache)."""
+    ours, bridge = pair(name)
+    texts = ["w5 w7 w9", "w2 w3 w4 w6 w8 w10"]
+    theirs = dict(do_sample=False, verbose=False, use_past_kv_cache=False)
+    free = ours.generate(texts[1], max_new_tokens=8, stop_at_eos=False, return_type="tokens")
+    n = free.shape[1] - 8
+    eos = int(free[0, n + 2])  # the long row emits it by its third new token
+    first = free[0, n:].tolist().index(eos)
+    for kw in (dict(stop_at_eos=False), dict(eos_token_id=eos), dict(repetition_penalty=3.0),
+               dict(eos_token_id=eos, prepend_bos=False)):
+        if kw.get("prepend_bos") is False:
+            # Not compared batched: without BOS, TransformerLens's mask treats this tokenizer's pad
+            # (= its BOS, id 0) in a left-padded row as a real first token. Ours continues each
+            # row of the padded batch as that text alone (run on to the same length).
+            batch = ours.generate(texts, max_new_tokens=8, prepend_bos=False, stop_at_eos=False)
+            assert batch == [ours.generate(t, max_new_tokens=8, prepend_bos=False, stop_at_eos=False) for t in texts]
+            assert bridge.generate(texts[1], max_new_tokens=8, **kw, **theirs) == ours.generate(texts[1], max_new_tokens=8, **kw)
+            continue
+        for rt in ("input", "tokens"):
+            a = ours.generate(texts, max_new_tokens=8, return_type=rt, **kw)
+            b = bridge.generate(texts, max_new_tokens=8, return_type=rt, **kw, **theirs)
+            assert (a.tolist() if rt == "tokens" else a) == (b.tolist() if rt == "tokens" else b), (kw, rt)
+        a = ours.generate(texts[1], max_new_tokens=8, **kw)
+        assert a == bridge.generate(texts[1], max_new_tokens=8, **kw, **theirs), kw
+    stopped = ours.generate(texts[1], max_new_tokens=8, eos_token_id=eos, return_type="tokens")
+    assert stopped.tolist() == free[:, : n + first + 1].tolist()  # stopped right after the EOS
+    # the default EOS is the tokenizer's (here "<bos>", id 0), as TransformerLens's
+    tok = ours.to_tokens(texts[1])
+    assert ours.generate(tok, max_new_tokens=8).tolist() == bridge.generate(tok, max_new_tokens=8, **theirs).tolist()
+
+
 def test_bos_errors_say_how_to_fix():
     cfg = interp.ModelConfig(n_layers=1, d_model=16, n_heads=2, d_vocab=11, n_ctx=8, d_mlp=32)
 

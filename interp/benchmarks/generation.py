@@ -33,7 +33,7 @@ def section(opts: Options) -> Section:
             out = {}
 
             def run_ours():
-                out["ours"] = ours.generate(prompt, max_new_tokens=new)
+                out["ours"] = ours.generate(prompt, max_new_tokens=new, stop_at_eos=False)
 
             def run_hf():
                 out["hf"] = hf.generate(prompt, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,

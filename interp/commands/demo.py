@@ -44,6 +44,6 @@ def run(args) -> int:
     pattern = cache["pattern", 0]
     print(f"cached {len(cache)} patterns, layer 0 shape {tuple(pattern.shape)}, rows sum to 1: "
           f"{bool(torch.allclose(pattern.sum(-1), torch.ones(())))}")
-    out, kv = model.generate(tokens[:, :16], max_new_tokens=16, return_kv_cache=True)
+    out, kv = model.generate(tokens[:, :16], max_new_tokens=16, stop_at_eos=False, return_kv_cache=True)
     print(f"generated {out.shape[1] - 16} tokens through {kv}")
     return 0
