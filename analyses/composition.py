@@ -27,51 +27,22 @@ import pandas as pd
 import torch
 from torch import Tensor
 
+from interp.models.factored import FactoredMatrix
+from interp.models.factored import composition_scores as _scores
+
 KINDS = ("q", "k", "v")
-
-
-def _gram(x: Tensor) -> Tensor:
-    """[..., d_model, d_head] -> [..., d_head, d_head]: x^T x."""
-    return x.transpose(-1, -2) @ x
-
-
-def _scores(V_a: Tensor, O_a: Tensor, X_b: Tensor, Y_b: Tensor) -> Tensor:
-    """Scores [A, B] of (V_a O_a)(X_b Y_b^T) for every pair.
-
-    V_a [A, d_model, d_head], O_a [A, d_head, d_model], X_b, Y_b [B, d_model, d_head]."""
-    P = torch.einsum("aim,bmj->abij", O_a, X_b)  # [A, B, d_head, d_head]
-    G_v, G_y = _gram(V_a)[:, None], _gram(Y_b)[None]
-    sq = ((G_v @ P) * (P @ G_y)).sum((-1, -2)).clamp(min=0)
-    norm_a = ((_gram(V_a)) * (O_a @ O_a.transpose(-1, -2))).sum((-1, -2)).clamp(min=0).sqrt()  # ||V O||_F
-    norm_b = (_gram(X_b) * _gram(Y_b)).sum((-1, -2)).clamp(min=0).sqrt()  # ||X Y^T||_F
-    return sq.sqrt() / (norm_a[:, None] * norm_b[None, :])
-
-
-def _factors(model) -> dict[str, Tensor]:
-    """Per-head factors in float64, kv heads expanded to their query heads: Q, K, V [layer, head,
-    d_model, d_head], O [layer, head, d_head, d_model]."""
-    group = model.cfg.n_heads // model.cfg.kv_heads
-    with torch.no_grad():
-        return dict(
-            Q=model.W_Q.double(), K=model.W_K.double().repeat_interleave(group, dim=1),
-            V=model.W_V.double().repeat_interleave(group, dim=1), O=model.W_O.double(),
-        )
 
 
 def composition_matrix(model, kind: str) -> Tensor:
     """[layer_a, head_a, layer_b, head_b] composition scores of `kind` ("q", "k", "v"); NaN unless
-    layer_a < layer_b."""
+    layer_a < layer_b (`model.all_composition_scores`: head A's OV circuit against head B's QK (q),
+    QK^T (k) or OV (v), kv heads expanded to their query heads)."""
     if kind not in KINDS:
         raise ValueError(f"composition kind must be one of {KINDS}, got {kind!r}")
-    f = _factors(model)
-    L, H = model.cfg.n_layers, model.cfg.n_heads
-    X, Y = {"q": (f["Q"], f["K"]), "k": (f["K"], f["Q"]), "v": (f["V"], f["O"].transpose(-1, -2))}[kind]
-    out = torch.full((L, H, L, H), float("nan"), dtype=torch.float64)
-    for la in range(L - 1):
-        later = slice(la + 1, L)
-        s = _scores(f["V"][la], f["O"][la], X[later].flatten(0, 1), Y[later].flatten(0, 1))
-        out[la, :, later] = s.view(H, L - la - 1, H)
-    return out.float()
+    L = model.cfg.n_layers
+    scores = model.all_composition_scores(kind.upper()).float().cpu()
+    later = torch.arange(L)[:, None, None, None] < torch.arange(L)[None, None, :, None]
+    return scores.masked_fill(~later, float("nan"))
 
 
 @functools.lru_cache(maxsize=16)
@@ -80,11 +51,7 @@ def random_baseline(d_model: int, d_head: int, n_samples: int = 200, seed: int =
     g = torch.Generator().manual_seed(seed)
     r = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)
     V, O, X, Y = r(n_samples, d_model, d_head), r(n_samples, d_head, d_model), r(n_samples, d_model, d_head), r(n_samples, d_model, d_head)
-    P = O @ X
-    sq = ((_gram(V) @ P) * (P @ _gram(Y))).sum((-1, -2))
-    norm_a = (_gram(V) * (O @ O.transpose(-1, -2))).sum((-1, -2)).sqrt()
-    norm_b = (_gram(X) * _gram(Y)).sum((-1, -2)).sqrt()
-    return float((sq.sqrt() / (norm_a * norm_b)).mean())
+    return float(_scores(FactoredMatrix(V, O), FactoredMatrix(X, Y.transpose(-1, -2)), broadcast_dims=False).mean())
 
 
 def composition_scores(

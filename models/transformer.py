@@ -182,6 +182,83 @@ class HookedTransformer(HookedRootModule):
     W_K = property(lambda self: self._stack("W_K"), doc="[layer, kv_head, d_model, d_head]")
     W_V = property(lambda self: self._stack("W_V"), doc="[layer, kv_head, d_model, d_head]")
     W_O = property(lambda self: self._stack("W_O"), doc="[layer, head, d_head, d_model]")
+    b_Q = property(lambda self: self._stack("b_Q"), doc="[layer, head, d_head] (zeros without biases)")
+    b_K = property(lambda self: self._stack("b_K"), doc="[layer, kv_head, d_head] (zeros without biases)")
+    b_V = property(lambda self: self._stack("b_V"), doc="[layer, kv_head, d_head] (zeros without biases)")
+
+    @property
+    def b_O(self) -> Tensor:
+        """[layer, d_model] (zeros without biases)."""
+        return torch.stack([b.attn.b_O if b.attn.b_O is not None else self.W_E.new_zeros(self.cfg.d_model) for b in self.blocks])
+
+    def _stack_mlp(self, attr: str, size: int | None = None) -> Tensor:
+        if self.cfg.attn_only:
+            raise AttributeError(f"{attr}: this model is attention-only, it has no MLPs")
+        if attr == "W_gate" and not hasattr(self.blocks[0].mlp, "W_gate"):
+            raise AttributeError("W_gate: this model's MLPs are not gated")
+        out = []
+        for b in self.blocks:
+            w = getattr(b.mlp, attr, None)
+            out.append(w if w is not None else self.W_E.new_zeros(size))
+        return torch.stack(out)
+
+    W_in = property(lambda self: self._stack_mlp("W_in"), doc="[layer, d_model, d_mlp]")
+    W_gate = property(lambda self: self._stack_mlp("W_gate"), doc="[layer, d_model, d_mlp] (gated MLPs)")
+    W_out = property(lambda self: self._stack_mlp("W_out"), doc="[layer, d_mlp, d_model]")
+    b_in = property(lambda self: self._stack_mlp("b_in", self.cfg.d_mlp), doc="[layer, d_mlp] (zeros without biases)")
+    b_out = property(lambda self: self._stack_mlp("b_out", self.cfg.d_model), doc="[layer, d_model] (zeros without biases)")
+
+    @property
+    def b_U(self) -> Tensor:
+        """[d_vocab] (zeros without an unembedding bias)."""
+        b = self.unembed.b_U
+        return b if b is not None else self.W_E.new_zeros(self.cfg.d_vocab)
+
+    @property
+    def W_E_pos(self) -> Tensor:
+        """[d_vocab + n_ctx, d_model]: W_E stacked on W_pos, the whole input space of a model with
+        learned positions."""
+        return torch.cat([self.W_E, self.W_pos], dim=0)
+
+    def _kv_to_heads(self, w: Tensor) -> Tensor:
+        """[layer, kv_head, ...] -> [layer, head, ...]: query head h reads kv head h // group."""
+        return w.repeat_interleave(self.cfg.n_heads // self.cfg.kv_heads, dim=1)
+
+    @property
+    def QK(self) -> "FactoredMatrix":
+        """W_Q W_K^T per head, [layer, head, d_model, d_model], factored (`interp.FactoredMatrix`);
+        under GQA each query head with its kv head. Positions (rotary, ALiBi) are not included."""
+        from .factored import FactoredMatrix
+
+        return FactoredMatrix(self.W_Q, self._kv_to_heads(self.W_K).transpose(-2, -1))
+
+    @property
+    def OV(self) -> "FactoredMatrix":
+        """W_V W_O per head, [layer, head, d_model, d_model], factored (`interp.FactoredMatrix`)."""
+        from .factored import FactoredMatrix
+
+        return FactoredMatrix(self._kv_to_heads(self.W_V), self.W_O)
+
+    def all_composition_scores(self, mode: str) -> Tensor:
+        """[layer, head, layer, head] Q-, K- or V-composition scores (`mode` "Q", "K", "V") of every
+        earlier head with every later one, zero where the first layer is not earlier, as
+        TransformerLens's. `interp.analyses.composition_scores` gives them as a table, with a
+        random baseline."""
+        from .factored import composition_scores
+
+        if mode not in ("Q", "K", "V"):
+            raise ValueError(f"mode must be 'Q', 'K' or 'V', got {mode!r}")
+        L, H = self.cfg.n_layers, self.cfg.n_heads
+        # Only pairs with an earlier first layer are computed (half the work of all pairs); float32 at
+        # least, as TransformerLens computes them in the weights' dtype.
+        dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        scores = torch.zeros(L, H, L, H, device=self.device, dtype=dtype)
+        with torch.no_grad():
+            left = self.OV
+            right = {"Q": self.QK, "K": self.QK.T, "V": left}[mode]
+            for la in range(L - 1):
+                scores[la, :, la + 1:] = composition_scores(left[la], right[la + 1:], dtype=dtype)
+        return scores
 
     @property
     def device(self) -> torch.device:
@@ -657,6 +734,38 @@ class HookedTransformer(HookedRootModule):
         if ids.numel() != 1:
             raise ValueError(f"{string!r} is {ids.numel()} tokens, not one: {ids.tolist()}")
         return int(ids.item())
+
+    def to_single_str_token(self, int_token: int) -> str:
+        """The string of one token id."""
+        if not isinstance(int_token, int):
+            raise TypeError(f"to_single_str_token takes one int token id, got {_describe(int_token)}")
+        return self.to_str_tokens(torch.tensor([int_token]))[0]
+
+    def get_token_position(self, single_token, input, mode: str = "first", prepend_bos: bool | None = None,
+                           padding_side: str | None = None) -> int:
+        """Where `single_token` (a one-token string or an id) occurs in `input` (a text, or ids [pos] /
+        [1, pos]): its first or last position (`mode`). Text gets BOS per `prepend_bos`, as in
+        TransformerLens."""
+        if mode not in ("first", "last"):
+            raise ValueError(f"mode must be 'first' or 'last', got {mode!r}")
+        ids = self.to_tokens(input, prepend_bos, padding_side) if isinstance(input, str) else torch.as_tensor(input)
+        if ids.dim() == 2:
+            if ids.shape[0] != 1:
+                raise ValueError(f"get_token_position takes one sequence, got a batch of {ids.shape[0]}")
+            ids = ids[0]
+        token = self.to_single_token(single_token) if isinstance(single_token, str) else int(single_token)
+        where = (ids == token).nonzero()[:, 0]
+        if where.numel() == 0:
+            raise ValueError(f"token {token} ({self.to_single_str_token(token) if self.tokenizer else token!r}) "
+                             "does not occur in the input")
+        return int(where[0] if mode == "first" else where[-1])
+
+    def loss_fn(self, logits: Tensor, tokens: Tensor, attention_mask: Tensor | None = None,
+                per_token: bool = False) -> Tensor:
+        """Next-token cross-entropy of `logits` on `tokens` (TransformerLens's `loss_fn`): the mean over
+        positions whose token and next token are real (per `attention_mask`), or [batch, pos - 1]."""
+        valid = None if attention_mask is None else attention_mask.to(logits.device).bool()
+        return lm_loss(logits, torch.as_tensor(tokens), valid, per_token=per_token)
 
     def tokens_to_residual_directions(self, tokens) -> Tensor:
         """The unembedding directions W_U[:, token]: [*tokens.shape, d_model], or [d_model] for a single

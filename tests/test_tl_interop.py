@@ -239,6 +239,59 @@ def test_generate_follows_the_bridge(name):
     assert ours.generate(tok, max_new_tokens=8).tolist() == bridge.generate(tok, max_new_tokens=8, **theirs).tolist()
 
 
+WEIGHT_VIEWS = ["W_E", "W_U", "b_U", "W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O",
+                "W_in", "W_out", "b_in", "b_out", "W_gate", "W_pos", "W_E_pos"]
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("processed", [False, True], ids=["raw", "processed"])
+def test_weight_views_and_circuits_match_the_bridge(name, processed):
+    """`model.W_in`, `b_O`, ..., the factored `QK` / `OV` circuits (norms, singular values,
+    eigenvalues) and `all_composition_scores` equal the bridge's on the same weights. Where the bridge
+    has no bias it raises; ours gives zeros (as TransformerLens's HookedTransformer did)."""
+    ours, bridge = pair(name)
+    if processed:
+        hf = build_hf(name)
+        ours = interp.from_hf(hf, tokenizer=tokenizer()).process_weights_()
+        bridge = bridge_from_hf(hf, tokenizer=tokenizer())
+        bridge.enable_compatibility_mode()
+    compared = 0
+    for attr in WEIGHT_VIEWS:
+        try:
+            theirs = getattr(bridge, attr)
+        except (AttributeError, ValueError):
+            theirs = None
+        if theirs is None:
+            continue
+        close(getattr(ours, attr), theirs, 1e-5)
+        compared += 1
+    assert compared >= (15 if name == "gpt2" else 9), compared
+    for circuit in ("QK", "OV"):
+        a, b = getattr(ours, circuit), getattr(bridge, circuit)
+        assert a.shape == b.shape
+        close(a[1, 2].AB, b[1, 2].AB, 1e-5)
+        close(a.norm(), b.norm(), 1e-4)
+        close(a.S, b.S, 1e-4)
+        close(a.eigenvalues.abs().sort(-1).values, b.eigenvalues.abs().sort(-1).values, 1e-4)
+        close((ours.W_E @ a[0, 1]).AB, (bridge.W_E @ b[0, 1]).AB, 1e-4)
+    for mode in "QKV":
+        close(ours.all_composition_scores(mode), bridge.all_composition_scores(mode).scores, 1e-5)
+
+
+def test_token_helpers_match_the_bridge():
+    ours, bridge = pair("gpt2")
+    assert ours.to_single_str_token(7) == bridge.to_single_str_token(7) == "w7"
+    for mode in ("first", "last"):
+        for kw in ({}, dict(prepend_bos=False)):
+            assert ours.get_token_position("w7", TEXT, mode=mode, **kw) == bridge.get_token_position("w7", TEXT, mode=mode, **kw)
+        assert ours.get_token_position(7, ours.to_tokens(TEXT), mode=mode) == bridge.get_token_position(7, bridge.to_tokens(TEXT), mode=mode)
+    with pytest.raises(ValueError, match="does not occur"):
+        ours.get_token_position("w60", TEXT)
+    toks = ours.to_tokens(CLEAN)
+    close(ours.loss_fn(ours(toks), toks), bridge.loss_fn(bridge(toks), toks))
+    close(ours.loss_fn(ours(toks), toks, per_token=True), bridge.loss_fn(bridge(toks), toks, per_token=True))
+
+
 def test_bos_errors_say_how_to_fix():
     cfg = interp.ModelConfig(n_layers=1, d_model=16, n_heads=2, d_vocab=11, n_ctx=8, d_mlp=32)
 

@@ -1,0 +1,220 @@
+"""A matrix kept as the product of two factors, A @ B, as TransformerLens's `FactoredMatrix`.
+
+`model.QK` (W_Q W_K^T) and `model.OV` (W_V W_O) are [layer, head, d_model, d_model] matrices of
+rank d_head: holding them factored keeps them at 2 * d_model * d_head numbers per head instead of
+d_model^2, and every quantity people read off them (norm, singular values, eigenvalues, products
+with embeddings) is computed from the factors:
+
+- `norm()` (Frobenius) from two d_head x d_head Gram matrices: ||AB||^2 = tr((A^T A)(B B^T));
+- `svd()` from QR decompositions of A and B^T and the SVD of the small middle factor;
+- `eigenvalues` from B A (mdim x mdim), which has the nonzero eigenvalues of A B.
+
+Same names and conventions as TransformerLens (`AB`, `BA`, `T`, `U`, `S`, `V`, `Vh` (which, as
+there, is V), `collapse_l`, `collapse_r`, `make_even`, `get_corner`, `pair`, `@` with tensors,
+vectors and other factored matrices), so `model.OV[1, 4].S` or `(model.W_E @ model.QK[0, 2]) @
+model.W_E.T` read as in a TransformerLens notebook.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import torch
+from torch import Tensor
+
+
+def _upcast(x: Tensor) -> Tensor:
+    """Linear algebra needs float32 or float64 (half precision has no QR / SVD on CPU)."""
+    return x if x.dtype in (torch.float32, torch.float64, torch.complex64, torch.complex128) else x.float()
+
+
+class FactoredMatrix:
+    """A @ B with A [..., ldim, mdim], B [..., mdim, rdim]; leading dimensions broadcast."""
+
+    def __init__(self, A: Tensor, B: Tensor) -> None:
+        if A.dim() < 2 or B.dim() < 2:
+            raise ValueError(f"FactoredMatrix factors must be matrices (at least 2-d), got A {tuple(A.shape)}, B {tuple(B.shape)}")
+        if A.shape[-1] != B.shape[-2]:
+            raise ValueError(
+                f"FactoredMatrix factors must match on the inner dimension: A {tuple(A.shape)} @ B {tuple(B.shape)}"
+            )
+        try:
+            lead = torch.broadcast_shapes(A.shape[:-2], B.shape[:-2])
+        except RuntimeError as e:
+            raise ValueError(f"FactoredMatrix: leading dimensions of A {tuple(A.shape)} and B {tuple(B.shape)} do not broadcast") from e
+        self.ldim, self.mdim, self.rdim = A.shape[-2], A.shape[-1], B.shape[-1]
+        self.A = A.broadcast_to(lead + A.shape[-2:])
+        self.B = B.broadcast_to(lead + B.shape[-2:])
+        self.shape = torch.Size(lead + (self.ldim, self.rdim))
+        self.has_leading_dims = len(lead) > 0
+
+    # ---- shape ------------------------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    @property
+    def pair(self) -> tuple[Tensor, Tensor]:
+        return self.A, self.B
+
+    def unsqueeze(self, k: int) -> "FactoredMatrix":
+        """A new leading dimension at `k` (counted among the leading dimensions)."""
+        if k < 0:
+            k += self.ndim - 1
+        if not 0 <= k <= self.ndim - 2:
+            raise IndexError(f"unsqueeze({k}): a FactoredMatrix of shape {tuple(self.shape)} takes new leading dims at 0..{self.ndim - 2}")
+        return FactoredMatrix(self.A.unsqueeze(k), self.B.unsqueeze(k))
+
+    def __repr__(self) -> str:
+        return f"FactoredMatrix: Shape({tuple(self.shape)}), Hidden Dim({self.mdim})"
+
+    # ---- products ---------------------------------------------------------------------------------
+    @property
+    def AB(self) -> Tensor:
+        """The full matrix [..., ldim, rdim]."""
+        return self.A @ self.B
+
+    @property
+    def BA(self) -> Tensor:
+        """[..., mdim, mdim]; only for square matrices (ldim == rdim)."""
+        if self.ldim != self.rdim:
+            raise ValueError(f"BA needs a square matrix, this one is {self.ldim} x {self.rdim}")
+        return self.B @ self.A
+
+    @property
+    def T(self) -> "FactoredMatrix":
+        return FactoredMatrix(self.B.transpose(-2, -1), self.A.transpose(-2, -1))
+
+    def __matmul__(self, other):
+        if isinstance(other, FactoredMatrix):
+            return (self @ other.A) @ other.B
+        other = torch.as_tensor(other)
+        if other.shape[-2 if other.dim() >= 2 else -1] != self.rdim:
+            raise ValueError(f"FactoredMatrix {tuple(self.shape)} @ {tuple(other.shape)}: inner dimensions differ")
+        if other.dim() < 2:  # a vector: the result is a vector
+            return (self.A @ (self.B @ other[:, None]))[..., 0]
+        # Keep the factorisation through its smaller side.
+        return FactoredMatrix(self.A, self.B @ other) if self.rdim > self.mdim else FactoredMatrix(self.AB, other)
+
+    def __rmatmul__(self, other):
+        other = torch.as_tensor(other)
+        if other.shape[-1] != self.ldim:
+            raise ValueError(f"{tuple(other.shape)} @ FactoredMatrix {tuple(self.shape)}: inner dimensions differ")
+        if other.dim() < 2:
+            return ((other[None, :] @ self.A) @ self.B)[..., 0, :]
+        return FactoredMatrix(other @ self.A, self.B) if self.ldim > self.mdim else FactoredMatrix(other, self.AB)
+
+    def __mul__(self, scalar) -> "FactoredMatrix":
+        if isinstance(scalar, Tensor) and scalar.numel() != 1:
+            raise ValueError(f"FactoredMatrix * takes a scalar, got shape {tuple(scalar.shape)}; use @ for matrix products")
+        return FactoredMatrix(self.A * scalar, self.B)
+
+    __rmul__ = __mul__
+
+    # ---- spectra ----------------------------------------------------------------------------------
+    @cached_property
+    def _svd(self) -> tuple[Tensor, Tensor, Tensor]:
+        # AB = Qa Ra Rb^T Qb^T with A = Qa Ra and B^T = Qb Rb (reduced QR); the SVD of the small
+        # middle factor Ra Rb^T = Um S Vm^T gives U = Qa Um and V = Qb Vm.
+        Qa, Ra = torch.linalg.qr(_upcast(self.A))
+        Qb, Rb = torch.linalg.qr(_upcast(self.B).transpose(-2, -1))
+        Um, S, Vmh = torch.linalg.svd(Ra @ Rb.transpose(-2, -1), full_matrices=False)
+        return Qa @ Um, S, Qb @ Vmh.transpose(-2, -1)
+
+    def svd(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(U [..., ldim, k], S [..., k], V [..., rdim, k]) with AB = U diag(S) V^T (k = mdim when
+        ldim, rdim >= mdim). V, not V^T, as TransformerLens returns it."""
+        return self._svd
+
+    U = property(lambda self: self._svd[0])
+    S = property(lambda self: self._svd[1])
+    V = property(lambda self: self._svd[2])
+    Vh = property(lambda self: self._svd[2], doc="V (TransformerLens's name for it; not V^T).")
+
+    @property
+    def eigenvalues(self) -> Tensor:
+        """The eigenvalues of AB that can be nonzero: those of BA [..., mdim] (complex)."""
+        return torch.linalg.eigvals(_upcast(self.BA))
+
+    def norm(self) -> Tensor:
+        """Frobenius norm [...] from the factors: ||AB||_F^2 = tr((A^T A)(B B^T))."""
+        A, B = _upcast(self.A), _upcast(self.B)
+        gram_a = A.transpose(-2, -1) @ A
+        gram_b = B @ B.transpose(-2, -1)
+        return (gram_a * gram_b).sum((-2, -1)).clamp(min=0).sqrt()
+
+    def collapse_l(self) -> Tensor:
+        """S V^T [..., k, rdim]: the matrix with its left orthogonal factor U removed."""
+        return self.S[..., :, None] * self.V.transpose(-2, -1)
+
+    def collapse_r(self) -> Tensor:
+        """U S [..., ldim, k]: the matrix with its right orthogonal factor removed."""
+        return self.U * self.S[..., None, :]
+
+    def make_even(self) -> "FactoredMatrix":
+        """The same matrix as (U sqrt(S)) (sqrt(S) V^T): each factor carries half the spectrum."""
+        root = self.S.sqrt()
+        return FactoredMatrix(self.U * root[..., None, :], root[..., :, None] * self.V.transpose(-2, -1))
+
+    def get_corner(self, k: int = 3) -> Tensor:
+        """The top-left k x k block of AB (and the first k entries of every leading dimension)."""
+        corner = self.A[..., :k, :] @ self.B[..., :, :k]
+        return corner[tuple(slice(0, k) for _ in range(corner.dim() - 2))]
+
+    # ---- indexing ---------------------------------------------------------------------------------
+    def __getitem__(self, idx) -> "FactoredMatrix":
+        """Index the leading dimensions (`OV[layer, head]`), and optionally rows, then columns, of
+        the matrix; an integer row or column index keeps that dimension with size 1, so the result
+        stays a FactoredMatrix."""
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        if any(i is None for i in idx):
+            raise IndexError("FactoredMatrix indices cannot add axes (None); use .unsqueeze(k)")
+        if Ellipsis in idx:
+            at = idx.index(Ellipsis)
+            idx = idx[:at] + (slice(None),) * (self.ndim - len(idx) + 1) + idx[at + 1:]
+        lead = self.ndim - 2
+        if len(idx) > self.ndim:
+            raise IndexError(f"{len(idx)} indices for a FactoredMatrix of shape {tuple(self.shape)}")
+        keep = lambda i: slice(i, i + 1 if i != -1 else None) if isinstance(i, int) else i
+        head, rest = idx[:lead], [keep(i) for i in idx[lead:]]
+        rows = rest[0] if rest else slice(None)
+        cols = rest[1] if len(rest) > 1 else slice(None)
+        return FactoredMatrix(self.A[head + (rows, slice(None))], self.B[head + (slice(None), cols)])
+
+
+def composition_scores(left: FactoredMatrix, right: FactoredMatrix, broadcast_dims: bool = True,
+                       dtype: torch.dtype = torch.float64) -> Tensor:
+    """||L R||_F / (||L||_F ||R||_F), the composition score of Elhage et al. (2021), computed in `dtype`.
+
+    With `broadcast_dims` (TransformerLens's default) every left matrix meets every right one:
+    [*left_lead, *right_lead]; without, the leading dimensions broadcast against each other. No
+    [d_model, d_model] matrix is formed: ||A_l B_l A_r B_r||_F^2 = tr(P^T (A_l^T A_l) P (B_r B_r^T))
+    with the small P = B_l A_r, so Q/K/V composition over every head pair of a model costs
+    d_head x d_head products (taken in chunks to bound memory)."""
+    if left.rdim != right.ldim:
+        raise ValueError(f"composition of {tuple(left.shape)} with {tuple(right.shape)}: inner dimensions differ")
+    la, lb = left.A.to(dtype), left.B.to(dtype)
+    ra, rb = right.A.to(dtype), right.B.to(dtype)
+    gram_l = la.transpose(-2, -1) @ la  # [..., m_l, m_l]
+    gram_r = rb @ rb.transpose(-2, -1)  # [..., m_r, m_r]
+    norm_l = (gram_l * (lb @ lb.transpose(-2, -1))).sum((-2, -1)).clamp(min=0).sqrt()
+    norm_r = (gram_r * (ra.transpose(-2, -1) @ ra)).sum((-2, -1)).clamp(min=0).sqrt()
+
+    def scores(gl, blk, gr, ar):
+        P = blk @ ar
+        return ((gl @ P) * (P @ gr)).sum((-2, -1)).clamp(min=0).sqrt()
+
+    if not broadcast_dims:
+        return scores(gram_l, lb, gram_r, ra) / (norm_l * norm_r)
+    lead_l, lead_r = left.shape[:-2], right.shape[:-2]
+    gl, blk = gram_l.reshape(-1, *gram_l.shape[-2:]), lb.reshape(-1, *lb.shape[-2:])
+    gr, ar = gram_r.reshape(-1, *gram_r.shape[-2:]), ra.reshape(-1, *ra.shape[-2:])
+    n_r = gr.shape[0]
+    step = max(1, 2**24 // max(1, n_r * left.mdim * right.mdim))
+    out = torch.cat([scores(gl[i:i + step, None], blk[i:i + step, None], gr[None], ar[None])
+                     for i in range(0, gl.shape[0], step)])
+    out = out / (norm_l.reshape(-1, 1) * norm_r.reshape(1, -1))
+    return out.reshape(*lead_l, *lead_r)
