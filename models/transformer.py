@@ -239,6 +239,43 @@ class HookedTransformer(HookedRootModule):
 
         return FactoredMatrix(self._kv_to_heads(self.W_V), self.W_O)
 
+    def tl_parameters(self) -> dict[str, Tensor]:
+        """The weights under TransformerLens's names and per-head shapes, as the bridge's
+        `tl_parameters()` (what `SVDInterpreter` and other TransformerLens tools read):
+        `blocks.L.attn.W_Q` [head, d_model, d_head], W_K / W_V expanded to one per query head under
+        GQA, absent biases as zeros, `blocks.L.ln1.w`, `unembed.W_U`, ... Views of the live
+        weights, not copies."""
+        out: dict[str, Tensor] = {"embed.W_E": self.W_E}
+        if self.pos_embed is not None:
+            out["pos_embed.W_pos"] = self.W_pos
+        expand = lambda w: w.repeat_interleave(self.cfg.n_heads // self.cfg.kv_heads, dim=0)
+        for i, block in enumerate(self.blocks):
+            a, pre = block.attn, f"blocks.{i}."
+            out.update({
+                pre + "attn.W_Q": a.W_Q, pre + "attn.W_K": expand(a.W_K), pre + "attn.W_V": expand(a.W_V),
+                pre + "attn.W_O": a.W_O, pre + "attn.b_Q": a.b_Q, pre + "attn.b_K": expand(a.b_K),
+                pre + "attn.b_V": expand(a.b_V),
+                pre + "attn.b_O": a.b_O if a.b_O is not None else self.W_E.new_zeros(self.cfg.d_model),
+            })
+            if block.mlp is not None:
+                m = block.mlp
+                out[pre + "mlp.W_in"], out[pre + "mlp.W_out"] = m.W_in, m.W_out
+                out[pre + "mlp.b_in"] = m.b_in if m.b_in is not None else self.W_E.new_zeros(self.cfg.d_mlp)
+                out[pre + "mlp.b_out"] = m.b_out if m.b_out is not None else self.W_E.new_zeros(self.cfg.d_model)
+                if getattr(m, "W_gate", None) is not None:
+                    out[pre + "mlp.W_gate"] = m.W_gate
+            for norm in ("ln1", "ln2"):
+                for k, v in getattr(block, norm).named_parameters():
+                    out[f"{pre}{norm}.{k}"] = v
+        for k, v in self.ln_final.named_parameters():
+            out[f"ln_final.{k}"] = v
+        out["unembed.W_U"], out["unembed.b_U"] = self.W_U, self.b_U
+        return out
+
+    def tl_named_parameters(self):
+        """`tl_parameters()` as (name, tensor) pairs, as the bridge's."""
+        return iter(self.tl_parameters().items())
+
     def all_composition_scores(self, mode: str) -> Tensor:
         """[layer, head, layer, head] Q-, K- or V-composition scores (`mode` "Q", "K", "V") of every
         earlier head with every later one, zero where the first layer is not earlier, as

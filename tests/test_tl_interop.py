@@ -278,6 +278,41 @@ def test_weight_views_and_circuits_match_the_bridge(name, processed):
         close(ours.all_composition_scores(mode), bridge.all_composition_scores(mode).scores, 1e-5)
 
 
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("processed", [False, True], ids=["raw", "processed"])
+def test_tl_parameters_feed_transformer_lens_tools(name, processed):
+    """`tl_parameters()` has the bridge's names, shapes and values, so TransformerLens's tools that
+    read it (`SVDInterpreter`) give the bridge's numbers on our model; `utils.test_prompt` prints the
+    same report."""
+    import contextlib
+    import io
+
+    from transformer_lens import utilities as tl_utils
+    from transformer_lens.SVDInterpreter import SVDInterpreter
+
+    hf = build_hf(name)
+    ours, bridge = interp.from_hf(hf, tokenizer=tokenizer()), bridge_from_hf(hf, tokenizer=tokenizer())
+    if processed:
+        ours.process_weights_()
+        bridge.enable_compatibility_mode()
+    a, b = ours.tl_parameters(), bridge.tl_parameters()
+    assert sorted(a) == sorted(b)
+    for k in b:
+        close(a[k], b[k], 1e-5)
+    assert dict(ours.tl_named_parameters()).keys() == a.keys()
+    for kind, kw in (("OV", dict(head_index=2)), ("w_in", {}), ("w_out", {})):
+        x = SVDInterpreter(ours).get_singular_vectors(kind, layer_index=1, num_vectors=3, **kw)
+        y = SVDInterpreter(bridge).get_singular_vectors(kind, layer_index=1, num_vectors=3, **kw)
+        close(x.abs(), y.abs(), 1e-4)  # singular vectors up to sign
+    reports = []
+    for model in (ours, bridge):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            tl_utils.test_prompt("w5 w7 w9 w5 w7", " w9", model, prepend_space_to_answer=False)
+        reports.append(out.getvalue())
+    assert reports[0] == reports[1] and "Top 0th token" in reports[0]
+
+
 def test_token_helpers_match_the_bridge():
     ours, bridge = pair("gpt2")
     assert ours.to_single_str_token(7) == bridge.to_single_str_token(7) == "w7"
