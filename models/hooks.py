@@ -54,21 +54,22 @@ class HookPoint(nn.Module):
         """True when any hook is attached (used to switch attention to the instrumented path)."""
         return bool(self._fwd or self._bwd)
 
-    def add_hook(self, fn: HookFn, dir: Direction = "fwd", prepend: bool = False) -> HookHandle:
+    def add_hook(self, fn: HookFn, dir: Direction = "fwd", prepend: bool = False, is_permanent: bool = False) -> HookHandle:
+        """Attach `fn(tensor, hook)`; `is_permanent` hooks survive `reset_hooks()` (as in
+        TransformerLens) and go only with `including_permanent=True` or their handle."""
         if dir not in ("fwd", "bwd"):
             raise ValueError(f"hook direction must be 'fwd' or 'bwd', got {dir!r}")
         if not callable(fn):
             raise TypeError(f"a hook must be callable as fn(tensor, hook), got {type(fn).__name__}")
         hooks = self._fwd if dir == "fwd" else self._bwd
-        entry = _Entry(fn)
+        entry = _Entry(fn, is_permanent)
         hooks.insert(0, entry) if prepend else hooks.append(entry)
         return HookHandle(hooks, entry)
 
-    def remove_hooks(self, dir: Literal["fwd", "bwd", "both"] = "both") -> None:
-        if dir in ("fwd", "both"):
-            self._fwd.clear()
-        if dir in ("bwd", "both"):
-            self._bwd.clear()
+    def remove_hooks(self, dir: Literal["fwd", "bwd", "both"] = "both", including_permanent: bool = True) -> None:
+        for which, hooks in (("fwd", self._fwd), ("bwd", self._bwd)):
+            if dir in (which, "both"):
+                hooks[:] = [] if including_permanent else [e for e in hooks if e.permanent]
 
     def forward(self, x: Tensor) -> Tensor:
         for entry in list(self._fwd):
@@ -96,10 +97,10 @@ class HookPoint(nn.Module):
 class _Entry:
     """A list entry compared by identity, so the same function can be added twice and removed once."""
 
-    __slots__ = ("fn",)
+    __slots__ = ("fn", "permanent")
 
-    def __init__(self, fn: HookFn) -> None:
-        self.fn = fn
+    def __init__(self, fn: HookFn, permanent: bool = False) -> None:
+        self.fn, self.permanent = fn, permanent
 
 
 class _BackwardCall:
@@ -198,17 +199,28 @@ class HookedRootModule(nn.Module):
             )
 
     def add_hook(
-        self, name: str | Callable[[str], bool], fn: HookFn, dir: Direction = "fwd", prepend: bool = False
+        self, name: str | Callable[[str], bool], fn: HookFn, dir: Direction = "fwd", is_permanent: bool = False,
+        prepend: bool = False,
     ) -> HookHandle | "_MultiHandle":
-        """Attach `fn` to the hook point `name` (or to every hook point the predicate accepts)."""
+        """Attach `fn` to the hook point `name` (or to every hook point the predicate accepts).
+        `is_permanent=True`: the hook survives `reset_hooks()` (TransformerLens's permanent hooks)."""
         if callable(name) and not isinstance(name, str):
-            return _MultiHandle([self.hook_dict[n].add_hook(fn, dir, prepend) for n in self.resolve_hook_names(name)])
+            return _MultiHandle([self.hook_dict[n].add_hook(fn, dir, prepend, is_permanent) for n in self.resolve_hook_names(name)])
         self._check_name(name)
-        return self.hook_dict[name].add_hook(fn, dir, prepend)
+        return self.hook_dict[name].add_hook(fn, dir, prepend, is_permanent)
 
-    def reset_hooks(self, direction: Literal["fwd", "bwd", "both"] = "both", including_permanent: bool = True) -> None:
+    def add_perma_hook(self, name: str | Callable[[str], bool], fn: HookFn, dir: Direction = "fwd"):
+        """A hook that stays until `reset_hooks(including_permanent=True)` (TransformerLens's name)."""
+        return self.add_hook(name, fn, dir, is_permanent=True)
+
+    def reset_hooks(self, clear_contexts: bool = True, direction: Literal["fwd", "bwd", "both"] = "both",
+                    including_permanent: bool = False) -> None:
+        """Remove every hook except permanent ones (with `including_permanent=True`, those too), as
+        TransformerLens's `reset_hooks`. `clear_contexts` is accepted for its signature."""
+        if direction not in ("fwd", "bwd", "both"):
+            raise ValueError(f"direction must be 'fwd', 'bwd' or 'both', got {direction!r}")
         for hp in self.hook_dict.values():
-            hp.remove_hooks(direction)
+            hp.remove_hooks(direction, including_permanent)
 
     @contextlib.contextmanager
     def hooks(

@@ -313,6 +313,37 @@ def test_tl_parameters_feed_transformer_lens_tools(name, processed):
     assert reports[0] == reports[1] and "Top 0th token" in reports[0]
 
 
+def test_permanent_hooks_behave_as_the_bridges():
+    """A permanent hook survives `reset_hooks()` and `run_with_hooks`, and goes with
+    `reset_hooks(including_permanent=True)`; the logits follow the bridge's at every step."""
+    ours, bridge = pair("gpt2")
+    kill = lambda x, hook: x * 0  # noqa: E731
+    scale = lambda x, hook: x * 2  # noqa: E731
+    clean = ours(TEXT)
+    steps = []
+    for m in (ours, bridge):
+        got = []
+        m.add_hook("blocks.0.hook_resid_post", kill, is_permanent=True)
+        m.add_hook("blocks.1.hook_mlp_out", scale)  # temporary
+        got.append(m(TEXT))
+        m.reset_hooks()  # the temporary one goes
+        got.append(m(TEXT))
+        got.append(m.run_with_hooks(TEXT, fwd_hooks=[("blocks.1.hook_attn_out", kill)]))
+        got.append(m(TEXT))
+        m.reset_hooks(including_permanent=True)
+        got.append(m(TEXT))
+        m.add_perma_hook("blocks.1.hook_mlp_out", kill)
+        got.append(m(TEXT))
+        m.reset_hooks(including_permanent=True)
+        steps.append(got)
+    for a, b in zip(*steps):
+        close(a, b)
+    assert (steps[0][1] - clean).abs().max() > 1e-3  # the permanent hook acted
+    close(steps[0][1], steps[0][3])
+    close(steps[0][4], clean)
+    assert (steps[0][0] - steps[0][1]).abs().max() > 1e-3 and (steps[0][5] - clean).abs().max() > 1e-3
+
+
 def test_token_helpers_match_the_bridge():
     ours, bridge = pair("gpt2")
     assert ours.to_single_str_token(7) == bridge.to_single_str_token(7) == "w7"
