@@ -48,6 +48,17 @@ class HookPoint(nn.Module):
         self.name: str | None = None
         self._fwd: list[HookFn] = []
         self._bwd: list[HookFn] = []
+        self.ctx: dict = {}  # scratch space hooks may share across calls (TransformerLens's hook.ctx)
+
+    def layer(self) -> int:
+        """The block this hook point is in (`blocks.3.attn.hook_pattern` -> 3), as TransformerLens's."""
+        parts = (self.name or "").split(".")
+        if len(parts) < 2 or parts[0] != "blocks" or not parts[1].isdigit():
+            raise ValueError(f"hook point {self.name!r} is not inside a block, so it has no layer")
+        return int(parts[1])
+
+    def clear_context(self) -> None:
+        self.ctx.clear()
 
     @property
     def active(self) -> bool:
@@ -221,6 +232,8 @@ class HookedRootModule(nn.Module):
             raise ValueError(f"direction must be 'fwd', 'bwd' or 'both', got {direction!r}")
         for hp in self.hook_dict.values():
             hp.remove_hooks(direction, including_permanent)
+            if clear_contexts:
+                hp.clear_context()
 
     @contextlib.contextmanager
     def hooks(
@@ -253,7 +266,8 @@ class HookedRootModule(nn.Module):
         clear_contexts: bool = False,
         **model_kwargs,
     ):
-        """Run the model with hooks attached for this call only."""
+        """Run the model with hooks attached for this call only (`clear_contexts`: empty every
+        hook point's `ctx` afterwards, as TransformerLens)."""
         bwd_hooks = list(bwd_hooks)
         if bwd_hooks and reset_hooks_end:
             warnings.warn(
@@ -261,8 +275,13 @@ class HookedRootModule(nn.Module):
                 "pass reset_hooks_end=False (and call model.reset_hooks() after) or use `with model.hooks(...)`",
                 stacklevel=2,
             )
-        with self.hooks(fwd_hooks, bwd_hooks, reset_hooks_end):
-            return self(*model_args, **model_kwargs)
+        try:
+            with self.hooks(fwd_hooks, bwd_hooks, reset_hooks_end):
+                return self(*model_args, **model_kwargs)
+        finally:
+            if clear_contexts:
+                for hp in self.hook_dict.values():
+                    hp.clear_context()
 
 
 class _MultiHandle:

@@ -344,6 +344,27 @@ def test_permanent_hooks_behave_as_the_bridges():
     assert (steps[0][0] - steps[0][1]).abs().max() > 1e-3 and (steps[0][5] - clean).abs().max() > 1e-3
 
 
+def test_hook_layer_and_ctx_as_the_bridges():
+    """`hook.layer()` and the per-hook-point `hook.ctx` scratch dict, kept across calls until
+    `clear_contexts=True` / `reset_hooks()`, as TransformerLens's."""
+    ours, bridge = pair("gpt2")
+    runs = []
+    for m in (ours, bridge):
+        seen = []
+
+        def count(x, hook):
+            hook.ctx["n"] = hook.ctx.get("n", 0) + 1
+            seen.append((hook.layer(), hook.ctx["n"]))
+
+        for kw in ({}, dict(clear_contexts=True), {}):
+            m.run_with_hooks(TEXT, fwd_hooks=[(lambda n: n.endswith("hook_pattern"), count)], **kw)
+        m.reset_hooks()
+        runs.append(seen)
+    assert runs[0] == runs[1] == [(0, 1), (1, 1), (0, 2), (1, 2), (0, 1), (1, 1)]
+    with pytest.raises(ValueError, match="not inside a block"):
+        ours.hook_dict["hook_embed"].layer()
+
+
 def test_token_helpers_match_the_bridge():
     ours, bridge = pair("gpt2")
     assert ours.to_single_str_token(7) == bridge.to_single_str_token(7) == "w7"
