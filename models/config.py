@@ -54,6 +54,10 @@ class RopeScaling:
     high_freq_factor: float = 4.0
 
 
+_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM", "llama": "LlamaForCausalLM",
+                  "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The shape of one transformer. All fields are plain data; `to_json`/`from_json` round-trip.
@@ -177,6 +181,34 @@ class ModelConfig:
     use_attn_result = True
     use_hook_tokens = False
     n_devices = 1
+    default_padding_side = "right"
+    attention_dir = "causal"
+    post_embedding_ln = False
+    use_normalization_before_and_after = False
+    output_logits_soft_cap = -1.0
+    attn_scores_soft_cap = -1.0
+    seed = None
+    checkpoint_index = None
+
+    @property
+    def use_local_attn(self) -> bool:
+        return self.sliding_window is not None
+
+    @property
+    def original_architecture(self) -> str | None:
+        """The Hugging Face architecture class this family loads as (None for our own models)."""
+        return _ARCHITECTURES.get(self.model_type)
+
+    @property
+    def model_name(self) -> str:
+        """What the model was loaded as (`interp.load`'s name or path, the HF model's name_or_path),
+        else its `model_type`."""
+        return self.__dict__.get("_attached", {}).get("model_name") or self.model_type
+
+    @property
+    def tokenizer_name(self) -> str | None:
+        """The tokenizer's `name_or_path`, if it has one."""
+        return self.__dict__.get("_attached", {}).get("tokenizer_name")
 
     @property
     def default_prepend_bos(self) -> bool:

@@ -127,6 +127,7 @@ class HookedTransformer(HookedRootModule):
         self.cfg = cfg
         self._hook_flags = dict(use_split_qkv_input=False, use_attn_in=False, use_hook_mlp_in=False)
         self._processing: dict[str, bool] = {}  # the weight-processing steps applied (process_weights_)
+        self._model_name: str | None = None  # what it was loaded as (interp.load / from_hf): cfg.model_name
         self.tokenizer = tokenizer
         self.embed = Embed(cfg)
         self.hook_embed = HookPoint()
@@ -147,7 +148,9 @@ class HookedTransformer(HookedRootModule):
         """Re-attach the config to what this model is now: device, dtype, tokenizer, hook switches."""
         if "embed" not in self._modules:
             return  # still being built
-        self.cfg = self.cfg.attached(self.device, self.dtype, default_prepend_bos=self._bos_default(),
+        names = dict(model_name=self.__dict__.get("_model_name"),
+                     tokenizer_name=getattr(self.tokenizer, "name_or_path", None) or None)
+        self.cfg = self.cfg.attached(self.device, self.dtype, default_prepend_bos=self._bos_default(), **names,
                                      **self._hook_flags, **{f"processed_{k}": v for k, v in self._processing.items()})
 
     @property
@@ -220,9 +223,10 @@ class HookedTransformer(HookedRootModule):
         learned positions."""
         return torch.cat([self.W_E, self.W_pos], dim=0)
 
-    def _kv_to_heads(self, w: Tensor) -> Tensor:
-        """[layer, kv_head, ...] -> [layer, head, ...]: query head h reads kv head h // group."""
-        return w.repeat_interleave(self.cfg.n_heads // self.cfg.kv_heads, dim=1)
+    def _kv_to_heads(self, w: Tensor, dim: int = 1) -> Tensor:
+        """kv heads -> query heads along `dim` ([layer, kv_head, ...] by default): query head h reads
+        kv head h // (n_heads / n_kv_heads)."""
+        return w.repeat_interleave(self.cfg.n_heads // self.cfg.kv_heads, dim=dim)
 
     @property
     def QK(self) -> "FactoredMatrix":
@@ -248,7 +252,7 @@ class HookedTransformer(HookedRootModule):
         out: dict[str, Tensor] = {"embed.W_E": self.W_E}
         if self.pos_embed is not None:
             out["pos_embed.W_pos"] = self.W_pos
-        expand = lambda w: w.repeat_interleave(self.cfg.n_heads // self.cfg.kv_heads, dim=0)
+        expand = lambda w: self._kv_to_heads(w, dim=0)  # noqa: E731
         for i, block in enumerate(self.blocks):
             a, pre = block.attn, f"blocks.{i}."
             out.update({

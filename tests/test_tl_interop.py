@@ -120,6 +120,25 @@ def test_cfg_device_and_dtype_follow_the_model():
         b.cfg.n_layers = 3  # still frozen
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa", "neox", "mistral-window", "qwen2-window-layers"])
+def test_cfg_names_of_the_loaded_model(name, tmp_path):
+    """`cfg.original_architecture` is the transformers class the weights came from, `model_name`
+    what the model was loaded as, `tokenizer_name` the tokenizer's; the rest as TransformerLens's
+    defaults for a causal decoder."""
+    hf = build_hf(name)
+    ours = interp.from_hf(hf, tokenizer=tokenizer())
+    assert ours.cfg.original_architecture == type(hf).__name__
+    assert ours.cfg.tokenizer_name == tokenizer().name_or_path
+    assert ours.cfg.model_name == (hf.config.name_or_path or ours.cfg.model_type)
+    assert (ours.cfg.default_padding_side, ours.cfg.attention_dir) == ("right", "causal")
+    assert ours.cfg.use_local_attn == (ours.cfg.sliding_window is not None)
+    hf.save_pretrained(tmp_path / "ckpt")
+    loaded = interp.load(tmp_path / "ckpt")
+    assert loaded.cfg.model_name == str(tmp_path / "ckpt")
+    assert loaded.cfg == ours.cfg  # names are not part of the config's identity
+    assert "model_name" not in loaded.cfg.to_dict()
+
+
 # ---- hooks ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", CASES)
 def test_every_shared_hook_matches_the_bridge(name):
