@@ -172,7 +172,8 @@ def generate(
         steps.close()
     result = torch.cat(out, dim=1)
     if return_type == "str" or (return_type == "input" and text_in):
-        # As TransformerLens: the prompt and its continuation, without the BOS and padding we added.
+        # As TransformerLens: the prompt and its continuation, without the BOS and padding we added
+        # and, as its decode, without special tokens (a chat template's markers, the EOS).
         keep = torch.cat([attention_mask.bool() if attention_mask is not None else torch.ones_like(tokens, dtype=torch.bool),
                           torch.ones_like(result[:, n:], dtype=torch.bool)], dim=1)
         bos = getattr(model.tokenizer, "bos_token_id", None)
@@ -181,6 +182,6 @@ def generate(
             ids = row[k].tolist()
             if model._bos_id(prepend_bos) is not None and ids and ids[0] == bos:
                 ids = ids[1:]
-            texts.append(model.tokenizer.decode(ids))
+            texts.append(model.tokenizer.decode(ids, skip_special_tokens=True))
         result = texts[0] if single else texts
     return (result, cache) if return_kv_cache else result

