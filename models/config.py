@@ -181,7 +181,12 @@ class ModelConfig:
     use_attn_result = True
     use_hook_tokens = False
     n_devices = 1
-    default_padding_side = "right"
+
+    @property
+    def default_padding_side(self) -> str:
+        """Where `to_tokens` pads texts of different lengths by default: the tokenizer's side, else right."""
+        return self.__dict__.get("_attached", {}).get("default_padding_side") or "right"
+
     attention_dir = "causal"
     post_embedding_ln = False
     use_normalization_before_and_after = False

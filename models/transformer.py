@@ -149,7 +149,8 @@ class HookedTransformer(HookedRootModule):
         if "embed" not in self._modules:
             return  # still being built
         names = dict(model_name=self.__dict__.get("_model_name"),
-                     tokenizer_name=getattr(self.tokenizer, "name_or_path", None) or None)
+                     tokenizer_name=getattr(self.tokenizer, "name_or_path", None) or None,
+                     default_padding_side=getattr(self.tokenizer, "padding_side", None))
         self.cfg = self.cfg.attached(self.device, self.dtype, default_prepend_bos=self._bos_default(), **names,
                                      **self._hook_flags, **{f"processed_{k}": v for k, v in self._processing.items()})
 

@@ -132,6 +132,15 @@ def test_cfg_names_of_the_loaded_model(name, tmp_path):
     assert ours.cfg.model_name == (hf.config.name_or_path or ours.cfg.model_type)
     assert (ours.cfg.default_padding_side, ours.cfg.attention_dir) == ("right", "causal")
     assert ours.cfg.use_local_attn == (ours.cfg.sliding_window is not None)
+    import copy
+
+    left = copy.deepcopy(tokenizer())
+    left.padding_side = "left"  # as many chat models' tokenizers: to_tokens pads left by default, as the bridge's
+    ours.tokenizer = left
+    assert ours.cfg.default_padding_side == "left"
+    bridge = bridge_from_hf(hf, tokenizer=left)
+    assert torch.equal(ours.to_tokens(["w5 w7 w9", "w2"]), bridge.to_tokens(["w5 w7 w9", "w2"]))
+    assert ours.to_tokens(["w5 w7 w9", "w2"])[1, 0] == left.pad_token_id
     hf.save_pretrained(tmp_path / "ckpt")
     loaded = interp.load(tmp_path / "ckpt")
     assert loaded.cfg.model_name == str(tmp_path / "ckpt")
