@@ -270,9 +270,10 @@ class HookedTransformer(HookedRootModule):
                 if getattr(m, "W_gate", None) is not None:
                     out[pre + "mlp.W_gate"] = m.W_gate
             for norm in ("ln1", "ln2"):
-                for k, v in getattr(block, norm).named_parameters():
+                module = getattr(block, norm, None)
+                for k, v in (module.named_parameters() if module is not None else ()):
                     out[f"{pre}{norm}.{k}"] = v
-        for k, v in self.ln_final.named_parameters():
+        for k, v in (self.ln_final.named_parameters() if self.ln_final is not None else ()):
             out[f"ln_final.{k}"] = v
         out["unembed.W_U"], out["unembed.b_U"] = self.W_U, self.b_U
         return out

@@ -393,6 +393,30 @@ def test_hook_layer_and_ctx_as_the_bridges():
         ours.hook_dict["hook_embed"].layer()
 
 
+def test_weight_views_on_attention_only_and_norm_free_models():
+    """Attention-only and norm-free models: tl_parameters has no MLP / norm entries, the MLP views
+    are absent (hasattr is False), and the circuits and composition scores still work, equal to the
+    products formed explicitly."""
+    from transformer_lens.SVDInterpreter import SVDInterpreter
+
+    for cfg in (interp.ModelConfig(n_layers=2, d_model=16, n_heads=2, d_vocab=11, n_ctx=8, d_mlp=None),
+                interp.ModelConfig(n_layers=2, d_model=16, n_heads=4, n_kv_heads=2, d_vocab=11, n_ctx=8, d_mlp=32,
+                                   normalization=None, positional="rotary")):
+        model = interp.HookedTransformer(cfg)
+        params = model.tl_parameters()
+        assert ("blocks.0.mlp.W_in" in params) == (not cfg.attn_only) and hasattr(model, "W_in") == (not cfg.attn_only)
+        assert ("blocks.0.ln1.w" in params) == (cfg.normalization is not None)
+        assert params["blocks.1.attn.W_K"].shape == (cfg.n_heads, 16, cfg.head_dim)
+        ov = model.OV[0, 1]
+        explicit = params["blocks.0.attn.W_V"][1] @ params["blocks.0.attn.W_O"][1]
+        close(ov.AB, explicit, 1e-6)
+        scores = model.all_composition_scores("V")
+        left, right = explicit, params["blocks.1.attn.W_V"][0] @ params["blocks.1.attn.W_O"][0]
+        close(scores[0, 1, 1, 0], (left @ right).norm() / (left.norm() * right.norm()), 1e-5)
+        assert scores[1].abs().sum() == 0  # no later layer
+        assert SVDInterpreter(model).get_singular_vectors("OV", layer_index=1, head_index=0, num_vectors=2).shape == (11, 1, 2)
+
+
 def test_token_helpers_match_the_bridge():
     ours, bridge = pair("gpt2")
     assert ours.to_single_str_token(7) == bridge.to_single_str_token(7) == "w7"
