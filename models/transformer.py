@@ -144,6 +144,20 @@ class HookedTransformer(HookedRootModule):
         self.setup_hooks()
         self._attach()  # cfg.device / cfg.dtype / cfg.default_prepend_bos, read by TransformerLens
 
+    def __getattr__(self, name: str):
+        # A property that raises AttributeError (W_pos on a rotary model, W_in on an attention-only
+        # one) would otherwise surface as nn.Module's bare "no attribute"; re-raise its own message.
+        modules = self.__dict__.get("_modules")
+        if modules is not None and name in modules:  # the common case (self.blocks, ...), first
+            return modules[name]
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            prop = getattr(type(self), name, None)
+            if isinstance(prop, property):
+                prop.fget(self)
+            raise
+
     def _attach(self) -> None:
         """Re-attach the config to what this model is now: device, dtype, tokenizer, hook switches."""
         if "embed" not in self._modules:

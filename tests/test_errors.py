@@ -246,3 +246,22 @@ def test_corrupt_pytorch_model_bin(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"not a torch file")
     with pytest.raises(CheckpointError, match=r"could not read .*pytorch_model\.bin"):
         interp.load(tmp_path)
+
+
+def test_missing_weight_views_say_why():
+    """A TransformerLens weight view the model does not have says why, not just "no attribute"."""
+    attn_only = interp.HookedTransformer(interp.ModelConfig(n_layers=1, d_model=16, n_heads=2, d_vocab=11, n_ctx=8, d_mlp=None))
+    for name in ("W_in", "b_in", "W_out", "b_out", "W_gate"):
+        with pytest.raises(AttributeError, match="attention-only, it has no MLPs"):
+            getattr(attn_only, name)
+        assert not hasattr(attn_only, name)
+    rotary = own("rotary-rms-swiglu-gqa")
+    for name in ("W_pos", "W_E_pos"):
+        with pytest.raises(AttributeError, match="'rotary' positions, so no W_pos"):
+            getattr(rotary, name)
+    with pytest.raises(AttributeError, match="W_gate: this model's MLPs are not gated"):
+        own("learned-layernorm").W_gate
+    with pytest.raises(AttributeError, match="has no attribute 'W_nonsense'"):
+        rotary.W_nonsense
+    with pytest.raises(ValueError, match="mode must be 'Q', 'K' or 'V'"):
+        rotary.all_composition_scores("q")
