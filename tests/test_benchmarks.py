@@ -20,7 +20,7 @@ TITLES = {
     "cache": "Cache overhead: run_with_cache, ours vs TransformerLens",
     "long_context": "Long-context head detection: streaming vs cached patterns",
     "ablation": "Ablation sweep: every head, mean ablation",
-    "generation": "Generation: our KV cache vs Hugging Face generate",
+    "generation": "Generation: our KV cache vs Hugging Face generate vs TransformerLens",
 }
 
 
@@ -100,7 +100,8 @@ def test_quick_run_numbers_agree(page):
     diffs = [float(x) for x in column(lc, "max abs score diff") if x != "-"]
     assert diffs and max(diffs) < 1e-4
     gen = found[TITLES["generation"]]
-    assert set(column(gen, "same tokens")) == {"yes"}
+    assert set(column(gen, "HF same tokens")) == {"yes"}
+    assert all(x == "yes" or x.endswith("%") for x in column(gen, "TL same tokens"))  # reported, not ours to fix
 
 
 def test_forward_module_cli_still_works(capsys):
