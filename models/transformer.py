@@ -204,10 +204,14 @@ class HookedTransformer(HookedRootModule):
     b_K = property(lambda self: self._stack("b_K"), doc="[layer, kv_head, d_head] (zeros without biases)")
     b_V = property(lambda self: self._stack("b_V"), doc="[layer, kv_head, d_head] (zeros without biases)")
 
+    def _or_zeros(self, bias: Tensor | None, size: int) -> Tensor:
+        """A bias the checkpoint lacks reads as zeros (as in TransformerLens's HookedTransformer)."""
+        return bias if bias is not None else self.W_E.new_zeros(size)
+
     @property
     def b_O(self) -> Tensor:
         """[layer, d_model] (zeros without biases)."""
-        return torch.stack([b.attn.b_O if b.attn.b_O is not None else self.W_E.new_zeros(self.cfg.d_model) for b in self.blocks])
+        return torch.stack([self._or_zeros(b.attn.b_O, self.cfg.d_model) for b in self.blocks])
 
     def _stack_mlp(self, attr: str, size: int | None = None) -> Tensor:
         if self.cfg.attn_only:
@@ -217,7 +221,7 @@ class HookedTransformer(HookedRootModule):
         out = []
         for b in self.blocks:
             w = getattr(b.mlp, attr, None)
-            out.append(w if w is not None else self.W_E.new_zeros(size))
+            out.append(self._or_zeros(w, size))
         return torch.stack(out)
 
     W_in = property(lambda self: self._stack_mlp("W_in"), doc="[layer, d_model, d_mlp]")
@@ -230,7 +234,7 @@ class HookedTransformer(HookedRootModule):
     def b_U(self) -> Tensor:
         """[d_vocab] (zeros without an unembedding bias)."""
         b = self.unembed.b_U
-        return b if b is not None else self.W_E.new_zeros(self.cfg.d_vocab)
+        return self._or_zeros(b, self.cfg.d_vocab)
 
     @property
     def W_E_pos(self) -> Tensor:
@@ -274,13 +278,13 @@ class HookedTransformer(HookedRootModule):
                 pre + "attn.W_Q": a.W_Q, pre + "attn.W_K": expand(a.W_K), pre + "attn.W_V": expand(a.W_V),
                 pre + "attn.W_O": a.W_O, pre + "attn.b_Q": a.b_Q, pre + "attn.b_K": expand(a.b_K),
                 pre + "attn.b_V": expand(a.b_V),
-                pre + "attn.b_O": a.b_O if a.b_O is not None else self.W_E.new_zeros(self.cfg.d_model),
+                pre + "attn.b_O": self._or_zeros(a.b_O, self.cfg.d_model),
             })
             if block.mlp is not None:
                 m = block.mlp
                 out[pre + "mlp.W_in"], out[pre + "mlp.W_out"] = m.W_in, m.W_out
-                out[pre + "mlp.b_in"] = m.b_in if m.b_in is not None else self.W_E.new_zeros(self.cfg.d_mlp)
-                out[pre + "mlp.b_out"] = m.b_out if m.b_out is not None else self.W_E.new_zeros(self.cfg.d_model)
+                out[pre + "mlp.b_in"] = self._or_zeros(m.b_in, self.cfg.d_mlp)
+                out[pre + "mlp.b_out"] = self._or_zeros(m.b_out, self.cfg.d_model)
                 if getattr(m, "W_gate", None) is not None:
                     out[pre + "mlp.W_gate"] = m.W_gate
             for norm in ("ln1", "ln2"):
