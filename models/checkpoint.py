@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from .components import relayout_mlp_
 from .config import ModelConfig
 from .families import get_family
 from .transformer import HookedTransformer
@@ -104,6 +105,8 @@ def build_model(cfg: ModelConfig, sd: dict[str, Tensor], source: str, dtype, dev
         model = model.to_empty(device=device or "cpu")
         model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}, strict=True)
     model.to(dtype)
+    for block in model.blocks:  # adopted tensors are contiguous: back to the MLP's out-major layout
+        relayout_mlp_(block.mlp)
     # Buffers (rotary frequencies, sinusoidal tables, ALiBi slopes) were on the meta device: rebuild them.
     _rebuild_buffers(model, cfg)
     return model.eval()

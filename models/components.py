@@ -107,13 +107,30 @@ ACTIVATIONS = {
 }
 
 
+def _out_major(d_in: int, d_out: int) -> nn.Parameter:
+    """An input-major [d_in, d_out] weight (TransformerLens's layout, `x @ W`) stored out-major, as
+    nn.Linear stores it: a transposed view of a contiguous [d_out, d_in] tensor. Same values and API;
+    on CPU BLAS the up-projections run faster this way (768 -> 2048: 2.7 ms vs 3.8 ms, one thread; see
+    `relayout_mlp_`)."""
+    return nn.Parameter(torch.empty(d_out, d_in).t())
+
+
+def relayout_mlp_(mlp: nn.Module | None) -> None:
+    """Store an MLP's up-projections (W_in, W_gate) out-major again, after something replaced them with
+    contiguous tensors (a checkpoint adopted with `load_state_dict(assign=True)`). Values unchanged."""
+    for name in ("W_in", "W_gate"):
+        p = getattr(mlp, name, None) if mlp is not None else None
+        if p is not None and p.dim() == 2 and p.stride(0) != 1 and p.device.type != "meta":
+            p.data = p.data.t().contiguous().t()
+
+
 class MLP(nn.Module):
     """x -> act(x W_in + b_in) W_out + b_out. hook_pre: pre-activation, hook_post: post-activation."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.act = ACTIVATIONS[cfg.act_fn]
-        self.W_in = nn.Parameter(torch.empty(cfg.d_model, cfg.d_mlp))
+        self.W_in = _out_major(cfg.d_model, cfg.d_mlp)
         self.W_out = nn.Parameter(torch.empty(cfg.d_mlp, cfg.d_model))
         self.b_in = nn.Parameter(torch.zeros(cfg.d_mlp)) if cfg.mlp_bias else None
         self.b_out = nn.Parameter(torch.zeros(cfg.d_model)) if cfg.mlp_bias else None
@@ -133,8 +150,8 @@ class GatedMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.act = ACTIVATIONS[cfg.act_fn]
-        self.W_gate = nn.Parameter(torch.empty(cfg.d_model, cfg.d_mlp))
-        self.W_in = nn.Parameter(torch.empty(cfg.d_model, cfg.d_mlp))
+        self.W_gate = _out_major(cfg.d_model, cfg.d_mlp)
+        self.W_in = _out_major(cfg.d_model, cfg.d_mlp)
         self.W_out = nn.Parameter(torch.empty(cfg.d_mlp, cfg.d_model))
         self.b_gate = nn.Parameter(torch.zeros(cfg.d_mlp)) if cfg.mlp_bias else None
         self.b_in = nn.Parameter(torch.zeros(cfg.d_mlp)) if cfg.mlp_bias else None
@@ -200,9 +217,10 @@ def init_weights(module: nn.Module, cfg: ModelConfig, generator: torch.Generator
             nn.init.zeros_(p)
         elif leaf == "w":
             nn.init.ones_(p)
-        elif leaf in ("W_O_flat", "W_out"):
-            with torch.no_grad():
-                p.normal_(0.0, out_std, generator=generator)
         else:
+            std = out_std if leaf in ("W_O_flat", "W_out") else cfg.init_range
             with torch.no_grad():
-                p.normal_(0.0, cfg.init_range, generator=generator)
+                # Drawn in the logical (row-major) order whatever the storage layout (`_out_major`), so
+                # a seed gives the same weights as it always has.
+                draw = torch.empty(p.shape, dtype=p.dtype, device=p.device).normal_(0.0, std, generator=generator)
+                p.copy_(draw)
