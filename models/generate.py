@@ -109,15 +109,15 @@ def generate(
         raise ValueError(f"generation continues every row at its end, so it pads on the left; got padding_side={padding_side!r}")
     if not use_past_kv_cache and (return_kv_cache or capture_queries or kv_precision is not None):
         raise ValueError("return_kv_cache / capture_queries / kv_precision need the KV cache: drop use_past_kv_cache=False")
-    from .transformer import _is_text
+    from .text import _is_text
 
     single, text_in = isinstance(tokens, str), _is_text(tokens)
     tokens, attention_mask = model._input_tokens(tokens, attention_mask, prepend_bos, padding_side="left")
     batch, n = tokens.shape
-    if attention_mask is not None:
-        am = attention_mask.to(model.device).bool()
-        if (am[:, -1] == 0).any():
-            raise ValueError("generation needs left padding: the last position of every row must be a real token")
+    # Which prompt positions are real tokens (not padding): read by the penalties and the text decode.
+    real = attention_mask.to(model.device).bool() if attention_mask is not None else torch.ones_like(tokens, dtype=torch.bool)
+    if not real[:, -1].all():
+        raise ValueError("generation needs left padding: the last position of every row must be a real token")
     as_list = lambda t: [int(t)] if isinstance(t, int) else [int(x) for x in (t or ())]
     eos = as_list(eos_token_id if eos_token_id is not None else getattr(model.tokenizer, "eos_token_id", None)) if stop_at_eos else []
     stops = torch.tensor(sorted(set(as_list(stop_tokens) + eos)), device=model.device, dtype=torch.long)
@@ -137,7 +137,6 @@ def generate(
         logits = model(resid[:, -1:], start_at_layer=model.cfg.n_layers)[:, -1]
     else:
         logits = model(tokens, attention_mask=attention_mask)[:, -1]
-    real = attention_mask.to(model.device).bool() if attention_mask is not None else torch.ones_like(tokens, dtype=torch.bool)
     counts = None
     if repetition_penalty != 1.0 or freq_penalty > 0:
         counts = torch.zeros(batch, logits.shape[-1], device=model.device)
@@ -174,8 +173,7 @@ def generate(
     if return_type == "str" or (return_type == "input" and text_in):
         # As TransformerLens: the prompt and its continuation, without the BOS and padding we added
         # and, as its decode, without special tokens (a chat template's markers, the EOS).
-        keep = torch.cat([attention_mask.bool() if attention_mask is not None else torch.ones_like(tokens, dtype=torch.bool),
-                          torch.ones_like(result[:, n:], dtype=torch.bool)], dim=1)
+        keep = torch.cat([real, torch.ones_like(result[:, n:], dtype=torch.bool)], dim=1)
         bos = getattr(model.tokenizer, "bos_token_id", None)
         texts = []
         for row, k in zip(result, keep):

@@ -32,6 +32,8 @@ from .components import (
 )
 from .config import ModelConfig
 from .positions import Rotary
+from .text import TextMixin, _is_text
+from .weights import WeightViews
 
 ReturnType = Literal["logits", "loss", "both", None]
 
@@ -115,7 +117,7 @@ class TransformerBlock(nn.Module):
         return self.hook_resid_post(mid + self.hook_mlp_out(self.mlp(self.ln2(mlp_in))))
 
 
-class HookedTransformer(HookedRootModule):
+class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
     """A decoder-only transformer with TransformerLens hook names and two attention paths.
 
     Build from a config (`HookedTransformer(cfg)`, random init), or load one: `interp.load(path)`,
@@ -178,149 +180,6 @@ class HookedTransformer(HookedRootModule):
         self.__dict__["_tokenizer"] = tok
         self._attach()  # default_prepend_bos follows the tokenizer's BOS
 
-    # ---- weights, TransformerLens names -------------------------------------------------------
-    @property
-    def W_E(self) -> Tensor:
-        return self.embed.W_E
-
-    @property
-    def W_U(self) -> Tensor:
-        return self.unembed.W_U
-
-    @property
-    def W_pos(self) -> Tensor:
-        if self.pos_embed is None:
-            raise AttributeError(f"this model has {self.cfg.positional!r} positions, so no W_pos")
-        return self.pos_embed.W_pos
-
-    def _stack(self, attr: str) -> Tensor:
-        return torch.stack([getattr(b.attn, attr) for b in self.blocks])
-
-    W_Q = property(lambda self: self._stack("W_Q"), doc="[layer, head, d_model, d_head]")
-    W_K = property(lambda self: self._stack("W_K"), doc="[layer, kv_head, d_model, d_head]")
-    W_V = property(lambda self: self._stack("W_V"), doc="[layer, kv_head, d_model, d_head]")
-    W_O = property(lambda self: self._stack("W_O"), doc="[layer, head, d_head, d_model]")
-    b_Q = property(lambda self: self._stack("b_Q"), doc="[layer, head, d_head] (zeros without biases)")
-    b_K = property(lambda self: self._stack("b_K"), doc="[layer, kv_head, d_head] (zeros without biases)")
-    b_V = property(lambda self: self._stack("b_V"), doc="[layer, kv_head, d_head] (zeros without biases)")
-
-    def _or_zeros(self, bias: Tensor | None, size: int) -> Tensor:
-        """A bias the checkpoint lacks reads as zeros (as in TransformerLens's HookedTransformer)."""
-        return bias if bias is not None else self.W_E.new_zeros(size)
-
-    @property
-    def b_O(self) -> Tensor:
-        """[layer, d_model] (zeros without biases)."""
-        return torch.stack([self._or_zeros(b.attn.b_O, self.cfg.d_model) for b in self.blocks])
-
-    def _stack_mlp(self, attr: str, size: int | None = None) -> Tensor:
-        if self.cfg.attn_only:
-            raise AttributeError(f"{attr}: this model is attention-only, it has no MLPs")
-        if attr == "W_gate" and not hasattr(self.blocks[0].mlp, "W_gate"):
-            raise AttributeError("W_gate: this model's MLPs are not gated")
-        out = []
-        for b in self.blocks:
-            w = getattr(b.mlp, attr, None)
-            out.append(self._or_zeros(w, size))
-        return torch.stack(out)
-
-    W_in = property(lambda self: self._stack_mlp("W_in"), doc="[layer, d_model, d_mlp]")
-    W_gate = property(lambda self: self._stack_mlp("W_gate"), doc="[layer, d_model, d_mlp] (gated MLPs)")
-    W_out = property(lambda self: self._stack_mlp("W_out"), doc="[layer, d_mlp, d_model]")
-    b_in = property(lambda self: self._stack_mlp("b_in", self.cfg.d_mlp), doc="[layer, d_mlp] (zeros without biases)")
-    b_out = property(lambda self: self._stack_mlp("b_out", self.cfg.d_model), doc="[layer, d_model] (zeros without biases)")
-
-    @property
-    def b_U(self) -> Tensor:
-        """[d_vocab] (zeros without an unembedding bias)."""
-        b = self.unembed.b_U
-        return self._or_zeros(b, self.cfg.d_vocab)
-
-    @property
-    def W_E_pos(self) -> Tensor:
-        """[d_vocab + n_ctx, d_model]: W_E stacked on W_pos, the whole input space of a model with
-        learned positions."""
-        return torch.cat([self.W_E, self.W_pos], dim=0)
-
-    def _kv_to_heads(self, w: Tensor, dim: int = 1) -> Tensor:
-        """kv heads -> query heads along `dim` ([layer, kv_head, ...] by default): query head h reads
-        kv head h // (n_heads / n_kv_heads)."""
-        return w.repeat_interleave(self.cfg.n_heads // self.cfg.kv_heads, dim=dim)
-
-    @property
-    def QK(self) -> "FactoredMatrix":
-        """W_Q W_K^T per head, [layer, head, d_model, d_model], factored (`interp.FactoredMatrix`);
-        under GQA each query head with its kv head. Positions (rotary, ALiBi) are not included."""
-        from .factored import FactoredMatrix
-
-        return FactoredMatrix(self.W_Q, self._kv_to_heads(self.W_K).transpose(-2, -1))
-
-    @property
-    def OV(self) -> "FactoredMatrix":
-        """W_V W_O per head, [layer, head, d_model, d_model], factored (`interp.FactoredMatrix`)."""
-        from .factored import FactoredMatrix
-
-        return FactoredMatrix(self._kv_to_heads(self.W_V), self.W_O)
-
-    def tl_parameters(self) -> dict[str, Tensor]:
-        """The weights under TransformerLens's names and per-head shapes, as the bridge's
-        `tl_parameters()` (what `SVDInterpreter` and other TransformerLens tools read):
-        `blocks.L.attn.W_Q` [head, d_model, d_head], W_K / W_V expanded to one per query head under
-        GQA, absent biases as zeros, `blocks.L.ln1.w`, `unembed.W_U`, ... Views of the live
-        weights, not copies."""
-        out: dict[str, Tensor] = {"embed.W_E": self.W_E}
-        if self.pos_embed is not None:
-            out["pos_embed.W_pos"] = self.W_pos
-        expand = lambda w: self._kv_to_heads(w, dim=0)  # noqa: E731
-        for i, block in enumerate(self.blocks):
-            a, pre = block.attn, f"blocks.{i}."
-            out.update({
-                pre + "attn.W_Q": a.W_Q, pre + "attn.W_K": expand(a.W_K), pre + "attn.W_V": expand(a.W_V),
-                pre + "attn.W_O": a.W_O, pre + "attn.b_Q": a.b_Q, pre + "attn.b_K": expand(a.b_K),
-                pre + "attn.b_V": expand(a.b_V),
-                pre + "attn.b_O": self._or_zeros(a.b_O, self.cfg.d_model),
-            })
-            if block.mlp is not None:
-                m = block.mlp
-                out[pre + "mlp.W_in"], out[pre + "mlp.W_out"] = m.W_in, m.W_out
-                out[pre + "mlp.b_in"] = self._or_zeros(m.b_in, self.cfg.d_mlp)
-                out[pre + "mlp.b_out"] = self._or_zeros(m.b_out, self.cfg.d_model)
-                if getattr(m, "W_gate", None) is not None:
-                    out[pre + "mlp.W_gate"] = m.W_gate
-            for norm in ("ln1", "ln2"):
-                module = getattr(block, norm, None)
-                for k, v in (module.named_parameters() if module is not None else ()):
-                    out[f"{pre}{norm}.{k}"] = v
-        for k, v in (self.ln_final.named_parameters() if self.ln_final is not None else ()):
-            out[f"ln_final.{k}"] = v
-        out["unembed.W_U"], out["unembed.b_U"] = self.W_U, self.b_U
-        return out
-
-    def tl_named_parameters(self):
-        """`tl_parameters()` as (name, tensor) pairs, as the bridge's."""
-        return iter(self.tl_parameters().items())
-
-    def all_composition_scores(self, mode: str) -> Tensor:
-        """[layer, head, layer, head] Q-, K- or V-composition scores (`mode` "Q", "K", "V") of every
-        earlier head with every later one, zero where the first layer is not earlier, as
-        TransformerLens's. `interp.analyses.composition_scores` gives them as a table, with a
-        random baseline."""
-        from .factored import composition_scores
-
-        if mode not in ("Q", "K", "V"):
-            raise ValueError(f"mode must be 'Q', 'K' or 'V', got {mode!r}")
-        L, H = self.cfg.n_layers, self.cfg.n_heads
-        # Only pairs with an earlier first layer are computed (half the work of all pairs); float32 at
-        # least, as TransformerLens computes them in the weights' dtype.
-        dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
-        scores = torch.zeros(L, H, L, H, device=self.device, dtype=dtype)
-        with torch.no_grad():
-            left = self.OV
-            right = {"Q": self.QK, "K": self.QK.T, "V": left}[mode]
-            for la in range(L - 1):
-                scores[la, :, la + 1:] = composition_scores(left[la], right[la + 1:], dtype=dtype)
-        return scores
-
     @property
     def device(self) -> torch.device:
         return self.embed.W_E.device
@@ -334,18 +193,6 @@ class HookedTransformer(HookedRootModule):
         out = super()._apply(fn, *args, **kwargs)
         self._attach()
         return out
-
-    def accumulated_bias(self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True) -> Tensor:
-        """[d_model]: the attention (b_O) and MLP (b_out) output biases added to the residual stream
-        before block `layer` (with mlp_input, also block `layer`'s b_O). TransformerLens's signature."""
-        total = torch.zeros(self.cfg.d_model, device=self.device, dtype=self.dtype)
-        for i, block in enumerate(self.blocks[: layer + 1 if mlp_input else layer]):
-            if block.attn.b_O is not None:
-                total = total + block.attn.b_O
-            mlp = block.mlp
-            if include_mlp_biases and i < layer and mlp is not None and mlp.b_out is not None:
-                total = total + mlp.b_out
-        return total
 
     # ---- weight processing ----------------------------------------------------------------------
     def process_weights_(
@@ -675,168 +522,12 @@ class HookedTransformer(HookedRootModule):
 
         return generate(self, tokens, max_new_tokens, **kwargs)
 
-    # ---- tokenizer helpers --------------------------------------------------------------------
-    def _need_tokenizer(self):
-        if self.tokenizer is None:
-            raise ValueError(
-                "this model has no tokenizer; pass token ids, or attach one: model.tokenizer = tok "
-                "(any Hugging Face tokenizer, or interp.from_hf(model, tokenizer=tok))"
-            )
-        return self.tokenizer
-
-    def _bos_default(self) -> bool:
-        """`cfg.prepend_bos` if the config says; otherwise TransformerLens's rule: BOS when the tokenizer has one."""
-        if self.cfg.prepend_bos is not None:
-            return self.cfg.prepend_bos
-        return getattr(self.tokenizer, "bos_token_id", None) is not None
-
-    def _bos_id(self, prepend_bos: bool | None) -> int | None:
-        """The BOS id to put first (None: no BOS), for a call's `prepend_bos` (None: the model's default)."""
-        want = self.cfg.default_prepend_bos if prepend_bos is None else bool(prepend_bos)
-        if not want:
-            return None
-        bos = getattr(self._need_tokenizer(), "bos_token_id", None)
-        if bos is None:
-            where = "prepend_bos=True was passed" if prepend_bos else "this model's config sets prepend_bos=True"
-            raise ValueError(
-                f"{where}, but the tokenizer ({type(self.tokenizer).__name__}) has no BOS token: pass "
-                "prepend_bos=False, load the model with default_prepend_bos=False, or give the tokenizer a "
-                "bos_token"
-            )
-        return int(bos)
-
-    def _pad_id(self) -> int:
-        tok = self.tokenizer
-        for attr in ("pad_token_id", "eos_token_id", "bos_token_id"):  # TransformerLens pads with EOS when there is no pad
-            value = getattr(tok, attr, None)
-            if value is not None:
-                return int(value)
-        raise ValueError(
-            "these texts have different lengths and the tokenizer has no pad, EOS or BOS token to pad them with; "
-            "set tokenizer.pad_token_id, or tokenize them one at a time"
-        )
-
-    def _encode(self, text, prepend_bos: bool | None = None, padding_side: str | None = None,
-                truncate: bool = True) -> tuple[Tensor, Tensor]:
-        """Text -> (token ids [batch, pos], real-token mask [batch, pos]), BOS and padding as `to_tokens`."""
-        tok = self._need_tokenizer()
-        if isinstance(text, str):
-            texts = [text]
-        elif isinstance(text, (list, tuple)) and text and all(isinstance(t, str) for t in text):
-            texts = list(text)
-        else:
-            raise TypeError(f"text must be a string or a non-empty list of strings, got {_describe(text)}")
-        side = padding_side if padding_side is not None else getattr(tok, "padding_side", "right")
-        if side not in ("left", "right"):
-            raise ValueError(f"padding_side must be 'left' or 'right', got {side!r}")
-        bos = self._bos_id(prepend_bos)
-        ids = [list(tok.encode(t, add_special_tokens=False) if hasattr(tok, "encode") else tok(t)) for t in texts]
-        ids = [([bos] if bos is not None else []) + i for i in ids]
-        if truncate:  # as TransformerLens: at most n_ctx tokens
-            ids = [i[: self.cfg.n_ctx] for i in ids]
-        if not all(ids):
-            raise ValueError("a text tokenized to no tokens at all: give non-empty text (or prepend_bos=True)")
-        width = max(len(i) for i in ids)
-        pad = self._pad_id() if any(len(i) < width for i in ids) else 0
-        rows, valid = [], []
-        for i in ids:
-            fill = [pad] * (width - len(i))
-            rows.append(i + fill if side == "right" else fill + i)
-            real = [True] * len(i)
-            valid.append(real + [False] * len(fill) if side == "right" else [False] * len(fill) + real)
-        return (torch.tensor(rows, dtype=torch.long, device=self.device),
-                torch.tensor(valid, dtype=torch.bool, device=self.device))
-
-    def to_tokens(self, input: str | list[str], prepend_bos: bool | None = None, padding_side: str | None = None,
-                  move_to_device: bool = True, truncate: bool = True) -> Tensor:
-        """Text -> token ids [batch, pos], as TransformerLens's `to_tokens`.
-
-        prepend_bos   None: the model's default (`model.cfg.default_prepend_bos`: True when the tokenizer
-                      has a BOS token, unless the model's config or `interp.load(..., default_prepend_bos=)`
-                      says otherwise); True / False for this call.
-        padding_side  for texts of different lengths: "right" or "left" (default: the tokenizer's, else
-                      right). Padding is the tokenizer's pad id (its EOS when it has none). Passing the
-                      texts themselves to the model (`model(texts)`) builds the attention mask too.
-        truncate      keep at most n_ctx tokens."""
-        return self._encode(input, prepend_bos, padding_side, truncate)[0]
-
-    def to_text_mask(self, input: str | list[str], prepend_bos: bool | None = None,
-                     padding_side: str | None = None) -> Tensor:
-        """The attention mask [batch, pos] (1 for real tokens) of `to_tokens(input, ...)`: what
-        TransformerLens's `utils.get_attention_mask` gives, from the true lengths rather than pad ids."""
-        return self._encode(input, prepend_bos, padding_side)[1].long()
-
-    def to_string(self, tokens) -> str | list[str]:
-        tok = self._need_tokenizer()
-        t = torch.as_tensor(tokens)
-        if t.dim() <= 1:
-            return tok.decode(t.tolist())
-        return [tok.decode(row.tolist()) for row in t]
-
-    def to_str_tokens(self, input, prepend_bos: bool | None = None, padding_side: str | None = None):
-        """One string per token, as TransformerLens: text (BOS per `prepend_bos`, default the model's),
-        token ids [pos] / [1, pos], or a list of texts / a [batch, pos] tensor (a list per row).
-        Special tokens keep their names ("<bos>", "<|endoftext|>"): a position is never shown as ""."""
-        tok = self._need_tokenizer()
-        if isinstance(input, (list, tuple)) and input and all(isinstance(t, str) for t in input):
-            return [self.to_str_tokens(t, prepend_bos, padding_side) for t in input]
-        if isinstance(input, str):
-            ids = self.to_tokens(input, prepend_bos, padding_side)[0]
-        else:
-            ids = torch.as_tensor(input)
-            if ids.dim() == 2 and ids.shape[0] > 1:
-                return [self.to_str_tokens(row) for row in ids]
-            ids = ids.reshape(-1)
-        return [tok.decode([i], skip_special_tokens=False) for i in ids.tolist()]
-
-    def to_single_token(self, string: str) -> int:
-        """The id of the one token `string` encodes to (raises if it is not exactly one token)."""
-        ids = self.to_tokens(string, prepend_bos=False)[0]
-        if ids.numel() != 1:
-            raise ValueError(f"{string!r} is {ids.numel()} tokens, not one: {ids.tolist()}")
-        return int(ids.item())
-
-    def to_single_str_token(self, int_token: int) -> str:
-        """The string of one token id."""
-        if not isinstance(int_token, int):
-            raise TypeError(f"to_single_str_token takes one int token id, got {_describe(int_token)}")
-        return self.to_str_tokens(torch.tensor([int_token]))[0]
-
-    def get_token_position(self, single_token, input, mode: str = "first", prepend_bos: bool | None = None,
-                           padding_side: str | None = None) -> int:
-        """Where `single_token` (a one-token string or an id) occurs in `input` (a text, or ids [pos] /
-        [1, pos]): its first or last position (`mode`). Text gets BOS per `prepend_bos`, as in
-        TransformerLens."""
-        if mode not in ("first", "last"):
-            raise ValueError(f"mode must be 'first' or 'last', got {mode!r}")
-        ids = self.to_tokens(input, prepend_bos, padding_side) if isinstance(input, str) else torch.as_tensor(input)
-        if ids.dim() == 2:
-            if ids.shape[0] != 1:
-                raise ValueError(f"get_token_position takes one sequence, got a batch of {ids.shape[0]}")
-            ids = ids[0]
-        token = self.to_single_token(single_token) if isinstance(single_token, str) else int(single_token)
-        where = (ids == token).nonzero()[:, 0]
-        if where.numel() == 0:
-            raise ValueError(f"token {token} ({self.to_single_str_token(token) if self.tokenizer else token!r}) "
-                             "does not occur in the input")
-        return int(where[0] if mode == "first" else where[-1])
-
     def loss_fn(self, logits: Tensor, tokens: Tensor, attention_mask: Tensor | None = None,
                 per_token: bool = False) -> Tensor:
         """Next-token cross-entropy of `logits` on `tokens` (TransformerLens's `loss_fn`): the mean over
         positions whose token and next token are real (per `attention_mask`), or [batch, pos - 1]."""
         valid = None if attention_mask is None else attention_mask.to(logits.device).bool()
         return lm_loss(logits, torch.as_tensor(tokens), valid, per_token=per_token)
-
-    def tokens_to_residual_directions(self, tokens) -> Tensor:
-        """The unembedding directions W_U[:, token]: [*tokens.shape, d_model], or [d_model] for a single
-        token (a str, an int or any one-element tensor, as TransformerLens does)."""
-        if isinstance(tokens, str):
-            tokens = self.to_single_token(tokens)
-        t = torch.as_tensor(tokens, device=self.device)
-        if t.numel() == 1:
-            return self.W_U[:, int(t.item())]
-        return self.W_U[:, t].movedim(0, -1)
 
     # ---- saving -------------------------------------------------------------------------------
     def save(self, path) -> None:
@@ -853,14 +544,6 @@ class HookedTransformer(HookedRootModule):
             f"{'attn-only' if c.attn_only else f'd_mlp={c.d_mlp}'}, {c.positional} positions, "
             f"{c.n_params() / 1e6:.2f}M params, attention={self._backend})"
         )
-
-
-def _is_text(x) -> bool:
-    return isinstance(x, str) or (isinstance(x, (list, tuple)) and len(x) > 0 and isinstance(x[0], str))
-
-
-def _describe(x) -> str:
-    return f"{type(x).__name__} {x!r}"[:80]
 
 
 def _grad_hook(store: dict, device):

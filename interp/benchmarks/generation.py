@@ -74,6 +74,6 @@ def section(opts: Options) -> Section:
         notes=[] if all(r[10] == "yes" for r in rows) else [
             "TL same tokens below 100%: the bridge's cached decoding leaves its own uncached forward after "
             "the first new token (TransformerLens 4.x on transformers 5.x; with `use_past_kv_cache=False` it "
-            "gives our tokens, see tests/test_tl_interop.py), so its time is that of a wrong continuation."],
+            "gives our tokens, see tests/test_tl_conventions.py), so its time is that of a wrong continuation."],
         headline=["generation, time / ours (above 1: ours faster): " + "; ".join(heads)],
     )

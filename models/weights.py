@@ -1,0 +1,161 @@
+"""TransformerLens's weight views of the model: stacked per-layer weights and biases under its names
+(`W_Q`, `b_O`, `W_in`, `W_U`, ...), the factored QK / OV circuits, composition scores and the
+`tl_parameters()` dictionary its tools read. A mixin of `HookedTransformer`."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .factored import FactoredMatrix, composition_scores
+
+
+class WeightViews:
+    # ---- weights, TransformerLens names -------------------------------------------------------
+    @property
+    def W_E(self) -> Tensor:
+        return self.embed.W_E
+
+    @property
+    def W_U(self) -> Tensor:
+        return self.unembed.W_U
+
+    @property
+    def W_pos(self) -> Tensor:
+        if self.pos_embed is None:
+            raise AttributeError(f"this model has {self.cfg.positional!r} positions, so no W_pos")
+        return self.pos_embed.W_pos
+
+    def _stack(self, attr: str) -> Tensor:
+        return torch.stack([getattr(b.attn, attr) for b in self.blocks])
+
+    W_Q = property(lambda self: self._stack("W_Q"), doc="[layer, head, d_model, d_head]")
+    W_K = property(lambda self: self._stack("W_K"), doc="[layer, kv_head, d_model, d_head]")
+    W_V = property(lambda self: self._stack("W_V"), doc="[layer, kv_head, d_model, d_head]")
+    W_O = property(lambda self: self._stack("W_O"), doc="[layer, head, d_head, d_model]")
+    b_Q = property(lambda self: self._stack("b_Q"), doc="[layer, head, d_head] (zeros without biases)")
+    b_K = property(lambda self: self._stack("b_K"), doc="[layer, kv_head, d_head] (zeros without biases)")
+    b_V = property(lambda self: self._stack("b_V"), doc="[layer, kv_head, d_head] (zeros without biases)")
+
+    def _or_zeros(self, bias: Tensor | None, size: int) -> Tensor:
+        """A bias the checkpoint lacks reads as zeros (as in TransformerLens's HookedTransformer)."""
+        return bias if bias is not None else self.W_E.new_zeros(size)
+
+    @property
+    def b_O(self) -> Tensor:
+        """[layer, d_model] (zeros without biases)."""
+        return torch.stack([self._or_zeros(b.attn.b_O, self.cfg.d_model) for b in self.blocks])
+
+    def _stack_mlp(self, attr: str, size: int | None = None) -> Tensor:
+        if self.cfg.attn_only:
+            raise AttributeError(f"{attr}: this model is attention-only, it has no MLPs")
+        if attr == "W_gate" and not hasattr(self.blocks[0].mlp, "W_gate"):
+            raise AttributeError("W_gate: this model's MLPs are not gated")
+        out = []
+        for b in self.blocks:
+            w = getattr(b.mlp, attr, None)
+            out.append(self._or_zeros(w, size))
+        return torch.stack(out)
+
+    W_in = property(lambda self: self._stack_mlp("W_in"), doc="[layer, d_model, d_mlp]")
+    W_gate = property(lambda self: self._stack_mlp("W_gate"), doc="[layer, d_model, d_mlp] (gated MLPs)")
+    W_out = property(lambda self: self._stack_mlp("W_out"), doc="[layer, d_mlp, d_model]")
+    b_in = property(lambda self: self._stack_mlp("b_in", self.cfg.d_mlp), doc="[layer, d_mlp] (zeros without biases)")
+    b_out = property(lambda self: self._stack_mlp("b_out", self.cfg.d_model), doc="[layer, d_model] (zeros without biases)")
+
+    @property
+    def b_U(self) -> Tensor:
+        """[d_vocab] (zeros without an unembedding bias)."""
+        b = self.unembed.b_U
+        return self._or_zeros(b, self.cfg.d_vocab)
+
+    @property
+    def W_E_pos(self) -> Tensor:
+        """[d_vocab + n_ctx, d_model]: W_E stacked on W_pos, the whole input space of a model with
+        learned positions."""
+        return torch.cat([self.W_E, self.W_pos], dim=0)
+
+    def _kv_to_heads(self, w: Tensor, dim: int = 1) -> Tensor:
+        """kv heads -> query heads along `dim` ([layer, kv_head, ...] by default): query head h reads
+        kv head h // (n_heads / n_kv_heads)."""
+        return w.repeat_interleave(self.cfg.n_heads // self.cfg.kv_heads, dim=dim)
+
+    @property
+    def QK(self) -> "FactoredMatrix":
+        """W_Q W_K^T per head, [layer, head, d_model, d_model], factored (`interp.FactoredMatrix`);
+        under GQA each query head with its kv head. Positions (rotary, ALiBi) are not included."""
+        return FactoredMatrix(self.W_Q, self._kv_to_heads(self.W_K).transpose(-2, -1))
+
+    @property
+    def OV(self) -> "FactoredMatrix":
+        """W_V W_O per head, [layer, head, d_model, d_model], factored (`interp.FactoredMatrix`)."""
+        return FactoredMatrix(self._kv_to_heads(self.W_V), self.W_O)
+
+    def tl_parameters(self) -> dict[str, Tensor]:
+        """The weights under TransformerLens's names and per-head shapes, as the bridge's
+        `tl_parameters()` (what `SVDInterpreter` and other TransformerLens tools read):
+        `blocks.L.attn.W_Q` [head, d_model, d_head], W_K / W_V expanded to one per query head under
+        GQA, absent biases as zeros, `blocks.L.ln1.w`, `unembed.W_U`, ... Views of the live
+        weights, not copies."""
+        out: dict[str, Tensor] = {"embed.W_E": self.W_E}
+        if self.pos_embed is not None:
+            out["pos_embed.W_pos"] = self.W_pos
+        expand = lambda w: self._kv_to_heads(w, dim=0)  # noqa: E731
+        for i, block in enumerate(self.blocks):
+            a, pre = block.attn, f"blocks.{i}."
+            out.update({
+                pre + "attn.W_Q": a.W_Q, pre + "attn.W_K": expand(a.W_K), pre + "attn.W_V": expand(a.W_V),
+                pre + "attn.W_O": a.W_O, pre + "attn.b_Q": a.b_Q, pre + "attn.b_K": expand(a.b_K),
+                pre + "attn.b_V": expand(a.b_V),
+                pre + "attn.b_O": self._or_zeros(a.b_O, self.cfg.d_model),
+            })
+            if block.mlp is not None:
+                m = block.mlp
+                out[pre + "mlp.W_in"], out[pre + "mlp.W_out"] = m.W_in, m.W_out
+                out[pre + "mlp.b_in"] = self._or_zeros(m.b_in, self.cfg.d_mlp)
+                out[pre + "mlp.b_out"] = self._or_zeros(m.b_out, self.cfg.d_model)
+                if getattr(m, "W_gate", None) is not None:
+                    out[pre + "mlp.W_gate"] = m.W_gate
+            for norm in ("ln1", "ln2"):
+                module = getattr(block, norm, None)
+                for k, v in (module.named_parameters() if module is not None else ()):
+                    out[f"{pre}{norm}.{k}"] = v
+        for k, v in (self.ln_final.named_parameters() if self.ln_final is not None else ()):
+            out[f"ln_final.{k}"] = v
+        out["unembed.W_U"], out["unembed.b_U"] = self.W_U, self.b_U
+        return out
+
+    def tl_named_parameters(self):
+        """`tl_parameters()` as (name, tensor) pairs, as the bridge's."""
+        return iter(self.tl_parameters().items())
+
+    def all_composition_scores(self, mode: str) -> Tensor:
+        """[layer, head, layer, head] Q-, K- or V-composition scores (`mode` "Q", "K", "V") of every
+        earlier head with every later one, zero where the first layer is not earlier, as
+        TransformerLens's. `interp.analyses.composition_scores` gives them as a table, with a
+        random baseline."""
+        if mode not in ("Q", "K", "V"):
+            raise ValueError(f"mode must be 'Q', 'K' or 'V', got {mode!r}")
+        L, H = self.cfg.n_layers, self.cfg.n_heads
+        # Only pairs with an earlier first layer are computed (half the work of all pairs); float32 at
+        # least, as TransformerLens computes them in the weights' dtype.
+        dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        scores = torch.zeros(L, H, L, H, device=self.device, dtype=dtype)
+        with torch.no_grad():
+            left = self.OV
+            right = {"Q": self.QK, "K": self.QK.T, "V": left}[mode]
+            for la in range(L - 1):
+                scores[la, :, la + 1:] = composition_scores(left[la], right[la + 1:], dtype=dtype)
+        return scores
+
+    def accumulated_bias(self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True) -> Tensor:
+        """[d_model]: the attention (b_O) and MLP (b_out) output biases added to the residual stream
+        before block `layer` (with mlp_input, also block `layer`'s b_O). TransformerLens's signature."""
+        total = torch.zeros(self.cfg.d_model, device=self.device, dtype=self.dtype)
+        for i, block in enumerate(self.blocks[: layer + 1 if mlp_input else layer]):
+            if block.attn.b_O is not None:
+                total = total + block.attn.b_O
+            mlp = block.mlp
+            if include_mlp_biases and i < layer and mlp is not None and mlp.b_out is not None:
+                total = total + mlp.b_out
+        return total
