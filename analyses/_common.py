@@ -19,13 +19,14 @@ HeadList = Sequence[tuple[int, int]]
 def token_batch(model, tokens) -> Tensor:
     """Token ids as an int tensor [batch, pos] on the model's device. Text (a string or a list of
     strings of one length) goes through the model's tokenizer with BOS per `model.cfg.default_prepend_bos`."""
-    return model._as_tokens(tokens)
+    return model.prepare(tokens, padding=False).tokens
 
 
 def token_input(model, tokens, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(token ids [batch, pos], attention mask) for analyzers that take a mask: texts of different
     lengths are padded on the right (positions are scored by index) and masked."""
-    return model._input_tokens(tokens, attention_mask, padding_side="right")  # ids ignore the padding side
+    batch = model.prepare(tokens, attention_mask, padding_side="right")  # ids ignore the padding side
+    return batch.tokens, batch.attention_mask
 
 
 def valid_mask(tokens: Tensor, attention_mask: Tensor | None, *, right_padded_only: bool = False) -> Tensor:

@@ -1,6 +1,12 @@
 """A report as data: `Section`s of blocks (a paragraph, a table, an image), rendered to a
 self-contained HTML page (PNGs inlined as base64, no external assets, opens offline) and to
 Markdown (PNGs written to `figures/`). Sweep reports and the model atlas are both built of these.
+
+Names come from strangers (run and checkpoint folders, token strings), so none of them is ever read
+as markup: HTML escapes everything, JSON inlined in a page escapes `<`, `>` and `&` (`inline_json`),
+a paragraph is Markdown whose names are escaped where they are put in (`md_escape`; the HTML page
+shows the same text without the escapes), and every table cell is escaped. A number that is not
+finite is never printed: its cell is left empty.
 """
 
 from __future__ import annotations
@@ -8,6 +14,9 @@ from __future__ import annotations
 import base64
 import html
 import io
+import json
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +63,30 @@ def png(fig, name: str, caption: str = "") -> Image | None:
     return Image(name, buf.getvalue(), caption)
 
 
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]<>&|~#!])")
+_MD_ESCAPED = re.compile(r"\\([!-/:-@\[-`{-~])")  # CommonMark's backslash escapes: ASCII punctuation
+
+
+def md_escape(text) -> str:
+    """`text` (a name: a run, a checkpoint, a title) as literal Markdown on one line: characters Markdown
+    or HTML would read as syntax (emphasis, code, links, tables, tags, entities) are backslash-escaped."""
+    return _MD_SPECIAL.sub(r"\\\1", " ".join(str(text).splitlines()))
+
+
+def inline_json(value) -> str:
+    """`value` as JSON safe inside an HTML <script> element: `<`, `>` and `&` (which JSON only has inside
+    strings) become `\\u003c`, `\\u003e`, `\\u0026`, so no data can close the script (`</script>`), open a
+    comment (`<!--`) or a nested script; JSON.parse reads the same value back."""
+    return json.dumps(value).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def number(x, spec: str = ".4g") -> str:
+    """`x` formatted, or "" where it is missing or not finite (a table never shows nan or inf)."""
+    if x is None or x is pd.NA or (isinstance(x, float) and not math.isfinite(x)):
+        return ""
+    return format(x, spec)
+
+
 def head_name(layer, head) -> str:
     """`L{layer}H{head}`, the way heads are named in every table and sentence."""
     return f"L{int(layer)}H{int(head)}"
@@ -71,14 +104,23 @@ def _html_block(b) -> str:
     if isinstance(b, Html):
         return b.html
     if isinstance(b, pd.DataFrame):
-        return b.to_html(index=False, border=0, na_rep="", float_format=lambda x: f"{x:.4g}")
+        return b.to_html(index=False, border=0, na_rep="", float_format=number)
     if isinstance(b, Image):
         data = base64.b64encode(b.png).decode()
         img = f'<img alt="{html.escape(b.caption or b.name)}" src="data:image/png;base64,{data}">'
         return f"<figure>{img}<figcaption>{html.escape(b.caption)}</figcaption></figure>" if b.caption else img
     if b.startswith("```"):
-        return f"<pre>{html.escape(b.strip('`').strip())}</pre>"
-    return f"<p>{html.escape(b)}</p>"
+        return f"<pre>{html.escape(_code(b))}</pre>"
+    return f"<p>{html.escape(_MD_ESCAPED.sub(_unescape, b))}</p>"
+
+
+def _unescape(m: re.Match) -> str:
+    return m.group(1)
+
+
+def _code(block: str) -> str:
+    """The text of a ``` fenced paragraph."""
+    return block.strip("`").strip()
 
 
 def render_html(title: str, sections: list[Section]) -> str:
@@ -91,41 +133,46 @@ def render_html(title: str, sections: list[Section]) -> str:
 
 def md_table(frame: pd.DataFrame) -> str:
     def cell(v) -> str:
-        if v is None or (isinstance(v, float) and np.isnan(v)) or v is pd.NA:
-            return ""
-        return f"{v:.4g}" if isinstance(v, float) else str(v).replace("|", "\\|").replace("\n", " ")
+        if v is None or v is pd.NA or isinstance(v, (float, np.floating)):
+            return number(None if v is None or v is pd.NA else float(v))
+        return md_escape(v)
 
-    head = "| " + " | ".join(map(str, frame.columns)) + " |\n|" + "---|" * len(frame.columns) + "\n"
+    head = "| " + " | ".join(map(md_escape, frame.columns)) + " |\n|" + "---|" * len(frame.columns) + "\n"
     return head + "".join("| " + " | ".join(cell(v) for v in row) + " |\n" for row in frame.itertuples(index=False))
 
 
 def render_markdown(title: str, sections: list[Section]) -> str:
-    parts = [f"# {title}\n"]
+    parts = [f"# {md_escape(title)}\n"]
     for s in sections:
         parts.append(f"\n## {s.title}\n")
         for b in s.blocks:
             if isinstance(b, pd.DataFrame):
                 parts.append("\n" + md_table(b))
             elif isinstance(b, Image):
-                parts.append(f"\n![{b.caption or b.name}](figures/{b.name})\n")
+                parts.append(f"\n![{md_escape(b.caption or b.name)}](figures/{b.name})\n")
             elif isinstance(b, Html):
                 parts.append(f"\n{b.markdown}\n")
+            elif b.startswith("```"):  # a fence longer than any run of backticks inside: data cannot close it
+                text = _code(b)
+                fence = "`" * max(3, 1 + max((len(r) for r in re.findall("`+", text)), default=0))
+                parts.append(f"\n{fence}\n{text}\n{fence}\n")
             else:
                 parts.append(f"\n{b}\n")
     return "".join(parts)
 
 
-def write_document(out, title: str, sections: list[Section]) -> Path:
-    """Write `out/report.html`, `out/report.md` and `out/figures/*.png`; return the HTML path."""
-    from .store import atomic_write_text
+def write_document(out, title: str, sections: list[Section], folder=None) -> Path:
+    """Write `out/report.html`, `out/report.md` and `out/figures/*.png`; return the HTML path. With
+    `folder` (the `store.OutputFolder` of `out`), every file is claimed there before it is written."""
+    from .store import atomic_write_bytes, atomic_write_text
 
     out = Path(out)
-    figures = out / "figures"
-    figures.mkdir(parents=True, exist_ok=True)
-    for s in sections:
-        for b in s.blocks:
-            if isinstance(b, Image):
-                (figures / b.name).write_bytes(b.png)
+    images = [b for s in sections for b in s.blocks if isinstance(b, Image)]
+    if folder is not None:
+        folder.claim("figures/", *(f"figures/{b.name}" for b in images), "report.html", "report.md")
+    (out / "figures").mkdir(parents=True, exist_ok=True)
+    for b in images:
+        atomic_write_bytes(out / "figures" / b.name, b.png)
     atomic_write_text(out / "report.html", render_html(title, sections))
     atomic_write_text(out / "report.md", render_markdown(title, sections))
     return out / "report.html"

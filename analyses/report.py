@@ -14,6 +14,10 @@ report is titled "head atlas". With several runs, per-run sections repeat per ru
 Phase change (`phase_change`): over consecutive checkpoints, the step interval where the maximum
 induction score (Olsson et al.'s, on repeated random tokens) of heads outside layer 0 rises fastest
 per training step (layer 0 cannot form an induction head with a previous-token head below it).
+
+Only finite numbers reach a table, figure or sentence: a sweep never stores NaN or inf, and results
+written before that rule (`load_results`, `ResultStore.errors`) are left out and listed as errors.
+Run and checkpoint names are escaped where they enter Markdown (`md_escape`).
 """
 
 from __future__ import annotations
@@ -26,9 +30,9 @@ import numpy as np
 import pandas as pd
 
 from . import plots
-from .document import Section, head_name, write_document
+from .document import Section, head_name, md_escape, write_document
 from .registry import ANALYSES, RunView, metrics
-from .store import ResultStore, load_results
+from .store import ResultStore, _slug, load_results
 
 _FIXED_HEAD = (("summary", "Summary"), ("errors", "Errors and skipped checkpoints"))
 _ACROSS = (("heatmaps", "Head scores at the last checkpoint"), ("small-multiples", "Induction heads across checkpoints"),
@@ -40,7 +44,8 @@ SECTION_IDS = tuple([i for i, _ in _FIXED_HEAD + _ACROSS] + [a.section.id for a 
 # ---- numbers the report derives ----------------------------------------------------------------
 def phase_change(table: pd.DataFrame) -> dict | None:
     """The steepest rise of the max induction score outside layer 0 between consecutive checkpoints."""
-    ind = table[(table["metric"] == "induction_score") & table["layer"].notna() & table["step"].notna()]
+    ind = table[(table["metric"] == "induction_score") & table["layer"].notna() & table["step"].notna()
+                & np.isfinite(table["value"].to_numpy(dtype=float, na_value=np.nan))]
     if ind.empty:
         return None
     later = ind[ind["layer"] >= 1] if int(ind["layer"].max()) >= 1 else ind
@@ -69,12 +74,15 @@ def _last(table: pd.DataFrame) -> pd.DataFrame:
     return order[order["_k"] == order.groupby("metric")["_k"].transform("max")].drop(columns="_k")
 
 
-def _top_head(last: pd.DataFrame, metric: str) -> str | None:
+def _top_head(last: pd.DataFrame, metric: str, final_step=None) -> str | None:
+    """The best head of `metric` and its score; "at step N" when that is not the run's last step (the
+    metric failed at the later checkpoints)."""
     m = last[(last["metric"] == metric) & last["layer"].notna()]
     if m.empty:
         return None
     r = m.loc[m["value"].idxmax()]
-    return f"{head_name(r['layer'], r['head'])} ({r['value']:.3f})"
+    earlier = pd.notna(r["step"]) and pd.notna(final_step) and r["step"] != final_step
+    return f"{head_name(r['layer'], r['head'])} ({r['value']:.3f})" + (f" at step {int(r['step'])}" if earlier else "")
 
 
 def _ranked(last: pd.DataFrame, names: list[str], top: int = 10) -> pd.DataFrame | None:
@@ -97,7 +105,7 @@ def _view(table: pd.DataFrame, run: str, several: bool, settings: dict, log_step
         latest[e["analysis"]] = e["extra"]  # the last checkpoint's wins
     last = _last(t)
     step = last["step"].dropna() if len(last) else pd.Series(dtype=float)
-    return RunView(run, t, last, settings, f"{run}: " if several else "", run.replace("/", "_"),
+    return RunView(run, t, last, settings, f"{md_escape(run)}: " if several else "", _slug(run),
                    f"step {int(step.max())}" if len(step) else "the last checkpoint", log_steps, latest)
 
 
@@ -144,9 +152,9 @@ def _summary(settings, table, errors, timing, store, views: list[RunView]) -> Se
                          "steps": f"{int(steps.min())}..{int(steps.max())}" if len(steps) else ""})
     wall = sum(i["seconds"] for i in timing.get("invocations", []))
     compute = store.seconds()
-    skipped = sorted({f"{e['run']}/{e['checkpoint']}" for e in errors if e["analysis"] == "load"})
+    skipped = sorted({md_escape(f"{e['run']}/{e['checkpoint']}") for e in errors if e["analysis"] == "load"})
     expensive = [a for a in settings.get("analyses", []) if a in ANALYSES and ANALYSES[a].expensive]
-    s.add(f"Analyses: {', '.join(settings.get('analyses', []))}. Data: {settings.get('data_description', '')}."
+    s.add(f"Analyses: {', '.join(settings.get('analyses', []))}. Data: {md_escape(settings.get('data_description', ''))}."
           + (f" {', '.join(expensive).capitalize()} ran on "
              f"{'every checkpoint' if settings.get('expensive_on') == 'all' else 'the last checkpoint of each run'}."
              if expensive else ""),
@@ -157,7 +165,7 @@ def _summary(settings, table, errors, timing, store, views: list[RunView]) -> Se
     if not compute.empty:
         s.add(compute.groupby("analysis", as_index=False)
               .agg(tasks=("seconds", "size"), seconds=("seconds", "sum"), per_task=("seconds", "mean")).round(2))
-    for line in _headlines(views):
+    for line in _headlines(views, markdown=True):
         s.add(line)
     missing = [a for a in ANALYSES if a not in settings.get("analyses", []) and ANALYSES[a].section]
     if missing:
@@ -167,12 +175,14 @@ def _summary(settings, table, errors, timing, store, views: list[RunView]) -> Se
     return s
 
 
-def _headlines(views: list[RunView]) -> list[str]:
-    """One sentence per run with its headline facts (best heads, ICL score, phase change)."""
+def _headlines(views: list[RunView], markdown: bool = False) -> list[str]:
+    """One sentence per run with its headline facts (best heads, ICL score, phase change); plain text,
+    or a Markdown paragraph (the run's name escaped)."""
     headline = [m.name for m in metrics(lambda m: m.headline)]
     lines = []
     for v in views:
-        facts = [f"{m} {h}" for m in headline if (h := _top_head(v.last, m))]
+        final = v.table["step"].max() if len(v.table) else None
+        facts = [f"{m} {h}" for m in headline if (h := _top_head(v.last, m, final))]
         icl = _per_model(v.table, "icl_score")
         if not icl.empty:
             where = {m: _per_model(v.table, f"icl_{m}_position")["value"] for m in ("early", "late")}
@@ -186,7 +196,8 @@ def _headlines(views: list[RunView]) -> list[str]:
                          f"(max induction score {phase['score_before']:.2f} -> {phase['score_after']:.2f}, "
                          f"{phase['score_final']:.2f} at the end)")
         if facts:
-            lines.append(f"{v.run}: best heads at the last checkpoint: " + "; ".join(facts) + ".")
+            name = md_escape(v.run) if markdown else v.run
+            lines.append(f"{name}: best heads at the last checkpoint: " + "; ".join(facts) + ".")
     return lines
 
 
@@ -247,6 +258,9 @@ def _across_checkpoints(sec: dict, v: RunView, analyses: list) -> None:
 
 def write_report(out, title: str | None = None, log_steps: bool = False) -> Path:
     """Write `out/report.html`, `out/report.md` and `out/figures/*.png`; return the HTML path.
-    `log_steps`: training-step axes on a symmetric-log scale (default linear)."""
+    `log_steps`: training-step axes on a symmetric-log scale (default linear). The files are claimed
+    in the folder's manifest first, under its lock (a sweep still writing there is refused)."""
     default_title, sections = build_sections(out, log_steps)
-    return write_document(out, title or default_title, sections)
+    store = ResultStore(out)
+    with store.writing():
+        return write_document(out, title or default_title, sections, folder=store.folder)

@@ -6,22 +6,39 @@
     DIR/results.parquet, results.csv              every part, one tidy table
     DIR/errors.json                               every error file, one list
     DIR/timing.json                               wall time of each sweep invocation
+    DIR/.interp-manifest.json                     every path interp wrote here (`OutputFolder`)
+    DIR/.interp-lock                              held (flock) by the one process writing here
 
 Every file is written to a temporary name and moved into place with `os.replace`, so a sweep
 killed at any moment leaves each file either absent or whole: a part that exists is finished and
 is never recomputed; an error is retried by the next sweep (the file may have been repaired).
+
+Researchers point --out at folders they care about, so interp writes only paths it created and
+removes nothing else (`OutputFolder`), and a part holds finite numbers only: NaN or inf is an
+error of that (checkpoint, analysis), never a result (`NonFiniteResult`).
 """
 
 from __future__ import annotations
 
+import glob
 import json
+import math
 import os
 import re
 import zlib
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
+import numpy as np
 import pandas as pd
+
+from interp.models.errors import UserError
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock (two sweeps into one folder are then the user's to avoid)
+    fcntl = None
 
 COLUMNS = ("run", "checkpoint", "step", "analysis", "layer", "head", "metric", "value")
 DTYPES = {
@@ -30,13 +47,264 @@ DTYPES = {
 }
 ROW_FIELDS = ("layer", "head", "metric", "value")  # what an analysis produces; the rest is the task's key
 LOAD = "load"  # the analysis name an error carries when the checkpoint itself could not be loaded
+MANIFEST = ".interp-manifest.json"
+LOCK = ".interp-lock"
+SWEEP_FILES = ("settings.json", "results.parquet", "results.csv", "errors.json", "timing.json", "report.html",
+               "report.md")
+# The keys every settings.json interp has written holds: how a sweep folder from before manifests is recognised.
+SETTINGS_KEYS = frozenset({"analyses", "data", "expensive_on", "params", "runs"})
+
+
+class OutputError(UserError, ValueError):
+    """The output folder cannot be used as asked (a file, not writable, someone else's, in use by another
+    sweep, or holding a damaged file). The message is one line: what is wrong and what to do."""
+
+
+class NonFiniteResult(ValueError):
+    """An analysis produced NaN or inf. That is an error of the (checkpoint, analysis), never a result:
+    a NaN would sort last in a ranking, vanish from a max and print as a headline."""
 
 
 def atomic_write_text(path: Path, text: str) -> None:
+    _atomic_write(path, text.encode())
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    _atomic_write(path, data)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
+    tmp = _tmp_name(path)
+    tmp.write_bytes(data)
     os.replace(tmp, path)
+
+
+def _tmp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def read_json_file(path: Path, what: str = "a JSON file", fix: str = "delete it and rerun"):
+    """The JSON in `path`; a damaged file is one line naming it (never a bare JSONDecodeError)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise OutputError(f"{path} is not {what} ({e}): it was changed outside interp; {fix}") from None
+
+
+def nonfinite_rows(rows: pd.DataFrame) -> list[str]:
+    """`L{layer}H{head} metric=value` (`L{layer} ...` per layer, `metric=...` per model) for each row of
+    long rows whose value is NaN or infinite."""
+    values = pd.to_numeric(pd.Series(rows["value"], dtype=object), errors="coerce").astype(float).to_numpy()
+    bad = rows[~np.isfinite(values)]
+    return [f"{_row_name(r.layer, r.head)}{r.metric}={v}" for r, v in zip(bad.itertuples(), values[~np.isfinite(values)])]
+
+
+def _row_name(layer, head) -> str:
+    if layer is None or pd.isna(layer):
+        return ""
+    return f"L{int(layer)}H{int(head)} " if head is not None and not pd.isna(head) else f"L{int(layer)} "
+
+
+def nonfinite_message(analysis: str, where: str, bad: list[str], n_rows: int) -> str:
+    shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+    return (f"{analysis} at {where} gave {len(bad)} non-finite value(s) of {n_rows}: {shown}; none of its rows were "
+            "kept (NaN or inf is not a result: check the checkpoint's weights for NaN/inf)")
+
+
+# ---- the output folder ---------------------------------------------------------------------------
+_HELD: dict[str, list] = {}  # realpath -> [lock fd, depth]: a process re-enters its own lock (a sweep writes its report)
+
+
+class OutputFolder:
+    """A folder interp writes into, and the record of what it wrote there (`.interp-manifest.json`).
+
+    A path is written only if interp created it: it is claimed (listed in the manifest, written
+    atomically) *before* it is first written, and a path that exists unclaimed is refused; `discard`
+    (--force) removes claimed paths only, and a claimed folder only once it is empty. So a listed path
+    that is absent was never written, and a user's file is never deleted or overwritten. A non-empty
+    folder without a manifest is someone else's and is refused outright (no --force overrides that),
+    except a sweep folder from before manifests existed (`_legacy`), whose files of interp's layout
+    are adopted. One process writes at a time: `writing()` holds `flock` on `.interp-lock`, which the
+    OS releases when the process dies, so a killed sweep never leaves the folder locked.
+    """
+
+    def __init__(self, path) -> None:
+        self.path = Path(path)
+        self.manifest = self.path / MANIFEST
+        self._read: tuple[tuple, frozenset] | None = None  # (the manifest's stat, its paths): read once per change
+
+    # ---- is it ours? ---------------------------------------------------------------------------
+    def check(self) -> None:
+        """Refuse, writing nothing, a folder interp must not or cannot write into."""
+        p = self.path
+        if p.exists() and not p.is_dir():
+            raise OutputError(f"--out {p} is a file, not a folder: give a folder path (a new one is created)")
+        if p.is_dir():
+            if not self.manifest.exists() and not self._legacy():
+                others = sorted(n for n in os.listdir(p) if n not in (MANIFEST, LOCK))
+                if others:
+                    shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+                    raise OutputError(f"{p} already holds files interp did not write ({shown}): pick another --out "
+                                      "folder, a new or empty one (--force never discards files interp did not write)")
+            writable = p
+        else:
+            writable = next(a for a in p.absolute().parents if a.exists())
+            if not writable.is_dir():
+                raise OutputError(f"--out {p}: {writable} is a file, not a folder")
+        if not os.access(writable, os.W_OK | os.X_OK):
+            raise OutputError(f"cannot write to {writable} (permission denied): choose a folder you can write to")
+
+    def _legacy(self) -> dict | None:
+        """The settings of a sweep folder written before manifests existed: its settings.json is a JSON
+        object with the keys every interp settings.json has (a user's own settings.json does not). Such a
+        folder is still resumable; only the files that interp's layout names are adopted (`_adopted`)."""
+        f = self.path / "settings.json"
+        if not f.is_file():
+            return None
+        settings = read_json_file(f, "interp's settings.json", f"pick another --out folder ({self.path} has no record "
+                                  "of what interp wrote there)")
+        return settings if isinstance(settings, dict) and SETTINGS_KEYS <= settings.keys() else None
+
+    def _adopted(self) -> set[str]:
+        """What a pre-manifest sweep folder holds of interp's own layout: the fixed files, the part files
+        and their folders, and the report's figures (named after the settings' runs)."""
+        p, settings = self.path, self._legacy() or {}
+        paths = {name for name in SWEEP_FILES if (p / name).is_file()}
+        for part in p.glob("parts/*/*/*.json"):
+            rel = part.relative_to(p).as_posix()
+            paths.update([rel, *_parents(rel)])
+        runs = list(settings.get("runs", {}))
+        prefixes = tuple({f"{r.replace('/', '_')}_" for r in runs} | {f"{_slug(r)}_" for r in runs})
+        for fig in p.glob("figures/*.png"):
+            if prefixes and fig.name.startswith(prefixes):
+                paths.update([f"figures/{fig.name}", "figures/"])
+        return paths
+
+    # ---- writing -------------------------------------------------------------------------------
+    @contextmanager
+    def writing(self) -> Iterator["OutputFolder"]:
+        """Check the folder, create it, hold its lock, and start (or adopt) its manifest."""
+        self.check()
+        with self.lock():
+            if not self.manifest.exists():
+                self._save(self._adopted() if self._legacy() else set())
+            yield self
+
+    @contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold `.interp-lock` (flock, released by the OS when the process dies); refuse when another
+        process holds it. Re-entrant within one process."""
+        key = os.path.realpath(self.path)
+        if key not in _HELD:
+            _HELD[key] = [self._acquire(), 0]
+        _HELD[key][1] += 1
+        try:
+            yield
+        finally:
+            _HELD[key][1] -= 1
+            if _HELD[key][1] == 0:
+                fd = _HELD.pop(key)[0]
+                if fd is not None:
+                    os.close(fd)  # releases the flock
+
+    def _acquire(self) -> int | None:
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise OutputError(f"cannot write to {self.path}: {e.strerror}: choose a folder you can write to") from None
+        if fcntl is None:
+            return fd
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise OutputError(f"another sweep (pid {pid}) is writing to {self.path}: wait for it to finish, "
+                              "or use another --out folder") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        return fd
+
+    def paths(self) -> set[str]:
+        """Every path listed as interp's (folders end in "/"). The file is the truth (another `OutputFolder`
+        of this folder in this process may have written it); it is parsed again only when it changed."""
+        try:
+            st = self.manifest.stat()
+        except FileNotFoundError:
+            return set()
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if self._read is None or self._read[0] != key:
+            record = read_json_file(self.manifest, "interp's manifest", "pick another --out folder")
+            if not isinstance(record, dict) or not isinstance(record.get("paths"), list):
+                raise OutputError(f"{self.manifest} is not interp's manifest: pick another --out folder")
+            self._read = (key, frozenset(record["paths"]))
+        return set(self._read[1])
+
+    def _save(self, paths: set[str]) -> None:
+        atomic_write_text(self.manifest, json.dumps({"written_by": "interp", "paths": sorted(paths)}, indent=0))
+
+    def refuse_others(self, *rels: str, paths: set[str] | None = None) -> None:
+        """Refuse files among `rels` that exist and are not interp's."""
+        paths = self.paths() if paths is None else paths
+        for rel in rels:
+            if rel not in paths and not rel.endswith("/") and (self.path / rel).exists():
+                raise OutputError(f"{self.path / rel} exists and was not written by interp: move it away, "
+                                  "or pick another --out folder")
+
+    def claim(self, *rels: str) -> None:
+        """List `rels` (relative paths, folders ending in "/") as interp's just before they are first
+        written; a file that exists and is not listed is someone else's: refused."""
+        paths = self.paths()
+        self.refuse_others(*rels, paths=paths)
+        new = set()
+        for rel in rels:
+            if rel in paths or (rel.endswith("/") and (self.path / rel).exists()):
+                continue  # ours already; or someone else's folder: written into, never claimed (or removed)
+            new.add(rel)
+            new.update(d for d in _parents(rel) if d not in paths and not (self.path / d).exists())
+        if new:
+            self._save(paths | new)
+
+    def owns(self, rel: str) -> bool:
+        return rel in self.paths()
+
+    def write_text(self, rel: str, text: str) -> None:
+        self.claim(rel)
+        atomic_write_text(self.path / rel, text)
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        self.claim(rel)
+        atomic_write_bytes(self.path / rel, data)
+
+    def remove(self, rel: str) -> None:
+        """Delete `rel` if interp wrote it (it stays listed: interp may write it again)."""
+        if (self.path / rel).exists() and self.owns(rel):
+            (self.path / rel).unlink()
+
+    def discard(self) -> None:
+        """--force: remove every file interp wrote here (and its leftover temporary files), then its
+        folders that are left empty. Nothing unlisted is touched."""
+        paths = self.paths()
+        folders = sorted((r for r in paths if r.endswith("/")), key=lambda r: r.count("/"), reverse=True)
+        for rel in paths - set(folders):
+            f = self.path / rel
+            f.unlink(missing_ok=True)
+            for tmp in glob.glob(glob.escape(str(f.parent / f".{f.name}.")) + "*.tmp"):
+                Path(tmp).unlink(missing_ok=True)
+        for rel in folders:
+            try:
+                (self.path / rel).rmdir()
+            except OSError:  # absent, or holds files interp did not write
+                pass
+        self._save({r for r in folders if (self.path / r).is_dir()})
+
+
+def _parents(rel: str) -> list[str]:
+    """The folders of a relative path, as claimed ("parts/", "parts/run/", ...)."""
+    parts = rel.rstrip("/").split("/")[:-1]
+    return ["/".join(parts[: i + 1]) + "/" for i in range(len(parts))]
 
 
 def _slug(name: str) -> str:
@@ -57,37 +325,60 @@ def as_table(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 class ResultStore:
-    """Reads and writes a sweep directory (layout above)."""
+    """Reads and writes a sweep directory (layout above); writes go through its `OutputFolder`."""
 
     def __init__(self, out) -> None:
         self.out = Path(out)
         self.parts = self.out / "parts"
+        self.folder = OutputFolder(self.out)
+
+    @contextmanager
+    def writing(self) -> Iterator["ResultStore"]:
+        """Own the folder for writing (see `OutputFolder.writing`); a user's file named like one of the
+        sweep's fixed files is refused now, before any work, not when it would be written."""
+        with self.folder.writing():
+            self.folder.refuse_others(*SWEEP_FILES)
+            yield self
 
     # ---- per-task files ----------------------------------------------------------------------
+    def _rel(self, run: str, checkpoint: str, analysis: str, suffix: str) -> str:
+        return f"parts/{_slug(run)}/{_slug(checkpoint)}/{_slug(analysis)}{suffix}"
+
     def _path(self, run: str, checkpoint: str, analysis: str, suffix: str) -> Path:
-        return self.parts / _slug(run) / _slug(checkpoint) / f"{_slug(analysis)}{suffix}"
+        return self.out / self._rel(run, checkpoint, analysis, suffix)
+
+    def claim_tasks(self, keys: Iterable[tuple[str, str, str]]) -> None:
+        """List the part and error files of (run, checkpoint, analysis) tasks as interp's, in one write of
+        the manifest (rather than one per part). A checkpoint's load error is the task (run, checkpoint, LOAD)."""
+        self.folder.claim(*(self._rel(run, ckpt, analysis, suffix) for run, ckpt, analysis in keys
+                            for suffix in ((".error.json",) if analysis == LOAD else (".json", ".error.json"))))
 
     def write_part(self, run: str, checkpoint: str, step: int | None, analysis: str, rows: pd.DataFrame, seconds: float) -> None:
-        """Persist one finished (checkpoint, analysis); clears an earlier error of the same task."""
+        """Persist one finished (checkpoint, analysis); clears an earlier error of the same task. Rows
+        holding NaN or inf are refused (`NonFiniteResult`): they are an error, never a result."""
         missing = set(ROW_FIELDS) - set(rows.columns)
         if missing:
             raise ValueError(f"analysis {analysis!r} returned rows without columns {sorted(missing)}")
+        if bad := nonfinite_rows(rows):
+            raise NonFiniteResult(nonfinite_message(analysis, f"{run}/{checkpoint}", bad, len(rows)))
         cols = {c: [None if pd.isna(v) else (v if c == "metric" else (float(v) if c == "value" else int(v)))
                     for v in rows[c].tolist()] for c in ROW_FIELDS}
         record = {"run": run, "checkpoint": checkpoint, "step": step, "analysis": analysis,
                   "seconds": round(seconds, 4), "rows": cols}
         if rows.attrs.get("extra") is not None:  # JSON an analysis keeps beside its rows (e.g. the viewer's sample)
             record["extra"] = rows.attrs["extra"]
-        atomic_write_text(self._path(run, checkpoint, analysis, ".json"), json.dumps(record))
-        self._path(run, checkpoint, analysis, ".error.json").unlink(missing_ok=True)
+        self.folder.write_text(self._rel(run, checkpoint, analysis, ".json"), json.dumps(record))
+        self.folder.remove(self._rel(run, checkpoint, analysis, ".error.json"))
 
     def write_error(self, run: str, checkpoint: str, step: int | None, analysis: str, error: str, message: str, path: str = "") -> None:
+        """Record why a task failed; a part of the same task (non-finite, from an older version) goes."""
         record = {"run": run, "checkpoint": checkpoint, "step": step, "analysis": analysis,
                   "error": error, "message": message, "path": path}
-        atomic_write_text(self._path(run, checkpoint, analysis, ".error.json"), json.dumps(record, indent=1))
+        self.folder.write_text(self._rel(run, checkpoint, analysis, ".error.json"), json.dumps(record, indent=1))
+        self.folder.remove(self._rel(run, checkpoint, analysis, ".json"))
 
     def clear_load_error(self, run: str, checkpoint: str) -> None:
-        self._path(run, checkpoint, LOAD, ".error.json").unlink(missing_ok=True)
+        self.folder.remove(self._rel(run, checkpoint, LOAD, ".error.json"))
 
     def _records(self, pattern: str) -> Iterable[dict]:
         if not self.parts.is_dir():
@@ -97,24 +388,41 @@ class ResultStore:
                 continue
             try:
                 yield json.loads(f.read_text())
-            except (json.JSONDecodeError, OSError) as e:  # cannot happen with atomic writes; say so if it does
-                raise RuntimeError(f"{f} is unreadable ({e}); delete it and rerun the sweep to recompute it") from None
+            except (ValueError, OSError) as e:  # cannot happen with atomic writes; say so if it does
+                raise OutputError(f"{f} is unreadable ({e}); delete it and rerun the sweep to recompute it") from None
+
+    def _all_parts(self) -> tuple[list[dict], list[dict]]:
+        """Every part record: (finite, not finite). Earlier versions stored NaN (as null) and inf."""
+        finite, stale = [], []
+        for r in self._records("*.json"):
+            (finite if all(v is not None and math.isfinite(v) for v in r["rows"]["value"]) else stale).append(r)
+        return finite, stale
 
     def part_records(self) -> list[dict]:
-        return list(self._records("*.json"))
+        """Finished parts. A part holding NaN or inf (written before they were refused) is not a result:
+        it is listed by `errors()` and recomputed by the next sweep."""
+        return self._all_parts()[0]
 
-    def errors(self) -> list[dict]:
-        return list(self._records("*.error.json"))
+    def errors(self, stale: list[dict] | None = None) -> list[dict]:
+        """Every error file, and a `NonFiniteResult` error for each part holding NaN or inf (`stale`, when
+        the caller has read the parts already)."""
+        stale = self._all_parts()[1] if stale is None else stale
+        return list(self._records("*.error.json")) + [
+            {"run": r["run"], "checkpoint": r["checkpoint"], "step": r["step"], "analysis": r["analysis"],
+             "error": NonFiniteResult.__name__, "path": "",
+             "message": nonfinite_message(r["analysis"], f"{r['run']}/{r['checkpoint']}",
+                                          nonfinite_rows(pd.DataFrame(r["rows"])), len(r["rows"]["value"]))}
+            for r in stale]
 
     def done(self) -> set[tuple[str, str, str]]:
         """(run, checkpoint, analysis) of every finished task."""
         return {(r["run"], r["checkpoint"], r["analysis"]) for r in self.part_records()}
 
     # ---- merged outputs ----------------------------------------------------------------------
-    def table(self) -> pd.DataFrame:
+    def table(self, records: list[dict] | None = None) -> pd.DataFrame:
         """Every part's rows as one tidy table (COLUMNS)."""
         frames = []
-        for r in self.part_records():
+        for r in self.part_records() if records is None else records:
             rows = pd.DataFrame(r["rows"])
             if rows.empty:
                 continue
@@ -125,21 +433,24 @@ class ResultStore:
 
     def merge(self) -> pd.DataFrame:
         """Write results.parquet (when pyarrow is installed), results.csv and errors.json; return the table."""
-        table = self.table()
-        self.out.mkdir(parents=True, exist_ok=True)
-        tmp = self.out / f".results.csv.{os.getpid()}.tmp"
-        table.to_csv(tmp, index=False)
-        os.replace(tmp, self.out / "results.csv")
+        finite, stale = self._all_parts()  # one read of the parts for both
+        table = self.table(finite)
+        self._write_table(table, "results.csv", lambda t, f: t.to_csv(f, index=False))
         try:
             import pyarrow  # noqa: F401
         except ImportError:
             pass
         else:
-            tmp = self.out / f".results.parquet.{os.getpid()}.tmp"
-            table.to_parquet(tmp, index=False)
-            os.replace(tmp, self.out / "results.parquet")
-        atomic_write_text(self.out / "errors.json", json.dumps(self.errors(), indent=1))
+            self._write_table(table, "results.parquet", lambda t, f: t.to_parquet(f, index=False))
+        self.folder.write_text("errors.json", json.dumps(self.errors(stale), indent=1))
         return table
+
+    def _write_table(self, table: pd.DataFrame, name: str, write) -> None:
+        self.folder.claim(name)
+        self.out.mkdir(parents=True, exist_ok=True)
+        tmp = _tmp_name(self.out / name)
+        write(table, tmp)
+        os.replace(tmp, self.out / name)
 
     def extras(self) -> list[dict]:
         """The `extra` payloads of finished tasks: [{run, checkpoint, step, analysis, extra}]."""
@@ -152,22 +463,36 @@ class ResultStore:
         return pd.DataFrame(recs, columns=["run", "checkpoint", "step", "analysis", "seconds"])
 
     # ---- settings and timing -----------------------------------------------------------------
-    def read_json(self, name: str, default=None):
+    def read_json(self, name: str, default=None, fix: str = "delete it and rerun"):
         f = self.out / name
-        return json.loads(f.read_text()) if f.is_file() else default
+        return read_json_file(f, f"interp's {name}", fix) if f.is_file() else default
 
     def write_json(self, name: str, value) -> None:
-        atomic_write_text(self.out / name, json.dumps(value, indent=2))
+        self.folder.write_text(name, json.dumps(value, indent=2))
 
 
 def load_results(out) -> pd.DataFrame:
-    """The results table of a sweep directory: results.parquet, else results.csv, else merged from parts."""
+    """The results table of a sweep directory: results.parquet, else results.csv, else merged from parts.
+    A (run, checkpoint, analysis) with a NaN or inf value (a table written before they were refused) is
+    left out whole, as `ResultStore.errors` reports it."""
     out = Path(out)
-    if (out / "results.parquet").is_file():
-        try:
-            return as_table(pd.read_parquet(out / "results.parquet"))
-        except ImportError:
-            pass
-    if (out / "results.csv").is_file():
-        return as_table(pd.read_csv(out / "results.csv"))
-    return ResultStore(out).table()
+    table = None
+    for name, read in (("results.parquet", pd.read_parquet), ("results.csv", pd.read_csv)):
+        if table is None and (out / name).is_file():
+            try:
+                table = as_table(read(out / name))
+            except ImportError:  # parquet without pyarrow: the csv has the same rows
+                continue
+            except Exception as e:  # noqa: BLE001 - pyarrow, pandas and the OS raise many kinds for a damaged file
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise OutputError(f"{out / name} is unreadable ({first}): delete it; the next `interp sweep` "
+                                  "with this --out rebuilds it from parts/") from None
+    if table is None:
+        return ResultStore(out).table()
+    bad = ~np.isfinite(table["value"].to_numpy(dtype=float, na_value=np.nan))
+    if bad.any():
+        keys = ["run", "checkpoint", "analysis"]
+        drop = table.loc[bad, keys].drop_duplicates().assign(_bad=True)
+        merged = table.merge(drop, on=keys, how="left")
+        table = as_table(table[merged["_bad"].isna().to_numpy()])
+    return table

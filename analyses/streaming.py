@@ -22,15 +22,15 @@ per window), or with `per_position=True` the loss at every position (mean over t
 
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Iterator, Literal, Sequence
+from typing import Literal, Sequence
 
 import pandas as pd
 import torch
 from torch import Tensor
 
 from interp.models import lm_loss
+from interp.models.attention import narrow_windows
 from interp.models.positions import Rotary
 
 from ._common import token_batch, valid_mask
@@ -38,17 +38,11 @@ from ._common import token_batch, valid_mask
 POSITIONS = ("cache", "original")
 
 
-@contextlib.contextmanager
-def sliding_window(model, window: int | None) -> Iterator[None]:
-    """Give every attention layer the sliding window `window` (None: full attention) inside the block."""
-    saved = [b.attn.window for b in model.blocks]
-    try:
-        for b in model.blocks:
-            b.attn.window = window
-        yield
-    finally:
-        for b, w in zip(model.blocks, saved):
-            b.attn.window = w
+# Inside the block every layer attends through the smaller of its own window and `window` (None: the
+# model as configured). An analysis narrows a model's windows, never widens them: "full attention" on
+# a model with sliding windows (Mistral, Gemma's local layers) is that model, and its sink keys stay
+# inside each layer's own window (`AttentionMask.visible`'s sink_limit).
+sliding_window = narrow_windows
 
 
 @torch.no_grad()
@@ -110,7 +104,9 @@ def _cache_position_hooks(model, window: int, n_sink: int) -> list:
         q_slot = Rotary.rotate(q, cos, sin).transpose(1, 2)  # [b, h, pos, dh]
         k_sink = k[:, :n_sink].transpose(1, 2).repeat_interleave(group, dim=1)  # [b, h, n_sink, dh]
         sink = torch.matmul(q_slot, k_sink.transpose(-1, -2)).float() * model.blocks[int(layer)].attn.scale
-        visible = p[:, None] >= torch.arange(min(n_sink, n), device=q.device)[None]  # [pos, n_sink]: causal
+        delta = p[:, None] - torch.arange(min(n_sink, n), device=q.device)[None]  # [pos, n_sink]
+        own = model.cfg.window(int(layer))  # a sink outside the layer's own window stays invisible
+        visible = (delta >= 0) if own is None else (delta >= 0) & (delta < own)
         s = s.clone()
         s[..., :n_sink] = torch.where(visible, sink, float("-inf"))
         return s

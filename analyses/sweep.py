@@ -10,9 +10,14 @@ Each finished pair is written as its own small file the moment it arrives (`Resu
 parts are merged into `results.parquet`/`results.csv` as checkpoints finish and at the end. A
 sweep killed at any point and started again with the same settings recomputes nothing finished.
 
-A checkpoint that fails to load (truncated or corrupt weights) or an analysis that raises is
-recorded in `errors.json`, shown in the summary and the report, and skipped; the sweep goes on,
-and a later sweep retries it.
+A checkpoint that fails to load (truncated or corrupt weights), an analysis that raises, or one
+whose numbers are not all finite (NaN or inf is an error, never a result) is recorded in
+`errors.json`, shown in the summary and the report, and skipped; the sweep goes on, and a later
+sweep retries it.
+
+The output folder is checked before anything is loaded (`OutputFolder`): a file, a folder that
+cannot be written, a non-empty folder interp did not create, or one another sweep is writing to is
+refused in one line; interp writes and, with `force`, removes only the files it created there.
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ import dataclasses
 import gc
 import json
 import platform
-import shutil
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -32,8 +36,9 @@ import pandas as pd
 
 from .executors import ExecutorSettings, make_executor
 from .registry import ANALYSES, Context, resolve_analyses
-from interp.models.runs import Checkpoint, Run, discover
-from .store import LOAD, ResultStore
+from interp.models.names import resolve_run
+from interp.models.runs import Checkpoint, Run
+from .store import LOAD, NonFiniteResult, OutputError, ResultStore, read_json_file
 from .sweep_data import DataSpec, build_tokens, check_data, prebuild_tokens, resolve_kind
 
 DEFAULT_ANALYSES = ("induction", "previous_token", "duplicate_token", "sinks", "viewer", "streaming", "composition",
@@ -139,8 +144,11 @@ def run_checkpoint(task: CheckpointTask) -> Iterator[PartEvent | ErrorEvent]:
             try:
                 rows = ANALYSES[name].run(ctx)  # analyzers set their own grad mode (importance needs gradients)
             except Exception as e:  # noqa: BLE001 - one analysis failing must not stop the others
-                tb = traceback.format_exc(limit=-3)
-                yield ErrorEvent(ckpt, name, type(e).__name__, f"{e}\n{tb}")
+                if isinstance(e, NonFiniteResult):  # not a bug in the code: no traceback, say where
+                    message = f"{name} at {ckpt.run}/{ckpt.name}: {e}"
+                else:
+                    message = f"{e}\n{traceback.format_exc(limit=-3)}"
+                yield ErrorEvent(ckpt, name, type(e).__name__, message)
                 continue
             out = rows.reset_index(drop=True)
             out.attrs = dict(rows.attrs)  # an analysis's `extra` travels with its rows
@@ -194,20 +202,21 @@ def plan(runs: Sequence[Run], settings: SweepSettings, done: set) -> tuple[list[
 
 
 def _check_settings(store: ResultStore, settings: SweepSettings, runs: Sequence[Run], force: bool) -> dict:
-    """Compare with the folder's settings.json; return the settings to write (runs and analyses accumulate)."""
-    old = store.read_json("settings.json")
+    """Compare with the folder's settings.json; return the settings to write (runs and analyses accumulate).
+    `force` discards what interp wrote in the folder (only that: `OutputFolder.discard`)."""
     record = {"analyses": list(settings.analyses), **settings.meaning(),
               "data_description": settings.data.describe(),
               "runs": {r.name: {"source": r.source, "checkpoints": [c.name for c in r.checkpoints]} for r in runs},
               "versions": versions()}
+    if force:
+        store.folder.discard()
+        return record
+    fix = "restore it, or pass --force to discard the results interp wrote in this folder"
+    old = store.read_json("settings.json", fix=fix)
     if old is None:
         return record
-    if force:
-        for name in ("parts", "figures"):
-            shutil.rmtree(store.out / name, ignore_errors=True)
-        for name in ("results.parquet", "results.csv", "errors.json", "timing.json", "report.html", "report.md"):
-            (store.out / name).unlink(missing_ok=True)
-        return record
+    if not isinstance(old, dict):
+        raise OutputError(f"{store.out / 'settings.json'} is not interp's settings (a JSON object): {fix}")
     old_meaning = {k: old.get(k) for k in ("data", "expensive_on")}
     new_meaning = {k: record[k] for k in ("data", "expensive_on")}
     clash = [a for a in settings.analyses if a in old.get("params", {}) and old["params"][a] != record["params"][a]]
@@ -228,7 +237,7 @@ def _check_settings(store: ResultStore, settings: SweepSettings, runs: Sequence[
 
 
 def sweep(
-    runs: Sequence[str],
+    runs: Sequence[str | Run],
     out,
     settings: SweepSettings | None = None,
     executor: ExecutorSettings | None = None,
@@ -243,6 +252,8 @@ def sweep(
 ) -> SweepResult:
     """Run `settings.analyses` over every checkpoint of `runs` into the folder `out` (see module doc);
     with `last_only`, over the last checkpoint of each (a single model is a run of one checkpoint).
+    A run is a `Run` or any name `interp.models.names.resolve_run` resolves (a folder, a zoo name, a
+    .gguf file, a real-model short name, a Hub repo id).
     `on_part(n)` is called after each result part is written (n parts so far)."""
     from ._common import auto_tqdm
 
@@ -250,18 +261,36 @@ def sweep(
     settings = settings or SweepSettings()
     executor = executor or ExecutorSettings()
     start = time.perf_counter()
-    found = [_as_run(r, last_only) for r in runs]
+    store = ResultStore(out)
+    store.folder.check()  # a file, a foreign or unwritable folder: refused before anything is resolved
+    found = [resolve_run(r, last_only=last_only) for r in runs]  # plan: every name resolved, once, up front
     names = [r.name for r in found]
     if len(set(names)) != len(names):
         raise ValueError(f"two runs share a name ({names}); give each run folder a distinct name")
     settings = _resolve_data(settings, found)
     check_up_front(settings, found)
-    store = ResultStore(out)
-    record = _check_settings(store, settings, found, force)
-    store.write_json("settings.json", record)
-    tasks, skipped = plan(found, settings, store.done())
-    if tasks and (tokens := prebuild_tokens(settings.data)) is not None:
-        tasks = [dataclasses.replace(t, tokens=tokens) for t in tasks]
+    with store.writing():  # created, locked against a second sweep, its manifest started
+        record = _check_settings(store, settings, found, force)
+        store.read_json("timing.json")  # damaged: said now, in one line, not after the work
+        store.write_json("settings.json", record)
+        tasks, skipped = plan(found, settings, store.done())
+        store.claim_tasks((t.checkpoint.run, t.checkpoint.name, a) for t in tasks for a in (*t.analyses, LOAD))
+        if tasks and (tokens := prebuild_tokens(settings.data)) is not None:
+            tasks = [dataclasses.replace(t, tokens=tokens) for t in tasks]
+        result = _run_tasks(store, found, settings, tasks, skipped, executor, start, tqdm, progress, merge_every, log,
+                            on_part)
+        log(summary(result, found))
+        if report:
+            from .report import write_report
+
+            result.report = write_report(store.out)
+            log(f"report: {result.report} (and report.md)")
+    return result
+
+
+def _run_tasks(store, found, settings, tasks, skipped, executor, start, tqdm, progress, merge_every, log,
+               on_part) -> SweepResult:
+    """Run `tasks`, writing each event as it arrives; merge as checkpoints finish and at the end."""
     n_pairs = sum(len(t.analyses) for t in tasks)
     n_ckpts = sum(len(r.checkpoints) for r in found)
     log(f"sweep: {len(found)} run(s), {n_ckpts} checkpoint(s), analyses {','.join(settings.analyses)}; "
@@ -275,11 +304,14 @@ def sweep(
         for event in ex.run(run_checkpoint, tasks) if ex else ():
             c = event.checkpoint
             if isinstance(event, PartEvent):
-                store.write_part(c.run, c.name, c.step, event.analysis, event.rows, event.seconds)
-                n_run += 1
                 store.clear_load_error(c.run, c.name)  # it loaded this time
-                bar.set_postfix_str(f"{c.run}/{c.name} {event.analysis}", refresh=False)
-            else:
+                try:
+                    store.write_part(c.run, c.name, c.step, event.analysis, event.rows, event.seconds)
+                    n_run += 1
+                    bar.set_postfix_str(f"{c.run}/{c.name} {event.analysis}", refresh=False)
+                except NonFiniteResult as e:  # NaN or inf: an error of this task, never a result
+                    event = ErrorEvent(c, event.analysis, type(e).__name__, str(e))
+            if isinstance(event, ErrorEvent):
                 store.write_error(c.run, c.name, c.step, event.analysis, event.error, event.message, c.path)
                 bar.write(f"error: {c.run}/{c.name} {event.analysis}: {event.error}: {event.message.splitlines()[0]}")
             n = getattr(event, "n_analyses", 1)
@@ -302,15 +334,7 @@ def sweep(
                                       "seconds": round(seconds, 2), "executor": ex.description if ex else "none",
                                       "tasks_run": n_run, "tasks_skipped": skipped})
         store.write_json("timing.json", timing)
-    errors = store.errors()
-    result = SweepResult(store.out, table, errors, n_run, skipped, seconds)
-    log(summary(result, found))
-    if report:
-        from .report import write_report
-
-        result.report = write_report(store.out)
-        log(f"report: {result.report} (and report.md)")
-    return result
+    return SweepResult(store.out, table, store.errors(), n_run, skipped, seconds)
 
 
 def summary(result: SweepResult, runs: Sequence[Run]) -> str:
@@ -327,27 +351,24 @@ def summary(result: SweepResult, runs: Sequence[Run]) -> str:
     return "\n".join(lines)
 
 
-def _as_run(spec, last_only: bool) -> Run:
-    """A run named by a string (see `runs.discover`) or given as a `Run` (e.g. Hub revisions, resolved
-    to local snapshots by the caller)."""
-    if isinstance(spec, Run):
-        return Run(spec.name, spec.source, spec.checkpoints[-1:]) if last_only else spec
-    return discover(spec, last_only=last_only)
-
-
 def check_up_front(settings: SweepSettings, runs: Sequence[Run]) -> None:
     """Refuse, before anything is loaded or written, settings that would fail on every checkpoint:
     a device this machine does not have, sequences longer than a learned position table, token ids
     outside the vocabulary. Configs are read without weights; an unreadable one is left to the
     sweep, which reports that checkpoint and goes on."""
-    from interp.models.checkpoint import CheckpointError, read_config
+    from interp.models.checkpoint import CheckpointError, OwnCodeRefused, read_config
+    from interp.models.folder import refuse_code_in
 
     _check_device(settings.device)
     spec = settings.data
     file_tokens = int(prebuild_tokens(spec).max()) if spec.kind == "file" else None
     for run in runs:
+        for checkpoint in run.checkpoints:  # code in a checkpoint folder never runs: refused, not skipped
+            refuse_code_in(checkpoint.path)
         try:
             cfg = read_config(run.checkpoints[-1].path)
+        except OwnCodeRefused:
+            raise
         except (CheckpointError, FileNotFoundError, ValueError, KeyError, ImportError):
             continue
         if cfg.positional in ("learned", "sinusoidal") and spec.seq_len > cfg.n_ctx:
@@ -389,7 +410,7 @@ def load_settings(out) -> dict:
     f = Path(out) / "settings.json"
     if not f.is_file():
         raise FileNotFoundError(f"{out} is not a sweep folder (no settings.json)")
-    return json.loads(f.read_text())
+    return read_json_file(f, "interp's settings.json")
 
 
 __all__ = ["ATLAS_ANALYSES", "CheckpointTask", "DEFAULT_ANALYSES", "SettingsMismatch", "SweepResult", "SweepSettings",

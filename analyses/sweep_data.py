@@ -10,9 +10,11 @@ kinds:
                    settled (`resolve_kind`) before settings.json is written.
   text             real English prose: by default the Python Language Reference that ships with
                    the standard library (`pydoc_data.topics`, ~465 KB: every topic, sorted by name,
-                   joined by blank lines), or the UTF-8 file at `path` (`--text-file`). Tokenized
-                   with the model's tokenizer, cut into consecutive `seq_len`-token windows (BOS
-                   first when the tokenizer has one), of which `n_seqs` are drawn with `seed`.
+                   joined by blank lines), or the UTF-8 file at `path` (`--text-file`). Cut into
+                   consecutive `seq_len`-token windows of the model's tokenizer (BOS first when the
+                   tokenizer has one); `n_seqs` of the first `TEXT_POOL * n_seqs` windows are drawn
+                   with `seed`. The text is read and tokenized only as far as those windows reach
+                   (in line-aligned pieces), so a 50 MB file costs what 128 tokens of it cost.
   repeated_random  `n_seqs` rows of `seq_len` tokens: a random half (uniform over the vocabulary,
                    from `seed`) followed by the same half again. Previous-token, duplicate-token
                    and induction behaviour all show on it (Olsson et al. 2022), and it needs no
@@ -38,6 +40,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from interp.models.errors import BadValue, check_int
 from interp.models.tokenizer import ByteTokenizer, load_tokenizer
 
 DataKind = Literal["auto", "repeated_random", "corpus", "file", "text"]
@@ -55,8 +58,9 @@ class DataSpec:
     def __post_init__(self) -> None:
         if self.kind not in DATA_KINDS:
             raise ValueError(f"unknown data kind {self.kind!r}; choose one of {DATA_KINDS}")
-        if self.n_seqs < 1 or self.seq_len < 4:
-            raise ValueError(f"need n_seqs >= 1 and seq_len >= 4, got {self.n_seqs} x {self.seq_len}")
+        check_int("n_seqs", self.n_seqs, minimum=1)
+        check_int("seq_len", self.seq_len, minimum=4)
+        check_int("seed", self.seed, minimum=0, maximum=2**32 - 1, hint="seeds are numpy's: 0 .. 2**32 - 1")
         if self.kind == "file" and self.path is None:
             raise ValueError("kind='file' needs path=... (token ids in .pt or .npy)")
         if self.kind not in ("file", "text") and self.path is not None:
@@ -103,30 +107,62 @@ def resolve_kind(kind: str, checkpoint_paths: list[str]) -> str:
     return "repeated_random"
 
 
+TEXT_POOL = 4  # kind "text" draws its n_seqs windows from the first TEXT_POOL * n_seqs of the text
+_PIECE_CHARS = 1 << 16  # the text is read and tokenized in pieces of about this many characters
+
+
 def read_text(path: str | None = None) -> str:
-    """The text of kind "text": the file at `path`, or the Python Language Reference (stdlib)."""
+    """The whole text of kind "text": the file at `path`, or the Python Language Reference (stdlib).
+    The sweep itself reads only what it uses (`_text_pieces`)."""
+    return "".join(_text_pieces(path))
+
+
+def _text_pieces(path: str | None = None, limit: int | None = None):
+    """The text in pieces of about `_PIECE_CHARS` characters, each ending at a line end where there is
+    one (so a piece boundary never splits a word), until `limit` characters have been given (None: all)."""
     if path is None:
         from pydoc_data.topics import topics
 
-        return "\n\n".join(topics[k] for k in sorted(topics))
+        source = iter(["\n\n".join(topics[k] for k in sorted(topics))])
+    else:
+        source = _file_chunks(path)
+    given, carry = 0, ""
+    for chunk in source:
+        carry += chunk
+        while len(carry) >= _PIECE_CHARS:
+            cut = carry.rfind("\n", 0, _PIECE_CHARS * 2)
+            cut = len(carry) if cut < 0 else cut + 1
+            piece, carry = carry[:cut], carry[cut:]
+            yield piece
+            given += len(piece)
+            if limit is not None and given >= limit:
+                return
+    if carry:
+        yield carry
+
+
+def _file_chunks(path: str):
     try:
-        return Path(path).read_text(encoding="utf-8")
+        with open(path, encoding="utf-8") as f:
+            while chunk := f.read(_PIECE_CHARS):
+                yield chunk
     except FileNotFoundError:
         raise FileNotFoundError(f"--text-file {path}: no such file") from None
     except UnicodeDecodeError as e:
-        raise ValueError(f"--text-file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise ValueError(f"--text-file {path} is not UTF-8 text ({e.reason} near byte {e.start} of a piece)") from None
 
 
 def check_data(spec: DataSpec) -> None:
     """Cheap checks before any model is loaded: the data file exists and (for text) is long enough
-    that the windows can possibly fit (a token is at least one character)."""
+    that the windows can possibly fit (a token is at least one character: only that many are read)."""
     if spec.path is not None and not Path(spec.path).is_file():
         raise FileNotFoundError(f"data file {spec.path} does not exist")
     if spec.kind == "file":
         prebuild_tokens(spec)  # reads it (once: cached): wrong dtype, shape or length fail here, before any model
     if spec.kind == "text":
-        n = len(read_text(spec.path))
-        if n < spec.n_seqs * spec.seq_len:
+        need = spec.n_seqs * spec.seq_len
+        n = sum(len(piece) for piece in _text_pieces(spec.path, limit=need))
+        if n < need:
             raise ValueError(f"the text ({n} characters) is too short for {spec.n_seqs} sequences of {spec.seq_len} "
                              "tokens; use a longer --text-file or fewer/shorter sequences (--n-seqs, --seq-len)")
 
@@ -194,6 +230,8 @@ def read_token_file(path) -> Tensor:
         raise ValueError(f"{path} holds {raw.dtype} values; token ids must be integers (e.g. int64)")
     if raw.dim() > 2:
         raise ValueError(f"{path} has shape {tuple(raw.shape)}; token ids must be [n_seqs, seq_len] or flat")
+    if raw.numel() and int(raw.min()) < 0:
+        raise BadValue(f"{path} holds the negative token id {int(raw.min())}; token ids are >= 0")
     return raw.to(torch.long)
 
 
@@ -215,10 +253,15 @@ def _text(spec: DataSpec, model) -> Tensor:
 
 @functools.lru_cache(maxsize=4)
 def _text_windows(spec: DataSpec, tokenizer) -> Tensor:
-    ids = tokenizer.encode(read_text(spec.path), add_special_tokens=False)
     bos = getattr(tokenizer, "bos_token_id", None)
     body = spec.seq_len - (bos is not None)
-    n_windows = len(ids) // body
+    pool = TEXT_POOL * spec.n_seqs
+    ids: list[int] = []
+    for piece in _text_pieces(spec.path):  # tokenized only as far as the pool of windows reaches
+        ids += tokenizer.encode(piece, add_special_tokens=False)
+        if len(ids) >= pool * body:
+            break
+    n_windows = min(len(ids) // body, pool)
     if n_windows < spec.n_seqs:
         raise ValueError(f"the text holds {len(ids)} tokens: {n_windows} windows of {spec.seq_len}, fewer than the "
                          f"{spec.n_seqs} asked for; use a longer --text-file or fewer/shorter sequences")

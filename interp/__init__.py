@@ -23,6 +23,7 @@ _LAZY = {
     "ModelConfig": "interp.models",
     "RopeScaling": "interp.models",
     "CheckpointError": "interp.loading",
+    "UserError": "interp.models.errors",  # every bad-input error (a bad name, file or setting) is one
     "from_hf": "interp.loading",
     "load": "interp.loading",
     "save_model": "interp.loading",

@@ -56,15 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # noqa: BLE001 - expected user errors get one line, no traceback
-        if type(e).__name__ in _USER_ERRORS:
+    except Exception as e:
+        # Imported here, not at the top, for start-up time: `interp.models` imports torch.
+        from interp.models.errors import UserError
+
+        # A wrong name or setting, a missing or damaged file, an unsupported model: the message says
+        # what and how to fix, in one line, without a traceback. Anything else is a bug: raised.
+        if isinstance(e, (UserError, FileNotFoundError, NotImplementedError)):
             print(f"error: {e}", file=sys.stderr)
             return 2
         raise
-
-
-# A wrong name, a missing or damaged file, an unsupported model: the message says what and how to fix.
-_USER_ERRORS = ("ModelNotFound", "CheckpointError", "FileNotFoundError", "NotImplementedError")
 
 
 if __name__ == "__main__":

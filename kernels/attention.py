@@ -24,7 +24,7 @@ key, so that no row is empty: its output is finite and meaningless, and analyses
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,9 @@ class AttentionMask:
     key_valid    bool [batch, n_k], True for real tokens, or None when nothing is padded.
     causal       False for bidirectional attention.
     n_sink       keys j < n_sink stay visible past a sliding window (StreamingLLM, Xiao et al.
-                 2023); 0 (the default) keeps the plain window.
+                 2023); 0 (the default) keeps the plain window. A layer with a window of its own
+                 (`sink_limit` below) keeps its sinks only inside that window: an analysis that
+                 narrows a window never lets a layer see further than the model does.
 
     Boolean masks and ALiBi biases are built lazily, once per (window, slopes), and reused by every
     layer of the forward pass.
@@ -68,14 +70,18 @@ class AttentionMask:
             return False
         return not self.causal or self.n_q == self.n_k or self.n_q == 1
 
-    def visible(self, window: int | None, device: torch.device) -> Tensor:  # noqa: F811 (method)
-        """bool [batch or 1, 1, n_q, n_k]: True where the query may attend to the key."""
-        key = ("visible", window, device)
+    def visible(self, window: int | None, device: torch.device, sink_limit: int | None = None) -> Tensor:  # noqa: F811
+        """bool [batch or 1, 1, n_q, n_k]: True where the query may attend to the key. `sink_limit`:
+        the layer's own window (the model's, before any analysis narrowed it), which the sink keys
+        may not reach past; None: sinks are kept at any distance."""
+        key = ("visible", window, sink_limit, device)
         if key not in self._cache:
             q_pos = torch.arange(self.offset, self.n_k, device=device)[:, None]
             k_pos = torch.arange(self.n_k, device=device)[None, :]
             rel = q_pos - k_pos  # p - j
             sinks = (k_pos < self.n_sink) if self.n_sink else None
+            if sinks is not None and sink_limit is not None:
+                sinks = sinks & (rel < sink_limit)
             ok = visible(rel, causal=self.causal, window=window, sink_key=sinks)[None, None]
             if self.key_valid is not None:
                 ok = ok & self.key_valid[:, None, None, :].to(device)
@@ -85,12 +91,13 @@ class AttentionMask:
             self._cache[key] = ok
         return self._cache[key]
 
-    def bias(self, window: int | None, slopes: Tensor | None, dtype: torch.dtype, device) -> Tensor:
+    def bias(self, window: int | None, slopes: Tensor | None, dtype: torch.dtype, device,
+             sink_limit: int | None = None) -> Tensor:
         """float [batch or 1, head or 1, n_q, n_k]: 0 / -inf mask plus the ALiBi bias -slope * (p - j)."""
         # Keyed by the slope values: every layer holds its own (equal) buffer, and one bias serves all.
-        key = ("bias", window, None if slopes is None else tuple(slopes.tolist()), dtype, device)
+        key = ("bias", window, sink_limit, None if slopes is None else tuple(slopes.tolist()), dtype, device)
         if key not in self._cache:
-            ok = self.visible(window, device)
+            ok = self.visible(window, device, sink_limit)
             out = torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill(~ok, float("-inf"))
             if slopes is not None:
                 q_pos = torch.arange(self.offset, self.n_k, device=device)[:, None]
@@ -114,6 +121,7 @@ class AttentionFn(Protocol):
         alibi_slopes: Tensor | None = None,
         scores_hook: TensorHook | None = None,
         pattern_hook: TensorHook | None = None,
+        sink_limit: int | None = None,
     ) -> Tensor: ...
 
 
@@ -126,13 +134,11 @@ def _expand_kv(x: Tensor, n_heads: int) -> Tensor:
     return x[:, :, None].expand(b, kv, groups, n, d).reshape(b, kv * groups, n, d)
 
 
-def fused_attention(q, k, v, mask, *, scale, window=None, alibi_slopes=None, scores_hook=None, pattern_hook=None):
+def fused_attention(q, k, v, mask, *, scale, window=None, alibi_slopes=None, scores_hook=None, pattern_hook=None,
+                    sink_limit=None):
     """torch SDPA. Cannot hand scores or patterns to hooks: asking for them is an error."""
-    if scores_hook is not None or pattern_hook is not None:
-        raise RuntimeError(
-            "the fused attention backend never materialises scores or patterns, so hook_attn_scores / "
-            "hook_pattern cannot run; use model.attention('instrumented') or the default 'auto' backend"
-        )
+    if scores_hook is not None or pattern_hook is not None:  # called directly, past `choose`
+        raise RuntimeError(unavailable("fused", [_NO_PATTERN]))
     gqa = {}
     if k.shape[1] != q.shape[1] and q.device.type == "cpu":
         # GQA on the CPU: SDPA reads each kv-head for its group itself, without the copy of the expanded
@@ -145,13 +151,14 @@ def fused_attention(q, k, v, mask, *, scale, window=None, alibi_slopes=None, sco
         causal = mask.causal and mask.n_q == mask.n_k and mask.n_q > 1
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, **gqa)
     if alibi_slopes is None:
-        attn_mask = mask.visible(window, q.device)
+        attn_mask = mask.visible(window, q.device, sink_limit)
     else:
-        attn_mask = mask.bias(window, alibi_slopes, q.dtype, q.device)
+        attn_mask = mask.bias(window, alibi_slopes, q.dtype, q.device, sink_limit)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, **gqa)
 
 
-def instrumented_attention(q, k, v, mask, *, scale, window=None, alibi_slopes=None, scores_hook=None, pattern_hook=None):
+def instrumented_attention(q, k, v, mask, *, scale, window=None, alibi_slopes=None, scores_hook=None,
+                           pattern_hook=None, sink_limit=None):
     """Explicit attention. Scores handed to `scores_hook` are already masked (-inf where a key is not
     visible), as in TransformerLens, so cached scores are the same tensors TransformerLens shows.
     Softmax runs in float32 (scores and pattern are float32 for half-precision inputs)."""
@@ -160,9 +167,9 @@ def instrumented_attention(q, k, v, mask, *, scale, window=None, alibi_slopes=No
     if alibi_slopes is None and mask.is_plain(window) and not (mask.causal and mask.n_q > 1):
         pass  # nothing is masked (single decoding step without padding, or bidirectional)
     elif alibi_slopes is None:
-        scores = scores.masked_fill(~mask.visible(window, q.device), float("-inf"))
+        scores = scores.masked_fill(~mask.visible(window, q.device, sink_limit), float("-inf"))
     else:
-        scores = scores + mask.bias(window, alibi_slopes, torch.float32, q.device)
+        scores = scores + mask.bias(window, alibi_slopes, torch.float32, q.device, sink_limit)
     if scores_hook is not None:
         scores = scores_hook(scores)
     pattern = torch.softmax(scores, dim=-1)
@@ -172,15 +179,27 @@ def instrumented_attention(q, k, v, mask, *, scale, window=None, alibi_slopes=No
 
 
 @dataclass(frozen=True)
+class Needs:
+    """What one attention call asks of a backend; `choose` matches it against capabilities."""
+
+    pattern: bool = False  # scores / pattern handed to hooks (hook_attn_scores, hook_pattern)
+    window: bool = False  # a sliding window
+    sinks: bool = False  # StreamingLLM sink keys kept past the window
+    alibi: bool = False
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
 class AttentionBackend:
-    """A registered backend and what it can give. The model chooses a layer's backend from these
+    """A registered backend and what it can do. The model chooses a layer's backend from these
     capabilities (`choose`), never from backend names: a layer whose scores or pattern are hooked
-    needs one that `gives_pattern`; otherwise the fastest (the first registered) that can run it."""
+    needs one that `gives_pattern`, a windowed layer one with `windows`, and so on; otherwise the
+    fastest (the first registered) that can run it."""
 
     name: str
     fn: AttentionFn
     gives_pattern: bool  # hands scores and pattern to hooks (which may replace them)
-    materialises: bool  # builds the [q, k] pattern (memory O(n^2) per head)
+    materialises: bool  # builds the [q, k] pattern (memory O(n^2) per head): reported, never required
     windows: bool = True  # sliding windows
     sinks: bool = True  # StreamingLLM sink keys past a window
     alibi: bool = True
@@ -189,12 +208,38 @@ class AttentionBackend:
     def __call__(self, *args, **kwargs) -> Tensor:
         return self.fn(*args, **kwargs)
 
+    def cannot(self, needs: Needs) -> list[str]:
+        """What of `needs` this backend cannot do, in words (empty: it can run the call)."""
+        missing = []
+        if needs.pattern and not self.gives_pattern:
+            missing.append(_NO_PATTERN)
+        if needs.window and not self.windows:
+            missing.append("a sliding window")
+        if needs.sinks and not self.sinks:
+            missing.append("sink keys past a window")
+        if needs.alibi and not self.alibi:
+            missing.append("ALiBi biases")
+        if needs.device not in self.devices:
+            missing.append(f"the {needs.device} device")
+        return missing
+
+
+_NO_PATTERN = "scores or patterns for hook_attn_scores / hook_pattern (it never materialises them)"
+
+
+def unavailable(name: str, missing: list[str], where: str = "") -> str:
+    """The one message for a backend asked for something it cannot do (a forced fused layer whose
+    pattern is hooked, ...), with the way out."""
+    return (f"{where + ' is forced to' if where else 'asked for'} the {name} attention backend, which cannot give "
+            f"{' and '.join(missing)}; use model.attention('auto') (the default: chosen by capability) or "
+            "model.attention('instrumented')")
+
 
 ATTENTION_BACKENDS: dict[str, AttentionBackend] = {  # in order of preference when nothing is hooked
     "fused": AttentionBackend("fused", fused_attention, gives_pattern=False, materialises=False),
     "instrumented": AttentionBackend("instrumented", instrumented_attention, gives_pattern=True, materialises=True),
 }
-BACKENDS = tuple(ATTENTION_BACKENDS)
+BACKEND_CHOICES = ("auto", *ATTENTION_BACKENDS)  # what a layer may be set to
 
 
 def get_backend(name: str) -> AttentionBackend:
@@ -204,12 +249,17 @@ def get_backend(name: str) -> AttentionBackend:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(ATTENTION_BACKENDS)}") from None
 
 
-def choose(requested: str, *, needs_pattern: bool) -> AttentionBackend:
-    """The backend a layer runs: `requested` ("auto" or a registered name); with "auto", the first
-    registered backend that gives a pattern when one is needed, else the first of all."""
+def choose(requested: str, needs: Needs, where: str = "") -> AttentionBackend:
+    """The backend a call runs: with "auto", the first registered backend whose capabilities cover
+    `needs`; with a registered name, that backend, or an error naming what it cannot do (`where`,
+    e.g. "layer 3", says who asked)."""
     if requested != "auto":
-        return get_backend(requested)
+        backend = get_backend(requested)
+        missing = backend.cannot(needs)
+        if missing:
+            raise RuntimeError(unavailable(backend.name, missing, where))
+        return backend
     for backend in ATTENTION_BACKENDS.values():
-        if backend.gives_pattern or not needs_pattern:
+        if not backend.cannot(needs):
             return backend
-    raise RuntimeError("no registered attention backend gives patterns")  # pragma: no cover
+    raise RuntimeError(f"no registered attention backend can run {needs}")  # pragma: no cover

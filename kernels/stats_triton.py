@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .stats import LOG2E, STAT_NAMES
+from .stats_common import LOG2E, STAT_NAMES
 
 __all__ = ["attention_stats_triton"]
 

@@ -8,30 +8,35 @@ d_model]` are views of them (no copy; in-place edits through them change the mod
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+import contextlib
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from torch import Tensor, nn
 
 from .hooks import HookPoint
-from interp.kernels.attention import ATTENTION_BACKENDS, AttentionBackend, AttentionMask, choose
+from interp.kernels.attention import AttentionBackend, AttentionMask, Needs, choose
 
 from .config import ModelConfig
 from .positions import Rotary, alibi_slopes
+from .weights import OptionalBias, stored
 
 if TYPE_CHECKING:
     from .cache import KVCache
 
-BackendChoice = Literal["auto", "fused", "instrumented"]  # "auto" or a name in ATTENTION_BACKENDS
-BACKEND_CHOICES = ("auto", *ATTENTION_BACKENDS)
+BackendChoice = str  # "auto" or a name registered in kernels.attention.ATTENTION_BACKENDS (BACKEND_CHOICES)
 
 
 class Attention(nn.Module):
+    b_O = OptionalBias("W_O_flat")  # zeros when the architecture has no output bias
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.cfg, self.layer = cfg, layer
         h, kv, dh = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         self.n_heads, self.n_kv_heads, self.d_head = h, kv, dh
+        # The window this layer attends through: the model's own (`cfg.window(layer)`), or narrower
+        # while an analysis narrows it (`narrow_windows`); never wider.
         self.window = cfg.window(layer)
         self.scale = cfg.scale
         self.W_qkv = nn.Parameter(torch.empty(cfg.d_model, (h + 2 * kv) * dh))
@@ -92,9 +97,16 @@ class Attention(nn.Module):
         return self._bias(2, self.n_kv_heads)
 
     # ---- forward ------------------------------------------------------------------------------
-    def backend_now(self) -> AttentionBackend:
+    def needs(self, device: torch.device | str, n_sink: int = 0) -> Needs:
+        """What this layer's next call asks of a backend: its hooks, window, sinks, ALiBi, device."""
+        return Needs(pattern=self.hook_attn_scores.active or self.hook_pattern.active, window=self.window is not None,
+                     sinks=bool(n_sink) and self.window is not None, alibi=self.alibi_slopes is not None,
+                     device=torch.device(device).type)
+
+    def backend_now(self, device: torch.device | str | None = None, n_sink: int = 0) -> AttentionBackend:
         """The backend this call runs, chosen by capability (see `kernels.attention.choose`)."""
-        return choose(self.backend, needs_pattern=self.hook_attn_scores.active or self.hook_pattern.active)
+        device = device if device is not None else self.W_qkv.device
+        return choose(self.backend, self.needs(device, n_sink), where=f"layer {self.layer}")
 
     def instrumented_now(self) -> bool:
         """Whether this call will materialise its pattern (and can hand it to hooks)."""
@@ -138,26 +150,45 @@ class Attention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.append(self.layer, k, v, q)
 
-        wants = self.hook_attn_scores.active or self.hook_pattern.active
-        backend = choose(self.backend, needs_pattern=wants)
-        if wants and not backend.gives_pattern:
-            raise RuntimeError(
-                f"layer {self.layer} is forced to the {backend.name} attention backend, which never materialises "
-                "scores or patterns, but a hook is attached to hook_attn_scores / hook_pattern; use "
-                "model.attention('auto') (the default) or model.attention('instrumented')"
-            )
+        backend = self.backend_now(q.device, mask.n_sink)  # asked once per call
         hooks = {}
         if backend.gives_pattern:
             hooks = dict(scores_hook=self.hook_attn_scores if self.hook_attn_scores.active else None,
                          pattern_hook=self.hook_pattern if self.hook_pattern.active else None)
-        z = backend(q, k, v, mask, scale=self.scale, window=self.window, alibi_slopes=self.alibi_slopes, **hooks)
+        z = backend(q, k, v, mask, scale=self.scale, window=self.window, alibi_slopes=self.alibi_slopes,
+                    sink_limit=self.cfg.window(self.layer) if mask.n_sink else None, **hooks)
 
         z = self.hook_z(z.transpose(1, 2))  # [batch, pos, head, d_head]
         if self.hook_result.active:
             result = self.hook_result(torch.einsum("bphd,hdm->bphm", z, self.W_O))
-            out = result.sum(2)
-            return out if self.b_O is None else out + self.b_O
+            out, b_O = result.sum(2), stored(self, "b_O")
+            return out if b_O is None else out + b_O
         z = z.reshape(b, p, h * dh)
-        if self.b_O is None:
+        b_O = stored(self, "b_O")
+        if b_O is None:
             return torch.matmul(z, self.W_O_flat)
-        return torch.addmm(self.b_O, z.view(b * p, -1), self.W_O_flat).view(b, p, -1)
+        return torch.addmm(b_O, z.view(b * p, -1), self.W_O_flat).view(b, p, -1)
+
+
+def effective_window(own: int | None, asked: int | None) -> int | None:
+    """The window a layer attends through when an analysis asks for `asked` on a layer whose own
+    window is `own` (None: full attention): the smaller, so an analysis can narrow a model's window
+    (a Gemma local layer, a Mistral model) but never widen it."""
+    if own is None:
+        return asked
+    return own if asked is None else min(own, asked)
+
+
+@contextlib.contextmanager
+def narrow_windows(model, window: int | None) -> Iterator[None]:
+    """Inside the block every attention layer attends through `effective_window(own, window)`; with
+    `window=None` the model as configured (its own windows, per layer). Restored on exit, even on an
+    exception."""
+    saved = [b.attn.window for b in model.blocks]
+    try:
+        for b in model.blocks:
+            b.attn.window = effective_window(model.cfg.window(b.attn.layer), window)
+        yield
+    finally:
+        for b, w in zip(model.blocks, saved):
+            b.attn.window = w

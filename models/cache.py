@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 from torch import Tensor
 
-from .hooks import act_name
+from .hook_aliases import act_name, canonical, hook_aliases
 
 if TYPE_CHECKING:
     from torch import nn
@@ -23,7 +23,9 @@ class ActivationCache:
     """Activations by hook name, indexable the TransformerLens way.
 
     cache["blocks.0.attn.hook_pattern"], cache["pattern", 0], cache["resid_pre", -1],
-    cache["normalized", 2, "ln1"], cache["embed"]. `.keys()`, `.items()`, `.to(device)`,
+    cache["normalized", 2, "ln1"], cache["embed"], cache["k6"], and TransformerLens 4's bridge names
+    for the same activations (cache["blocks.0.hook_in"], cache["in", 0]: resid_pre; see
+    `models/hook_aliases.py`), which it answers without listing them. `.keys()`, `.items()`, `.to(device)`,
     `.remove_batch_dim()`, and TransformerLens's arithmetic with its numbers: `decompose_resid`,
     `accumulated_resid`, `stack_head_results`, `stack_neuron_results`, `get_full_resid_decomposition`,
     `apply_ln_to_stack`, `logit_attrs`, `stack_activation`.
@@ -37,13 +39,22 @@ class ActivationCache:
     # ---- mapping ------------------------------------------------------------------------------
     def _name(self, key) -> str:
         if isinstance(key, str):
-            return key if key in self.cache_dict else act_name(key)
-        if isinstance(key, tuple):
+            if key in self.cache_dict:
+                return key
+            name = act_name(key)
+        elif isinstance(key, tuple):
             name, layer, *sub = key
             if layer is not None and layer < 0:
                 layer += self.model.cfg.n_layers if self.model is not None else 0
-            return act_name(name, layer, sub[0] if sub else None)
-        raise KeyError(f"cache keys are hook names or (name, layer[, sub]) tuples, got {key!r}")
+            name = act_name(name, layer, sub[0] if sub else None)
+        else:
+            raise KeyError(f"cache keys are hook names or (name, layer[, sub]) tuples, got {key!r}")
+        return name if name in self.cache_dict else canonical(name, self._aliases())
+
+    def _aliases(self) -> dict[str, str]:
+        """{the bridge's name: ours}: the model's, or for a cache without one, those of its keys."""
+        aliases = getattr(self.model, "hook_aliases", None) if self.model is not None else None
+        return aliases if isinstance(aliases, dict) else hook_aliases(self.cache_dict)
 
     def __getitem__(self, key) -> Tensor:
         name = self._name(key)
@@ -495,14 +506,27 @@ def to_tl_cache(cache, model: "nn.Module | None" = None):
     """Our `ActivationCache` (or a plain {hook name: tensor} dict) as TransformerLens's `ActivationCache`.
 
     The tensors are shared, not copied; the dict is (TransformerLens's `remove_batch_dim` edits its
-    dict in place, which must not reach ours). `model` defaults to the cache's model."""
+    dict in place, which must not reach ours). `model` defaults to the cache's model. TransformerLens's
+    cache looks names up literally, so each activation is also listed under the bridge's names for it
+    (`blocks.0.hook_in` beside `blocks.0.hook_resid_pre`), as the bridge's own caches list both."""
     TLCache = _tl().ActivationCache
     if isinstance(cache, TLCache):
         return cache
     if isinstance(cache, ActivationCache):
-        return TLCache(dict(cache.cache_dict), model if model is not None else cache.model, has_batch_dim=cache.has_batch_dim)
+        model = model if model is not None else cache.model
+        return TLCache(_with_aliases(ActivationCache(cache.cache_dict, model)), model, has_batch_dim=cache.has_batch_dim)
     if isinstance(cache, dict):
         if model is None:
             raise ValueError("a plain dict of activations needs the model it came from: to_tl_cache(cache, model)")
-        return TLCache(dict(cache), model)
+        return TLCache(_with_aliases(ActivationCache(cache, model)), model)
     raise TypeError(f"expected an interp.ActivationCache or a dict of activations, got {type(cache).__name__}")
+
+
+def _with_aliases(cache: ActivationCache) -> dict[str, Tensor]:
+    """A new dict of the cache's activations under our names and the bridge's (gradients too)."""
+    out = dict(cache.cache_dict)
+    for alias, own in cache._aliases().items():
+        for suffix in ("", "_grad"):
+            if own + suffix in out:
+                out.setdefault(alias + suffix, out[own + suffix])
+    return out

@@ -17,6 +17,7 @@ from .hooks import HookPoint
 
 from .config import ModelConfig
 from .positions import sinusoidal_table
+from .weights import OptionalBias, stored
 
 
 class Embed(nn.Module):
@@ -127,6 +128,8 @@ def relayout_mlp_(mlp: nn.Module | None) -> None:
 class MLP(nn.Module):
     """x -> act(x W_in + b_in) W_out + b_out. hook_pre: pre-activation, hook_post: post-activation."""
 
+    b_in, b_out = OptionalBias("W_in"), OptionalBias("W_out")  # zeros when the architecture has none
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.act = ACTIVATIONS[cfg.act_fn]
@@ -138,14 +141,16 @@ class MLP(nn.Module):
         self.hook_post = HookPoint()
 
     def forward(self, x: Tensor) -> Tensor:
-        pre = self.hook_pre(_affine(x, self.W_in, self.b_in))
-        return _affine(self.hook_post(self.act(pre)), self.W_out, self.b_out)
+        pre = self.hook_pre(_affine(x, self.W_in, stored(self, "b_in")))
+        return _affine(self.hook_post(self.act(pre)), self.W_out, stored(self, "b_out"))
 
 
 class GatedMLP(nn.Module):
     """x -> (act(x W_gate) * (x W_in)) W_out (SwiGLU with silu; Shazeer 2020).
 
     hook_pre: gate pre-activation, hook_pre_linear: x W_in, hook_post: their product."""
+
+    b_gate, b_in, b_out = OptionalBias("W_gate"), OptionalBias("W_in"), OptionalBias("W_out")
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -161,9 +166,9 @@ class GatedMLP(nn.Module):
         self.hook_post = HookPoint()
 
     def forward(self, x: Tensor) -> Tensor:
-        gate = self.hook_pre(_affine(x, self.W_gate, self.b_gate))
-        lin = self.hook_pre_linear(_affine(x, self.W_in, self.b_in))
-        return _affine(self.hook_post(self.act(gate) * lin), self.W_out, self.b_out)
+        gate = self.hook_pre(_affine(x, self.W_gate, stored(self, "b_gate")))
+        lin = self.hook_pre_linear(_affine(x, self.W_in, stored(self, "b_in")))
+        return _affine(self.hook_post(self.act(gate) * lin), self.W_out, stored(self, "b_out"))
 
 
 def make_mlp(cfg: ModelConfig) -> nn.Module | None:
@@ -173,17 +178,21 @@ def make_mlp(cfg: ModelConfig) -> nn.Module | None:
 
 
 class Unembed(nn.Module):
+    b_U = OptionalBias("W_U")  # zeros without an unembedding bias, as the bridge's
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.W_U = nn.Parameter(torch.empty(cfg.d_model, cfg.d_vocab))
         self.b_U = nn.Parameter(torch.zeros(cfg.d_vocab)) if cfg.unembed_bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        return _affine(x, self.W_U, self.b_U)
+        return _affine(x, self.W_U, stored(self, "b_U"))
 
 
 class TiedUnembed(nn.Module):
     """Unembedding that shares the embedding matrix: logits = x W_E^T (+ b_U)."""
+
+    b_U = OptionalBias("W_U")
 
     def __init__(self, cfg: ModelConfig, embed: Embed) -> None:
         super().__init__()
@@ -195,7 +204,7 @@ class TiedUnembed(nn.Module):
         return self._embed[0].W_E.T
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self._embed[0].W_E, self.b_U)
+        return F.linear(x, self._embed[0].W_E, stored(self, "b_U"))
 
 
 def _affine(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:

@@ -22,6 +22,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from .errors import check_int
+
 Activation = Literal["gelu", "gelu_new", "gelu_fast", "relu", "silu"]
 Normalization = Literal["layernorm", "rmsnorm"]
 Positional = Literal["learned", "sinusoidal", "rotary", "alibi"]
@@ -135,8 +137,16 @@ class ModelConfig:
             problems.append(f"rotary_dim={self.rot_dim} exceeds d_head={self.head_dim}")
         if self.layer_types is not None and len(self.layer_types) != self.n_layers:
             problems.append(f"layer_types has {len(self.layer_types)} entries for {self.n_layers} layers")
-        if self.sliding_window is not None and self.sliding_window < 1:
-            problems.append(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            problems.append(f"sliding_window must be >= 1 (an integer), got {self.sliding_window!r}")
+        # Every real number the forward divides by or exponentiates: a NaN or a negative here gives NaN
+        # or wrong logits silently, so it is refused wherever the config came from (ours, HF, GGUF).
+        reals = dict(norm_eps=self.norm_eps, rotary_base=self.rotary_base)
+        if self.attn_scale is not None:
+            reals["attn_scale"] = self.attn_scale
+        for name, value in reals.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                problems.append(f"{name} must be a finite number > 0, got {value!r}")
         if problems:
             raise ValueError("invalid ModelConfig: " + "; ".join(problems))
         if self.d_head is None:  # resolved once, so `cfg.d_head` (read by TransformerLens code) is never None
@@ -330,6 +340,7 @@ class ModelConfig:
         unembed               = 2 * d_model * vocab
         Norms, softmax, activations and biases are not counted (they are O(d) per token).
         """
+        check_int("context", context, minimum=1)
         d, h, kv, dh = self.d_model, self.n_heads, self.kv_heads, self.head_dim
         attn = 2 * d * (h + 2 * kv) * dh + 2 * h * dh * d + 4 * h * dh * context
         mlp = 0 if self.attn_only else 2 * (3 if self.gated_mlp else 2) * d * self.d_mlp

@@ -10,17 +10,40 @@ with embeddings) is computed from the factors:
 - `eigenvalues` from B A (mdim x mdim), which has the nonzero eigenvalues of A B.
 
 Same names and conventions as TransformerLens (`AB`, `BA`, `T`, `U`, `S`, `V`, `Vh` (which, as
-there, is V), `collapse_l`, `collapse_r`, `make_even`, `get_corner`, `pair`, `@` with tensors,
-vectors and other factored matrices), so `model.OV[1, 4].S` or `(model.W_E @ model.QK[0, 2]) @
-model.W_E.T` read as in a TransformerLens notebook.
+there, is V, and deprecated), `collapse_l`, `collapse_r`, `make_even`, `get_corner`, `pair`, `@`
+with tensors, vectors, other factored matrices and tensor-like objects), so `model.OV[1, 4].S` or
+`(model.W_E @ model.QK[0, 2]) @ model.W_E.T` read as in a TransformerLens notebook. Shape errors
+say what did not fit, and are also instances of what TransformerLens raises there (it asserts on
+inner dimensions and lets torch's broadcasting raise on leading ones), so code that catches
+either kind works: `FactoredShapeError` is a ValueError and an AssertionError,
+`FactoredBroadcastError` a ValueError and a RuntimeError.
 """
 
 from __future__ import annotations
 
+import warnings
 from functools import cached_property
 
 import torch
 from torch import Tensor
+
+
+class FactoredShapeError(ValueError, AssertionError):
+    """Operands whose matrix dimensions do not fit (inner dimensions, a non-square BA, a non-scalar
+    `*`): TransformerLens raises AssertionError here, so this is one too."""
+
+
+class FactoredBroadcastError(ValueError, RuntimeError):
+    """Leading dimensions that do not broadcast: TransformerLens (through torch) raises RuntimeError."""
+
+
+def _operand(x, like: Tensor):
+    """A tensor, or a tensor-like object (anything with `ndim`, `shape` and `@`, as TransformerLens's
+    `TensorLike` protocol) as it is; array-likes (lists, numpy arrays) become tensors in `like`'s
+    dtype and device, so `OV @ numpy_array` works in float32 too."""
+    if isinstance(x, Tensor) or (hasattr(x, "__matmul__") and hasattr(x, "ndim") and hasattr(x, "unsqueeze")):
+        return x
+    return torch.as_tensor(x, dtype=like.dtype, device=like.device)
 
 
 def _upcast(x: Tensor) -> Tensor:
@@ -31,17 +54,23 @@ def _upcast(x: Tensor) -> Tensor:
 class FactoredMatrix:
     """A @ B with A [..., ldim, mdim], B [..., mdim, rdim]; leading dimensions broadcast."""
 
+    __array_ufunc__ = None  # `numpy_array @ fm` hands over to __rmatmul__ instead of numpy's object arrays
+
     def __init__(self, A: Tensor, B: Tensor) -> None:
-        if A.dim() < 2 or B.dim() < 2:
-            raise ValueError(f"FactoredMatrix factors must be matrices (at least 2-d), got A {tuple(A.shape)}, B {tuple(B.shape)}")
+        # Only the tensor protocol is used here (ndim, shape, broadcast_to), so tensor-like factors work.
+        if A.ndim < 2 or B.ndim < 2:
+            raise FactoredShapeError(f"FactoredMatrix factors must be matrices (at least 2-d), got A {tuple(A.shape)}, B {tuple(B.shape)}")
         if A.shape[-1] != B.shape[-2]:
-            raise ValueError(
+            raise FactoredShapeError(
                 f"FactoredMatrix factors must match on the inner dimension: A {tuple(A.shape)} @ B {tuple(B.shape)}"
             )
         try:
             lead = torch.broadcast_shapes(A.shape[:-2], B.shape[:-2])
         except RuntimeError as e:
-            raise ValueError(f"FactoredMatrix: leading dimensions of A {tuple(A.shape)} and B {tuple(B.shape)} do not broadcast") from e
+            raise FactoredBroadcastError(
+                f"FactoredMatrix: shape mismatch, the leading dimensions of A {tuple(A.shape)} and B {tuple(B.shape)} "
+                "do not broadcast"
+            ) from e
         self.ldim, self.mdim, self.rdim = A.shape[-2], A.shape[-1], B.shape[-1]
         self.A = A.broadcast_to(lead + A.shape[-2:])
         self.B = B.broadcast_to(lead + B.shape[-2:])
@@ -81,7 +110,7 @@ class FactoredMatrix:
     def BA(self) -> Tensor:
         """[..., mdim, mdim]; only for square matrices (ldim == rdim)."""
         if self.ldim != self.rdim:
-            raise ValueError(f"BA needs a square matrix, this one is {self.ldim} x {self.rdim}")
+            raise FactoredShapeError(f"BA needs a square matrix, this one is {self.ldim} x {self.rdim}")
         return self.B @ self.A
 
     @property
@@ -91,25 +120,25 @@ class FactoredMatrix:
     def __matmul__(self, other):
         if isinstance(other, FactoredMatrix):
             return (self @ other.A) @ other.B
-        other = torch.as_tensor(other)
-        if other.shape[-2 if other.dim() >= 2 else -1] != self.rdim:
-            raise ValueError(f"FactoredMatrix {tuple(self.shape)} @ {tuple(other.shape)}: inner dimensions differ")
-        if other.dim() < 2:  # a vector: the result is a vector
-            return (self.A @ (self.B @ other[:, None]))[..., 0]
+        other = _operand(other, self.A)
+        if other.shape[-2 if other.ndim >= 2 else -1] != self.rdim:
+            raise FactoredShapeError(f"FactoredMatrix {tuple(self.shape)} @ {tuple(other.shape)}: inner dimensions differ")
+        if other.ndim < 2:  # a vector: the result is a vector
+            return (self.A @ (self.B @ other.unsqueeze(-1))).squeeze(-1)
         # Keep the factorisation through its smaller side.
         return FactoredMatrix(self.A, self.B @ other) if self.rdim > self.mdim else FactoredMatrix(self.AB, other)
 
     def __rmatmul__(self, other):
-        other = torch.as_tensor(other)
+        other = _operand(other, self.A)
         if other.shape[-1] != self.ldim:
-            raise ValueError(f"{tuple(other.shape)} @ FactoredMatrix {tuple(self.shape)}: inner dimensions differ")
-        if other.dim() < 2:
-            return ((other[None, :] @ self.A) @ self.B)[..., 0, :]
+            raise FactoredShapeError(f"{tuple(other.shape)} @ FactoredMatrix {tuple(self.shape)}: inner dimensions differ")
+        if other.ndim < 2:
+            return ((other.unsqueeze(-2) @ self.A) @ self.B).squeeze(-2)
         return FactoredMatrix(other @ self.A, self.B) if self.ldim > self.mdim else FactoredMatrix(other, self.AB)
 
     def __mul__(self, scalar) -> "FactoredMatrix":
         if isinstance(scalar, Tensor) and scalar.numel() != 1:
-            raise ValueError(f"FactoredMatrix * takes a scalar, got shape {tuple(scalar.shape)}; use @ for matrix products")
+            raise FactoredShapeError(f"FactoredMatrix * takes a scalar, got shape {tuple(scalar.shape)}; use @ for matrix products")
         return FactoredMatrix(self.A * scalar, self.B)
 
     __rmul__ = __mul__
@@ -132,7 +161,13 @@ class FactoredMatrix:
     U = property(lambda self: self._svd[0])
     S = property(lambda self: self._svd[1])
     V = property(lambda self: self._svd[2])
-    Vh = property(lambda self: self._svd[2], doc="V (TransformerLens's name for it; not V^T).")
+
+    @property
+    def Vh(self) -> Tensor:
+        """V, not V^T: TransformerLens's old name for it, deprecated there (with the same warning class)."""
+        warnings.warn("FactoredMatrix.Vh is V (the right singular vectors), not V^T; use .V "
+                      "(TransformerLens deprecates .Vh too)", DeprecationWarning, stacklevel=2)
+        return self._svd[2]
 
     @property
     def eigenvalues(self) -> Tensor:
@@ -195,7 +230,7 @@ def composition_scores(left: FactoredMatrix, right: FactoredMatrix, broadcast_di
     with the small P = B_l A_r, so Q/K/V composition over every head pair of a model costs
     d_head x d_head products (taken in chunks to bound memory)."""
     if left.rdim != right.ldim:
-        raise ValueError(f"composition of {tuple(left.shape)} with {tuple(right.shape)}: inner dimensions differ")
+        raise FactoredShapeError(f"composition of {tuple(left.shape)} with {tuple(right.shape)}: inner dimensions differ")
     la, lb = left.A.to(dtype), left.B.to(dtype)
     ra, rb = right.A.to(dtype), right.B.to(dtype)
     gram_l = la.transpose(-2, -1) @ la  # [..., m_l, m_l]

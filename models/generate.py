@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Iterable
 import torch
 from torch import Tensor
 
+from .errors import BadValue, check_int, check_real
+
 if TYPE_CHECKING:
     from .cache import KVCache
 
@@ -51,6 +53,20 @@ def sample_next(
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = logits.softmax(-1)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def _check_room(model: "HookedTransformer", prompt_len: int, max_new_tokens: int) -> None:
+    """Refuse, before any decoding, a generation that would run past a learned (or sinusoidal) position
+    table: the last new token is never fed back, so the model sees prompt_len + max_new_tokens - 1
+    positions. Rotary, ALiBi and position-free models have no table and no such limit."""
+    cfg = model.cfg
+    if cfg.positional not in ("learned", "sinusoidal") or max_new_tokens == 0:
+        return
+    if prompt_len + max_new_tokens - 1 > cfg.n_ctx:
+        room = cfg.n_ctx - prompt_len + 1
+        fix = f"pass max_new_tokens={room} or less" if room > 0 else f"shorten the prompt to {cfg.n_ctx} tokens or fewer"
+        raise BadValue(f"a {prompt_len}-token prompt plus max_new_tokens={max_new_tokens} runs past this model's "
+                         f"{cfg.positional} position table (n_ctx={cfg.n_ctx}): {fix}")
 
 
 @torch.no_grad()
@@ -101,6 +117,12 @@ def generate(
     """
     if return_type not in ("input", "str", "tokens"):
         raise ValueError(f"return_type must be 'input', 'str' or 'tokens', got {return_type!r}")
+    check_int("max_new_tokens", max_new_tokens, minimum=0)
+    check_real("temperature", temperature, minimum=0)  # 0: greedy
+    if top_k is not None:
+        check_int("top_k", top_k, minimum=0)  # 0: no top-k filter
+    if top_p is not None and not (check_real("top_p", top_p, minimum=0, strict=True) <= 1):
+        raise BadValue(f"top_p must lie in (0, 1] (1 or None: no nucleus filter), got {top_p}")
     if freq_penalty < 0:
         raise ValueError(f"freq_penalty must be >= 0 (0 turns it off), got {freq_penalty}")
     if repetition_penalty <= 0:
@@ -112,12 +134,14 @@ def generate(
     from .text import _is_text
 
     single, text_in = isinstance(tokens, str), _is_text(tokens)
-    tokens, attention_mask = model._input_tokens(tokens, attention_mask, prepend_bos, padding_side="left")
+    prepared = model.prepare(tokens, attention_mask, prepend_bos=prepend_bos, padding_side="left")
+    tokens, attention_mask = prepared.tokens, prepared.attention_mask
     batch, n = tokens.shape
     # Which prompt positions are real tokens (not padding): read by the penalties and the text decode.
     real = attention_mask.to(model.device).bool() if attention_mask is not None else torch.ones_like(tokens, dtype=torch.bool)
     if not real[:, -1].all():
         raise ValueError("generation needs left padding: the last position of every row must be a real token")
+    _check_room(model, int(real.sum(1).max()), max_new_tokens)
     as_list = lambda t: [int(t)] if isinstance(t, int) else [int(x) for x in (t or ())]
     eos = as_list(eos_token_id if eos_token_id is not None else getattr(model.tokenizer, "eos_token_id", None)) if stop_at_eos else []
     stops = torch.tensor(sorted(set(as_list(stop_tokens) + eos)), device=model.device, dtype=torch.long)
@@ -178,7 +202,7 @@ def generate(
         texts = []
         for row, k in zip(result, keep):
             ids = row[k].tolist()
-            if model._bos_id(prepend_bos) is not None and ids and ids[0] == bos:
+            if model.bos_id(prepend_bos) is not None and ids and ids[0] == bos:
                 ids = ids[1:]
             texts.append(model.tokenizer.decode(ids, skip_special_tokens=True))
         result = texts[0] if single else texts

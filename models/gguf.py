@@ -17,6 +17,7 @@ Supported: architectures llama, mistral, qwen2 (their metadata prefixes); every 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -24,7 +25,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .checkpoint import CheckpointError, build_model, convert_weights
+from .build import build_model, convert_weights
+from .config import ModelConfig
+from .errors import CheckpointError
 from .families import get_family
 from .transformer import HookedTransformer
 
@@ -88,32 +91,64 @@ def hf_config(reader, source: str) -> dict:
             raise CheckpointError(f"{source}: the GGUF metadata has no {arch}.{key}; is the file complete?")
         return value
 
-    n_heads = int(need("attention.head_count"))
-    d_model = int(need("embedding_length"))
-    n_kv = _field(reader, f"{arch}.attention.head_count_kv", n_heads)
-    if isinstance(n_kv, list):
-        raise NotImplementedError(f"{source}: per-layer KV head counts are not supported")
-    head_dim = _field(reader, f"{arch}.attention.key_length") or d_model // n_heads
-    rope_dim = _field(reader, f"{arch}.rope.dimension_count", head_dim)
+    def count(key: str, default=None) -> int:
+        """A size from the metadata: an integer >= 1 (a 0 would divide by zero below, a negative
+        build nothing sensible); `default` when absent (None: required)."""
+        value = need(key) if default is None else _field(reader, f"{arch}.{key}", default)
+        if isinstance(value, list):
+            raise NotImplementedError(f"{source}: per-layer values of {arch}.{key} are not supported")
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise CheckpointError(f"{source}: the GGUF metadata {arch}.{key} = {value!r} is not a size (an integer >= 1); "
+                                  "the file is corrupt")
+        return int(value)
+
+    def real(key: str, default=None) -> float:
+        """A real number from the metadata (a norm epsilon, a RoPE base): finite and > 0."""
+        value = need(key) if default is None else _field(reader, f"{arch}.{key}", default)
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = float("nan")
+        if not math.isfinite(number) or number <= 0:
+            raise CheckpointError(f"{source}: the GGUF metadata {arch}.{key} = {value!r} is not a finite number > 0; "
+                                  "the file is corrupt")
+        return number
+
+    n_heads = count("attention.head_count")
+    d_model = count("embedding_length")
+    n_kv = count("attention.head_count_kv", n_heads)
+    if _field(reader, f"{arch}.attention.key_length") is not None:
+        head_dim = count("attention.key_length")
+    elif d_model % n_heads:
+        raise CheckpointError(f"{source}: embedding_length {d_model} is not a multiple of head_count {n_heads} "
+                              "and no attention.key_length is given; the file is corrupt")
+    else:
+        head_dim = d_model // n_heads
+    rope_dim = count("rope.dimension_count", head_dim)
     if rope_dim != head_dim:
         raise NotImplementedError(f"{source}: partial rotary ({rope_dim} of {head_dim} dims) is not supported for GGUF")
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raise NotImplementedError(f"{source}: RoPE scaling {scaling!r} in GGUF metadata is not supported")
     names = {t.name for t in reader.tensors}
-    vocab = _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    if _field(reader, f"{arch}.vocab_size") is not None:
+        vocab = count("vocab_size")
+    elif "tokenizer.ggml.tokens" in reader.fields:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    else:
+        raise CheckpointError(f"{source}: the GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
     config = {
         "model_type": ARCHITECTURES[arch],
-        "num_hidden_layers": int(need("block_count")),
+        "num_hidden_layers": count("block_count"),
         "hidden_size": d_model,
-        "intermediate_size": int(need("feed_forward_length")),
+        "intermediate_size": count("feed_forward_length"),
         "num_attention_heads": n_heads,
-        "num_key_value_heads": int(n_kv),
-        "head_dim": int(head_dim),
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
         "vocab_size": int(vocab),
-        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
-        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": count("context_length", 2048),
+        "rms_norm_eps": real("attention.layer_norm_rms_epsilon"),
+        "rope_theta": real("rope.freq_base", 10000.0),
         "tie_word_embeddings": "output.weight" not in names,
         "hidden_act": "silu",
         "attention_bias": "blk.0.attn_q.bias" in names,
@@ -121,9 +156,8 @@ def hf_config(reader, source: str) -> dict:
     }
     if config["model_type"] == "qwen2":  # q/k/v biases, no output bias: the family's defaults
         config.pop("attention_bias")
-    window = _field(reader, f"{arch}.attention.sliding_window")
-    if window:
-        config["sliding_window"] = int(window)
+    if _field(reader, f"{arch}.attention.sliding_window"):
+        config["sliding_window"] = count("attention.sliding_window")
     return config
 
 
@@ -185,6 +219,17 @@ class _DequantizedOnRead(Mapping):
             array = array.copy()
         t = torch.from_numpy(array).reshape(shape).to(self.dtype)
         return t if rope_heads is None else unpermute_rope_rows(t, rope_heads)
+
+
+def config(path: Path, raw=None) -> ModelConfig:
+    """The ModelConfig of a GGUF file, from its metadata alone (no tensor is read)."""
+    hf = hf_config(_reader(Path(path)), str(path))
+    return get_family(hf["model_type"]).config(hf)
+
+
+def load(path: Path, raw=None, *, dtype, device, tokenizer) -> HookedTransformer:
+    """The loader's entry (`checkpoint.load_checkpoint`): `load_gguf`."""
+    return load_gguf(path, dtype=dtype, device=device, tokenizer=tokenizer)
 
 
 def load_gguf(path, *, dtype: torch.dtype = torch.float32, device=None, tokenizer=None) -> HookedTransformer:

@@ -18,6 +18,8 @@ from typing import Callable, Iterable, Iterator, Literal, Sequence, Union
 import torch
 from torch import Tensor, nn
 
+from .hook_aliases import act_name, canonical, hook_aliases
+
 HookFn = Callable[..., Union[Tensor, None]]
 Direction = Literal["fwd", "bwd"]
 NamesFilter = Union[None, str, Sequence[str], Callable[[str], bool]]
@@ -122,82 +124,59 @@ class _BackwardCall:
         return self.fn(grad, hook=self.hook)
 
 
-# TransformerLens's short names: cache["pattern", 0] -> "blocks.0.attn.hook_pattern".
-_ATTN = {"q", "k", "v", "z", "rot_q", "rot_k", "attn_scores", "pattern", "result"}
-_MLP = {"pre", "post", "pre_linear"}
-_ALIASES = {"attn": "pattern", "attn_logits": "attn_scores", "resid": "resid_post", "attn_out": "attn_out", "mlp_out": "mlp_out"}
-
-
-def act_name(name: str, layer: int | None = None, sub: str | None = None) -> str:
-    """Full hook name from TransformerLens's short form, e.g. act_name("pattern", 0), act_name("normalized", 3, "ln2")."""
-    if "." in name or name.startswith("hook_"):
-        return name
-    name = _ALIASES.get(name, name)
-    if layer is None:
-        if name in ("embed", "pos_embed"):
-            return f"hook_{name}"
-        if name in ("scale", "normalized"):
-            return f"ln_final.hook_{name}"
-        raise KeyError(f"{name!r} needs a layer index, e.g. ({name!r}, 0)")
-    if name in _ATTN:
-        return f"blocks.{layer}.attn.hook_{name}"
-    if name in _MLP:
-        return f"blocks.{layer}.mlp.hook_{name}"
-    if name in ("scale", "normalized"):
-        return f"blocks.{layer}.{sub or 'ln1'}.hook_{name}"
-    return f"blocks.{layer}.hook_{name}"
-
-
 class HookedRootModule(nn.Module):
     """Mixin for a model built of HookPoints: names them, adds, scopes and removes hooks."""
 
     hook_dict: dict[str, HookPoint]
 
     def setup_hooks(self) -> None:
-        self.hook_dict = {}
+        """Name every hook point and index them: `hook_dict` (our names; it also answers the bridge's
+        names for them, without listing those) and `hook_aliases` ({the bridge's name: ours}, from
+        `models/hook_aliases.py`). A hook point added after construction (by a `set_use_*` switch)
+        takes the training mode of the module it sits in, so an eval model stays entirely in eval
+        mode (TransformerLens's tools check every module)."""
+        own: dict[str, HookPoint] = {}
         for name, module in self.named_modules():
             if isinstance(module, HookPoint):
                 module.name = name
-                self.hook_dict[name] = module
+                own[name] = module
+            for child in module.children():
+                if isinstance(child, HookPoint):
+                    child.training = module.training
         self.mod_dict = dict(self.named_modules())
-        # Second names for a hook point (TransformerLens's bridge has blocks.L.attn.hook_q_input for
-        # blocks.L.hook_q_input): alias -> the hook point's own name. Predicates never match an alias,
-        # so a hook is never attached twice; caches list both names.
-        self.hook_aliases: dict[str, str] = {}
-        for name, module in list(self.mod_dict.items()):
-            for alias, target in getattr(module, "hook_point_aliases", lambda: {})().items():
-                full, own = f"{name}.{alias}" if name else alias, f"{name}.{target}" if name else target
-                if own in self.hook_dict:
-                    self.hook_aliases[full] = own
-                    self.hook_dict[full] = self.hook_dict[own]
+        self.hook_aliases = hook_aliases(own)
+        self._names_of: dict[str, list[str]] = {n: [n] for n in own}  # our name -> it and its aliases
+        for alias, target in self.hook_aliases.items():
+            self._names_of[target].append(alias)
+        self.hook_dict = _HookDict(own, self.hook_aliases)
 
     def hook_points(self) -> list[HookPoint]:
         return list(self.hook_dict.values())
 
     def resolve_hook_names(self, names: NamesFilter) -> list[str]:
-        """Hook names matching `names` (None = all; a name; a list of names; a predicate).
+        """Our names of the hook points `names` selects (None = all; a name, ours or the bridge's; a
+        list of names; a predicate, which selects a hook point when it accepts any of its names).
+        Each hook point appears once, so a hook is never attached twice.
 
         A name that is not a hook point raises a KeyError naming the closest hook points."""
-        aliases = getattr(self, "hook_aliases", {})
         if names is None:
-            return [n for n in self.hook_dict if n not in aliases]
+            return list(self.hook_dict)
         if callable(names) and not isinstance(names, str):
-            return [n for n in self.hook_dict if n not in aliases and names(n)]
+            return [n for n, every in self._names_of.items() if any(names(a) for a in every)]
         if isinstance(names, str):
             names = [names]
-        out = []
-        for n in names:
-            self._check_name(n)
-            out.append(aliases.get(n, n))
-        return list(dict.fromkeys(out))
+        return list(dict.fromkeys(self._check_name(n) for n in names))
 
     # Hook points that exist only once a `set_use_*` switch adds them, as in TransformerLens.
     _OPTIONAL_HOOKS = {"hook_q_input": "set_use_split_qkv_input", "hook_k_input": "set_use_split_qkv_input",
                        "hook_v_input": "set_use_split_qkv_input", "hook_attn_in": "set_use_attn_in",
                        "hook_mlp_in": "set_use_hook_mlp_in"}
 
-    def _check_name(self, name: str) -> None:
-        if name not in self.hook_dict:
+    def _check_name(self, name: str) -> str:
+        """Our name for the hook point `name` names (our name or the bridge's); when it names none, a
+        KeyError that says what to do."""
+        own = canonical(name, self.hook_aliases)
+        if own not in self.hook_dict:
             switch = self._OPTIONAL_HOOKS.get(name.rsplit(".", 1)[-1])
             if switch is not None:
                 raise KeyError(f"{name!r} exists only after model.{switch}(True) (TransformerLens's optional hook "
@@ -208,6 +187,7 @@ class HookedRootModule(nn.Module):
                 f"{name!r} is not a hook point of this model.{hint} "
                 f"List them with `list(model.hook_dict)` ({len(self.hook_dict)} hook points)."
             )
+        return own
 
     def add_hook(
         self, name: str | Callable[[str], bool], fn: HookFn, dir: Direction = "fwd", is_permanent: bool = False,
@@ -217,8 +197,7 @@ class HookedRootModule(nn.Module):
         `is_permanent=True`: the hook survives `reset_hooks()` (TransformerLens's permanent hooks)."""
         if callable(name) and not isinstance(name, str):
             return _MultiHandle([self.hook_dict[n].add_hook(fn, dir, prepend, is_permanent) for n in self.resolve_hook_names(name)])
-        self._check_name(name)
-        return self.hook_dict[name].add_hook(fn, dir, prepend, is_permanent)
+        return self.hook_dict[self._check_name(name)].add_hook(fn, dir, prepend, is_permanent)
 
     def add_perma_hook(self, name: str | Callable[[str], bool], fn: HookFn, dir: Direction = "fwd"):
         """A hook that stays until `reset_hooks(including_permanent=True)` (TransformerLens's name)."""
@@ -282,6 +261,26 @@ class HookedRootModule(nn.Module):
             if clear_contexts:
                 for hp in self.hook_dict.values():
                     hp.clear_context()
+
+
+class _HookDict(dict):
+    """{our name: hook point} that also answers the bridge's names (`hook_dict["blocks.0.hook_in"]`,
+    `in`, `.get`) without listing them: iterating it gives each hook point once."""
+
+    def __init__(self, own: dict, aliases: dict[str, str]) -> None:
+        super().__init__(own)
+        self.aliases = aliases
+
+    def __missing__(self, name: str) -> HookPoint:
+        if name not in self.aliases:
+            raise KeyError(name)
+        return self[self.aliases[name]]
+
+    def __contains__(self, name) -> bool:
+        return super().__contains__(name) or name in self.aliases
+
+    def get(self, name, default=None):
+        return self[name] if name in self else default
 
 
 class _MultiHandle:

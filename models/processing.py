@@ -228,7 +228,9 @@ def _install(model, sd: _Weights, dtype: torch.dtype) -> None:
         new_cfg = cfg.replace(**changes)
         device = model.device
         if "tie_embeddings" in changes or "unembed_bias" in changes:
-            model.unembed = Unembed(new_cfg).to(device=device, dtype=dtype)
+            # A new module starts in training mode; it takes the model's (eval after interp.load),
+            # or TransformerLens's tools refuse the model (they check every module).
+            model.unembed = Unembed(new_cfg).to(device=device, dtype=dtype).train(model.training)
         for block in model.blocks:
             attn, mlp = block.attn, block.mlp
             if changes.get("qkv_bias"):

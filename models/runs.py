@@ -20,47 +20,12 @@ reported when the sweep fails to load it.
 from __future__ import annotations
 
 import json
-import re
-from dataclasses import dataclass
 from pathlib import Path
 
-_STEP_PATTERNS = (
-    re.compile(r"(?:^|[_\-/])(?:global_step|step|checkpoint|ckpt|iter|iteration)[_\-]?(\d+)$", re.IGNORECASE),
-    re.compile(r"(\d+)$"),
-)
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+from . import zoo
+from .run_types import Checkpoint, Run, is_checkpoint, parse_step
 
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """One checkpoint of a run. `path` is a checkpoint folder `interp.load` accepts."""
-
-    run: str
-    name: str
-    step: int | None
-    path: str
-
-
-@dataclass(frozen=True)
-class Run:
-    name: str
-    source: str  # what the user named: a zoo name or a folder
-    checkpoints: tuple[Checkpoint, ...]
-
-
-def parse_step(name: str) -> int | None:
-    """The training step a checkpoint folder's name encodes (`step1000`, `checkpoint-500`), or None."""
-    for pattern in _STEP_PATTERNS:
-        m = pattern.search(name)
-        if m:
-            return int(m.group(1))
-    return None
-
-
-def is_checkpoint(path: Path) -> bool:
-    """A folder `interp.load` would try: it has a config.json and (possibly broken) weights."""
-    return (path / "config.json").is_file() and any((path / f).exists() for f in _WEIGHT_FILES)
-
+__all__ = ["Checkpoint", "Run", "discover", "is_checkpoint", "parse_step", "zoo_path"]
 
 def discover(spec: str, last_only: bool = False) -> Run:
     """The run `spec` names (a zoo name, a run folder, a folder of checkpoint folders, or one checkpoint);
@@ -141,10 +106,6 @@ def _read_json(file: Path):
 
 def zoo_path(name: str) -> Path | None:
     """The folder a zoo name resolves to (a bare run name: its latest checkpoint), or None."""
-    try:
-        from interp.models import zoo
-    except ImportError:
-        return None
     try:
         resolved = zoo.resolve(name)  # a zoo run without the named step raises, listing its steps
     except (KeyError, ValueError):

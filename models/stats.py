@@ -44,7 +44,7 @@ def for_each_layer_qk(model, tokens, fn: LayerFn, *, attention_mask: Tensor | No
     The forward stops after the last requested layer (no unembedding). Hooks already on the model
     (e.g. ones that edit q or k) run first, so the callback sees what attention saw.
     """
-    tokens = model._as_tokens(tokens)
+    tokens = model.prepare(tokens, padding=False).tokens
     layers = sorted(range(model.cfg.n_layers) if layers is None else set(layers))
     if not layers:
         return
@@ -85,8 +85,8 @@ def model_attention_stats(
 
     For long contexts where even the per-query results of all layers are too much, use
     `for_each_layer_qk` and reduce inside the callback (as `interp.analyses.detect_heads` does)."""
-    tokens = model._as_tokens(tokens)
-    padding = None if attention_mask is None else model._valid(attention_mask, *tokens.shape)
+    batch = model.prepare(tokens, attention_mask, padding=False)
+    tokens, padding = batch.tokens, None if attention_mask is None else batch.valid
     out: dict[int, AttentionStats] = {}
 
     def fn(layer, q, k, v):

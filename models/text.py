@@ -31,7 +31,7 @@ class TextMixin:
             return self.cfg.prepend_bos
         return getattr(self.tokenizer, "bos_token_id", None) is not None
 
-    def _bos_id(self, prepend_bos: bool | None) -> int | None:
+    def bos_id(self, prepend_bos: bool | None) -> int | None:
         """The BOS id to put first (None: no BOS), for a call's `prepend_bos` (None: the model's default)."""
         want = self.cfg.default_prepend_bos if prepend_bos is None else bool(prepend_bos)
         if not want:
@@ -70,7 +70,7 @@ class TextMixin:
         side = padding_side if padding_side is not None else getattr(tok, "padding_side", "right")
         if side not in ("left", "right"):
             raise ValueError(f"padding_side must be 'left' or 'right', got {side!r}")
-        bos = self._bos_id(prepend_bos)
+        bos = self.bos_id(prepend_bos)
         ids = [list(tok.encode(t, add_special_tokens=False) if hasattr(tok, "encode") else tok(t)) for t in texts]
         ids = [([bos] if bos is not None else []) + i for i in ids]
         if truncate:  # as TransformerLens: at most n_ctx tokens

@@ -47,6 +47,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .errors import check_int, check_threads
+from .tensor_files import save_model
 from .tokenizer import ByteTokenizer
 
 from . import probes
@@ -319,12 +321,10 @@ def train(recipe: Recipe, out_dir: str | Path, *, steps: int | None = None, seed
     uninterrupted run."""
     from tqdm.auto import tqdm
 
-    from .checkpoint import save_model
-
-    steps = recipe.steps if steps is None else steps
-    seed = recipe.seed if seed is None else seed
-    threads = recipe.threads if threads is None else threads
-    out_dir = Path(out_dir)
+    steps = check_int("steps", recipe.steps if steps is None else steps, minimum=1)
+    seed = check_int("seed", recipe.seed if seed is None else seed, minimum=0)
+    threads = check_threads(recipe.threads if threads is None else threads)
+    out_dir = Path(out_dir)  # created only now, after every setting is checked
     out_dir.mkdir(parents=True, exist_ok=True)
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -9,6 +9,7 @@ forces a backend for all (or some) layers.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Iterator, Literal, Sequence
 
 import torch
@@ -17,9 +18,9 @@ from torch import Tensor, nn
 
 from .cache import ActivationCache, KVCache
 from .hooks import HookedRootModule, HookPoint, NamesFilter, caching_hook
-from interp.kernels.attention import AttentionMask
+from interp.kernels.attention import BACKEND_CHOICES, AttentionMask
 
-from .attention import BACKEND_CHOICES, Attention, BackendChoice
+from .attention import Attention, BackendChoice
 from .components import (
     Embed,
     PosEmbed,
@@ -32,11 +33,28 @@ from .components import (
 )
 from .config import ModelConfig
 from .positions import Rotary
+from .tensor_files import save_model
 from .text import TextMixin, _is_text
 from .weights import WeightViews
 
 ReturnType = Literal["logits", "loss", "both", None]
 
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """Token ids [batch, pos] on the model's device and their attention mask (1 / True for real tokens;
+    None: every position is real), as `HookedTransformer.prepare` builds them for every entry point."""
+
+    tokens: Tensor
+    attention_mask: Tensor | None = None
+
+    @property
+    def valid(self) -> Tensor:
+        """bool [batch, pos]: True for real tokens."""
+        if self.attention_mask is None:
+            return torch.ones(self.tokens.shape, dtype=torch.bool, device=self.tokens.device)
+        return self.attention_mask.to(device=self.tokens.device, dtype=torch.bool)
 
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
@@ -81,11 +99,6 @@ class TransformerBlock(nn.Module):
         self.mlp_in = bool(on) and self.mlp is not None
         if self.mlp_in:
             self.hook_mlp_in = HookPoint()
-
-    def hook_point_aliases(self) -> dict[str, str]:
-        """The bridge's names for the split-input hook points (`attn.hook_q_input`, ...)."""
-        names = {"qkv": ("hook_q_input", "hook_k_input", "hook_v_input"), "attn_in": ("hook_attn_in",)}
-        return {f"attn.{n}": n for n in names.get(self.split_input, ())}
 
     def _per_head_inputs(self, resid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The residual stream copied once per head (TransformerLens's hook_q_input / k / v, or one
@@ -289,19 +302,36 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
             for b, old in zip(self.blocks, saved[1]):
                 b.attn.backend = old
 
-    # ---- input checks -------------------------------------------------------------------------
+    # ---- input: the one path from what a caller gives to what the blocks read ----------------------
+    def prepare(self, input, attention_mask: Tensor | None = None, *, prepend_bos: bool | None = None,
+                padding_side: str | None = None, padding: bool = True) -> "TokenBatch":
+        """What forward, generate, the statistics and every analysis feed the model, decided here once:
+        token ids [batch, pos] (checked against the vocabulary, on the model's device) from ids or text
+        (BOS per `prepend_bos`, default the model's), and the real-token mask.
+
+        Texts of different lengths are padded (`padding_side`, default the tokenizer's) and masked;
+        with `padding=False` (a caller that takes no mask) they raise instead. A given `attention_mask`
+        is checked against the tokens' shape."""
+        if _is_text(input):
+            tokens, valid = self._encode(input, prepend_bos, padding_side)
+            if not bool(valid.all()):
+                if not padding:
+                    raise ValueError(
+                        f"these {len(input)} texts tokenize to different lengths ({int(valid.sum(1).min())} to "
+                        f"{valid.shape[1]} tokens) and this call takes no attention mask: pass texts of one length, "
+                        "one text at a time, or token ids with attention_mask=model.to_text_mask(texts)")
+                attention_mask = valid if attention_mask is None else attention_mask
+        else:
+            tokens = self._as_tokens(input)
+        if attention_mask is not None:
+            self._valid(attention_mask, *tokens.shape)  # the shape, said before any work
+        return TokenBatch(tokens, attention_mask)
+
     def _as_tokens(self, tokens, prepend_bos: bool | None = None) -> Tensor:
         """Token ids [batch, pos] from ids or text (BOS per the model's default). Texts that would need
-        padding raise: the caller has no attention mask to give (see `_input_tokens`)."""
+        padding raise: the caller has no attention mask to give (see `prepare`)."""
         if _is_text(tokens):
-            ids, valid = self._encode(tokens, prepend_bos)
-            if not bool(valid.all()):
-                raise ValueError(
-                    f"these {len(tokens)} texts tokenize to different lengths ({int(valid.sum(1).min())} to "
-                    f"{valid.shape[1]} tokens) and this call takes no attention mask: pass texts of one length, "
-                    "one text at a time, or token ids with attention_mask=model.to_text_mask(texts)"
-                )
-            return ids
+            return self.prepare(tokens, prepend_bos=prepend_bos, padding=False).tokens
         if not isinstance(tokens, Tensor):
             tokens = torch.as_tensor(tokens)
         if tokens.is_floating_point() or tokens.dtype == torch.bool:
@@ -319,16 +349,6 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
                 f"token ids must lie in [0, {self.cfg.d_vocab}) for this model's vocabulary; got {bad.unique()[:5].tolist()}"
             )
         return tokens.to(device=self.device, dtype=torch.long)  # int8/16/32 ids index the embedding too
-
-    def _input_tokens(self, input, attention_mask: Tensor | None = None, prepend_bos: bool | None = None,
-                      padding_side: str | None = None) -> tuple[Tensor, Tensor | None]:
-        """(token ids, attention mask) from ids or text; texts of different lengths are padded and masked."""
-        if not _is_text(input):
-            return self._as_tokens(input), attention_mask
-        tokens, valid = self._encode(input, prepend_bos, padding_side)
-        if attention_mask is None and not bool(valid.all()):
-            attention_mask = valid
-        return tokens, attention_mask
 
     def _positions(self, valid: Tensor, kv_cache: KVCache | None) -> Tensor:
         """Position ids [batch, pos]: real tokens count 0, 1, 2, ... per row (left padding is skipped)."""
@@ -373,7 +393,8 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
                        `cfg.default_prepend_bos`); texts of different lengths get an attention mask.
         """
         if start_at_layer is None:
-            tokens, attention_mask = self._input_tokens(input, attention_mask, prepend_bos, padding_side)
+            prepared = self.prepare(input, attention_mask, prepend_bos=prepend_bos, padding_side=padding_side)
+            tokens, attention_mask = prepared.tokens, prepared.attention_mask
             batch, n = tokens.shape
         else:
             if not (isinstance(input, Tensor) and input.is_floating_point() and input.dim() == 3):
@@ -456,11 +477,6 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
                 if not (isinstance(out, Tensor) and out.dim() == 0):
                     raise ValueError("incl_bwd=True differentiates the output, which must be a scalar: pass return_type='loss'")
                 out.backward()
-        for alias, own in self.hook_aliases.items():  # the bridge's second names, same tensors
-            if own in store:
-                store[alias] = store[own]
-            if f"{own}_grad" in store:
-                store[f"{alias}_grad"] = store[f"{own}_grad"]
         store = {n: store[n] for n in sorted(store, key=self._hook_order().get)}
         cache = ActivationCache(store, self) if return_cache_object else store
         if remove_batch_dim and return_cache_object:
@@ -532,8 +548,6 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
     # ---- saving -------------------------------------------------------------------------------
     def save(self, path) -> None:
         """Write `config.json` + `model.safetensors` (our format; `interp.load(path)` reads it back)."""
-        from .checkpoint import save_model
-
         save_model(self, path)
 
     def __repr__(self) -> str:

@@ -5,9 +5,50 @@
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .factored import FactoredMatrix, composition_scores
+
+
+def or_zeros(bias: Tensor | None, like: Tensor, size: int) -> Tensor:
+    """A bias the checkpoint lacks reads as zeros (as in TransformerLens's HookedTransformer, and in
+    the bridge for b_U): `bias`, or zeros of `size` in `like`'s dtype and device."""
+    return bias if bias is not None else like.new_zeros(size)
+
+
+class OptionalBias:
+    """A module's bias that the architecture may lack (`unembed.b_U`, `mlp.b_in`, `attn.b_O`, ...).
+
+    Stored as the module's parameter, None when absent: no state_dict key, and the forward pass
+    reads `stored(module, name)` and adds nothing. Read as an attribute it is zeros when absent, so
+    TransformerLens code such as `model.unembed.b_U.sort()` or `torch.stack([b.mlp.b_in for b in
+    model.blocks])` runs. `weight` names the matrix the bias is added after: its last dimension is the
+    bias's size, and its dtype and device the zeros'. Assigning a Parameter (weight processing creating
+    a bias) registers it as before."""
+
+    def __init__(self, weight: str) -> None:
+        self.weight = weight
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, module, owner=None):
+        if module is None:
+            return self
+        params = module.__dict__.get("_parameters", {})
+        if self.name not in params:  # not registered yet: lets nn.Module register it
+            raise AttributeError(f"{type(module).__name__}.{self.name} is not set yet")
+        w = getattr(module, self.weight)
+        return or_zeros(params[self.name], w, w.shape[-1])
+
+    def __set__(self, module, value) -> None:
+        # nn.Module registers Parameters itself; this is reached for None (a bias the model lacks).
+        module.register_parameter(self.name, value)
+
+
+def stored(module: nn.Module, name: str) -> Tensor | None:
+    """The bias parameter itself, None when the architecture lacks it (what forward passes read)."""
+    return module._parameters[name]
 
 
 class WeightViews:
@@ -37,37 +78,25 @@ class WeightViews:
     b_K = property(lambda self: self._stack("b_K"), doc="[layer, kv_head, d_head] (zeros without biases)")
     b_V = property(lambda self: self._stack("b_V"), doc="[layer, kv_head, d_head] (zeros without biases)")
 
-    def _or_zeros(self, bias: Tensor | None, size: int) -> Tensor:
-        """A bias the checkpoint lacks reads as zeros (as in TransformerLens's HookedTransformer)."""
-        return bias if bias is not None else self.W_E.new_zeros(size)
+    b_O = property(lambda self: self._stack("b_O"), doc="[layer, d_model] (zeros without biases)")
 
-    @property
-    def b_O(self) -> Tensor:
-        """[layer, d_model] (zeros without biases)."""
-        return torch.stack([self._or_zeros(b.attn.b_O, self.cfg.d_model) for b in self.blocks])
-
-    def _stack_mlp(self, attr: str, size: int | None = None) -> Tensor:
+    def _stack_mlp(self, attr: str) -> Tensor:
         if self.cfg.attn_only:
             raise AttributeError(f"{attr}: this model is attention-only, it has no MLPs")
         if attr == "W_gate" and not hasattr(self.blocks[0].mlp, "W_gate"):
             raise AttributeError("W_gate: this model's MLPs are not gated")
-        out = []
-        for b in self.blocks:
-            w = getattr(b.mlp, attr, None)
-            out.append(self._or_zeros(w, size))
-        return torch.stack(out)
+        return torch.stack([getattr(b.mlp, attr) for b in self.blocks])
 
     W_in = property(lambda self: self._stack_mlp("W_in"), doc="[layer, d_model, d_mlp]")
     W_gate = property(lambda self: self._stack_mlp("W_gate"), doc="[layer, d_model, d_mlp] (gated MLPs)")
     W_out = property(lambda self: self._stack_mlp("W_out"), doc="[layer, d_mlp, d_model]")
-    b_in = property(lambda self: self._stack_mlp("b_in", self.cfg.d_mlp), doc="[layer, d_mlp] (zeros without biases)")
-    b_out = property(lambda self: self._stack_mlp("b_out", self.cfg.d_model), doc="[layer, d_model] (zeros without biases)")
+    b_in = property(lambda self: self._stack_mlp("b_in"), doc="[layer, d_mlp] (zeros without biases)")
+    b_out = property(lambda self: self._stack_mlp("b_out"), doc="[layer, d_model] (zeros without biases)")
 
     @property
     def b_U(self) -> Tensor:
         """[d_vocab] (zeros without an unembedding bias)."""
-        b = self.unembed.b_U
-        return self._or_zeros(b, self.cfg.d_vocab)
+        return self.unembed.b_U
 
     @property
     def W_E_pos(self) -> Tensor:
@@ -106,14 +135,12 @@ class WeightViews:
             out.update({
                 pre + "attn.W_Q": a.W_Q, pre + "attn.W_K": expand(a.W_K), pre + "attn.W_V": expand(a.W_V),
                 pre + "attn.W_O": a.W_O, pre + "attn.b_Q": a.b_Q, pre + "attn.b_K": expand(a.b_K),
-                pre + "attn.b_V": expand(a.b_V),
-                pre + "attn.b_O": self._or_zeros(a.b_O, self.cfg.d_model),
+                pre + "attn.b_V": expand(a.b_V), pre + "attn.b_O": a.b_O,
             })
             if block.mlp is not None:
                 m = block.mlp
                 out[pre + "mlp.W_in"], out[pre + "mlp.W_out"] = m.W_in, m.W_out
-                out[pre + "mlp.b_in"] = self._or_zeros(m.b_in, self.cfg.d_mlp)
-                out[pre + "mlp.b_out"] = self._or_zeros(m.b_out, self.cfg.d_model)
+                out[pre + "mlp.b_in"], out[pre + "mlp.b_out"] = m.b_in, m.b_out
                 if getattr(m, "W_gate", None) is not None:
                     out[pre + "mlp.W_gate"] = m.W_gate
             for norm in ("ln1", "ln2"):
@@ -153,9 +180,7 @@ class WeightViews:
         before block `layer` (with mlp_input, also block `layer`'s b_O). TransformerLens's signature."""
         total = torch.zeros(self.cfg.d_model, device=self.device, dtype=self.dtype)
         for i, block in enumerate(self.blocks[: layer + 1 if mlp_input else layer]):
-            if block.attn.b_O is not None:
-                total = total + block.attn.b_O
-            mlp = block.mlp
-            if include_mlp_biases and i < layer and mlp is not None and mlp.b_out is not None:
-                total = total + mlp.b_out
+            total = total + block.attn.b_O  # absent biases read as zeros
+            if include_mlp_biases and i < layer and block.mlp is not None:
+                total = total + block.mlp.b_out
         return total

@@ -8,6 +8,7 @@ are peaked and a dropped bias or a wrong mask shows in the logits.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,3 +89,37 @@ def hf_pair(name: str):
 
     hf = build_hf(name)
     return hf, interp.from_hf(hf)
+
+
+def tiny_gguf(path, arch: str = "llama", edit=None, **metadata):
+    """A one-layer llama GGUF file (F32, written with the gguf package). `metadata` overrides the
+    numbers written (block_count, embedding_length, head_count, layer_norm_rms_eps, rope_freq_base, ...);
+    `edit(name, array)` may change a tensor in place before it is written."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(metadata.get("block_count", 1))
+    w.add_embedding_length(metadata.get("embedding_length", 8))
+    w.add_feed_forward_length(metadata.get("feed_forward_length", 16))
+    w.add_head_count(metadata.get("head_count", 2))
+    w.add_head_count_kv(metadata.get("head_count_kv", 1))
+    w.add_context_length(metadata.get("context_length", 32))
+    w.add_layer_norm_rms_eps(metadata.get("layer_norm_rms_eps", 1e-5))
+    w.add_rope_freq_base(metadata.get("rope_freq_base", 10000.0))
+    w.add_vocab_size(metadata.get("vocab_size", 11))
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (11, 8), "output_norm.weight": (8,), "blk.0.attn_norm.weight": (8,),
+              "blk.0.attn_q.weight": (8, 8), "blk.0.attn_k.weight": (4, 8), "blk.0.attn_v.weight": (4, 8),
+              "blk.0.attn_output.weight": (8, 8), "blk.0.ffn_norm.weight": (8,), "blk.0.ffn_gate.weight": (16, 8),
+              "blk.0.ffn_up.weight": (16, 8), "blk.0.ffn_down.weight": (8, 16)}
+    for name, shape in shapes.items():
+        array = rng.standard_normal(shape).astype(np.float32)
+        if edit is not None:
+            edit(name, array)
+        w.add_tensor(name, array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)

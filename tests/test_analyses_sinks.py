@@ -175,3 +175,73 @@ def test_cache_positions_need_rotary_and_windows_shorter_than_the_sequence():
         window_eval(build("learned"), tokens(1, 20), window=4, n_sink=2)
     with pytest.raises(ValueError, match="not smaller than the 20-token"):
         window_eval(build("rotary-gqa"), tokens(1, 20), window=20)
+
+
+# ---- a model's own windows are respected: an analysis narrows them, never widens them -----------
+def _with_own_windows(model, window, layer_types=None):
+    """The same weights under a config with sliding windows of its own (a windowed zoo copy)."""
+    own = HookedTransformer(model.cfg.replace(sliding_window=window, layer_types=layer_types), seed=None)
+    own.load_state_dict(model.state_dict())
+    return own.eval()
+
+
+def _masked_loss_per_layer(model, toks, rule):
+    """Per-token loss with `rule(layer, delta, j) -> bool` applied to every layer's materialised scores."""
+    n = toks.shape[1]
+    p, j = torch.arange(n)[:, None], torch.arange(n)[None]
+
+    def hook_for(l):
+        ok = (p >= j) & rule(l, p - j, j)
+        return lambda scores, hook: scores.masked_fill(~ok, float("-inf"))
+
+    hooks = [(f"blocks.{l}.attn.hook_attn_scores", hook_for(l)) for l in range(model.cfg.n_layers)]
+    with torch.no_grad():
+        return lm_loss(model.run_with_hooks(toks, fwd_hooks=hooks), toks, per_token=True)
+
+
+@pytest.mark.parametrize("positions", ["original", "cache"])
+def test_streaming_never_widens_a_models_own_window(positions):
+    base = build("rotary-gqa")
+    toks = tokens(2, 24, seed=5)
+    model = _with_own_windows(base, 6)
+    with torch.no_grad():
+        own = lm_loss(model(toks), toks, per_token=True)
+    # "full" is the model as configured, and a wider window changes nothing
+    for window in (None, 6, 16):
+        got = streaming_loss(model, toks, window, 0, positions=positions)
+        assert torch.allclose(got, own, atol=1e-5), window
+    assert not torch.allclose(own, lm_loss(base(toks), toks, per_token=True), atol=1e-3)  # the window matters
+    # a narrower window narrows: equal to the model built with it
+    narrow = _with_own_windows(base, 3)
+    with torch.no_grad():
+        want = lm_loss(narrow(toks), toks, per_token=True)
+    assert torch.allclose(streaming_loss(model, toks, 3, 0, positions=positions), want, atol=1e-5)
+    # sinks are kept past the analysis window, but never past the model's own
+    if positions == "original":
+        want = _masked_loss_per_layer(base, toks, lambda l, d, j: (d < 3) | ((j < 2) & (d < 6)))
+        for chunk in (None, 1):
+            got = streaming_loss(model, toks, 3, 2, chunk_size=chunk)
+            assert torch.allclose(got, want, atol=1e-5), chunk
+    assert all(b.attn.window == 6 for b in model.blocks)  # the model's windows are restored
+
+
+def test_streaming_keeps_per_layer_windows():
+    base = build("rotary-gqa")
+    toks = tokens(2, 24, seed=6)
+    model = _with_own_windows(base, 5, layer_types=("sliding", "full"))
+    frame = window_eval(model, toks, window=[3, 8], n_sink=2, positions="original")
+    with torch.no_grad():
+        assert frame.loc[0, "loss"] == pytest.approx(float(model(toks, return_type="loss")), abs=1e-5)
+    own = {0: 5, 1: None}
+
+    def rule(window, n_sink):
+        def ok(l, d, j):
+            eff = window if own[l] is None else min(own[l], window)
+            keep = (d < eff) | (j < n_sink)
+            return keep if own[l] is None else keep & (d < own[l])
+        return ok
+
+    for row, (window, n_sink) in zip(range(1, 5), [(3, 0), (3, 2), (8, 0), (8, 2)]):
+        want = float(_masked_loss_per_layer(base, toks, rule(window, n_sink)).mean())
+        assert frame.loc[row, "loss"] == pytest.approx(want, abs=1e-5), (window, n_sink)
+    assert [b.attn.window for b in model.blocks] == [5, None]

@@ -18,7 +18,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import interp.models.attention as attention_module
 from core_models import OWN_CONFIGS, build, hf_pair, left_mask, one_thread, own, small, tokens  # noqa: F401 (one_thread: an autouse fixture)
 from hf_cases import CASES
-from interp.kernels.attention import AttentionBackend, AttentionMask, get_backend, instrumented_attention
+from interp.kernels.attention import (
+    ATTENTION_BACKENDS,
+    AttentionBackend,
+    AttentionMask,
+    Needs,
+    choose,
+    fused_attention,
+    get_backend,
+    instrumented_attention,
+)
 from interp.models.positions import alibi_slopes, sinusoidal_table
 
 N = 11  # longer than every sliding window in the configs
@@ -46,10 +55,15 @@ def _max_rel(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
     return float((a.float() - b.float()).abs().max()) / max(float(b.float().abs().max()), floor)
 
 
-def _compare_paths(model, vocab):
+# Every registered backend against the instrumented path (the materialised reference): a new backend is
+# one registry entry, and these parametrised tests hold it to the same numbers, forward and backward.
+OTHER_BACKENDS = [name for name in ATTENTION_BACKENDS if name != "instrumented"]
+
+
+def _compare_paths(model, vocab, backend="fused"):
     toks, mask = tokens(3, N, vocab=vocab), left_mask(3, N)
     weights = torch.randn(3, N, vocab, generator=torch.Generator().manual_seed(1))
-    fused = _grads(model, "fused", toks, mask, weights)
+    fused = _grads(model, backend, toks, mask, weights)
     instr = _grads(model, "instrumented", toks, mask, weights)
     assert _max_rel(fused[0], instr[0], 1e-3) < 1e-5
     floor = 1e-3 * max(float(g.abs().max()) for g in instr[1])
@@ -59,9 +73,29 @@ def _compare_paths(model, vocab):
     assert _max_rel(fused[2], instr[2], 1e-6) < 1e-4
 
 
+@pytest.mark.parametrize("backend", OTHER_BACKENDS)
 @pytest.mark.parametrize("name", list(OWN_CONFIGS))
-def test_fused_equals_instrumented_own_configs(name):
-    _compare_paths(own(name), OWN_CONFIGS[name].d_vocab)
+def test_fused_equals_instrumented_own_configs(name, backend):
+    _compare_paths(own(name), OWN_CONFIGS[name].d_vocab, backend)
+
+
+def test_choose_reads_capabilities(monkeypatch):
+    """`choose` decides from what a backend declares: a windowless backend registered first is taken for
+    plain layers, skipped under "auto" for windowed ones, and refused by name when forced on one."""
+    plain = AttentionBackend("plain", fused_attention, gives_pattern=False, materialises=False, windows=False,
+                             alibi=False, devices=("cpu",))
+    monkeypatch.setattr("interp.kernels.attention.ATTENTION_BACKENDS",
+                        {"plain": plain, **{k: v for k, v in ATTENTION_BACKENDS.items() if k != "plain"}})
+    assert choose("auto", Needs()).name == "plain"
+    assert choose("auto", Needs(window=True)).name == "fused"
+    assert choose("auto", Needs(alibi=True)).name == "fused"
+    assert choose("auto", Needs(device="cuda")).name == "fused"
+    assert choose("auto", Needs(pattern=True, window=True)).name == "instrumented"
+    with pytest.raises(RuntimeError, match="layer 2 is forced to the plain attention backend, which cannot give a "
+                                           "sliding window and the cuda device"):
+        choose("plain", Needs(window=True, device="cuda"), where="layer 2")
+    model = own("no-norm-mqa-window")  # windows on every layer: "auto" never takes the windowless backend
+    assert {b.attn.backend_now().name for b in model.blocks} == {"fused"}
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -16,12 +16,13 @@ import pytest
 import torch
 
 import interp
+from interp.kernels.attention import ATTENTION_BACKENDS
 from core_models import hf_pair, one_thread  # noqa: F401 (one_thread: an autouse fixture)
 from hf_cases import CASES, VOCAB, build_hf
 
 N = 12  # > sliding_window (5) and > llama-dynamic's max_position_embeddings (8)
 TOL = 1e-4
-BACKENDS = ["fused", "instrumented"]
+BACKENDS = list(ATTENTION_BACKENDS)  # every registered backend
 WINDOWED = [n for n in CASES if n.startswith(("mistral", "qwen2"))]
 
 

@@ -43,20 +43,33 @@ def test_imports_point_one_way(tmp_path):
     proc = subprocess.run([exe, str(ROOT / "pyproject.toml"), "--no-cache"], cwd=tree, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "Contracts: 2 kept, 0 broken" in proc.stdout, proc.stdout[-2000:]
+    assert "Contracts: 3 kept, 0 broken" in proc.stdout, proc.stdout[-2000:]
 
 
-def test_a_wrong_way_import_is_caught(tmp_path):
-    """The check can fail: a lazy import of the user surface inside a models function breaks it."""
+def _lint_with(tmp_path, module: str, appended: str) -> subprocess.CompletedProcess:
+    """lint-imports on the installed layout with `appended` added to `module` (a path under interp/)."""
     exe = shutil.which("lint-imports", path=os.path.dirname(sys.executable)) or shutil.which("lint-imports")
     if exe is None:
         pytest.fail("lint-imports is not installed")
     tree = installed_layout(tmp_path / "tree")
-    bad = tree / "interp" / "models" / "config.py"
+    bad = tree / "interp" / module
     text = bad.read_text()
-    bad.unlink()
-    bad.write_text(text + "\n\ndef _wrong_way():\n    from interp.loading import load\n    return load\n")
+    bad.unlink()  # a symlink to the source: replace it, never write through it
+    bad.write_text(text + appended)
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    proc = subprocess.run([exe, str(ROOT / "pyproject.toml"), "--no-cache"], cwd=tree, env=env,
+    return subprocess.run([exe, str(ROOT / "pyproject.toml"), "--no-cache"], cwd=tree, env=env,
                           capture_output=True, text=True, timeout=300)
+
+
+def test_a_wrong_way_import_is_caught(tmp_path):
+    """The check can fail: a lazy import of the user surface inside a models function breaks it."""
+    proc = _lint_with(tmp_path, "models/config.py", "\n\ndef _wrong_way():\n    from interp.loading import load\n    return load\n")
     assert proc.returncode != 0 and "interp.models.config -> interp.loading" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_a_cycle_between_siblings_is_caught(tmp_path):
+    """A cycle inside one layer, hidden in a function-level import, breaks the acyclic-siblings contract:
+    the visibility rule importing the statistics kernel that imports it."""
+    proc = _lint_with(tmp_path, "kernels/visibility.py",
+                      "\n\ndef _cycle():\n    from interp.kernels.stats import attention_stats\n    return attention_stats\n")
+    assert proc.returncode != 0 and "No cycles are allowed in interp.kernels" in proc.stdout, proc.stdout[-3000:]

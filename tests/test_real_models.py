@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from core_models import tiny_gguf
 
 import interp
 from interp.loading import ModelNotFound, parse_revisions
@@ -136,41 +137,13 @@ def test_names_that_resolve_to_nothing_say_so():
 
 
 # ---- GGUF: bad input ------------------------------------------------------------------------------
-def _tiny_gguf(path: Path, arch: str = "llama") -> Path:
-    import gguf
-    import numpy as np
-
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(1)
-    w.add_embedding_length(8)
-    w.add_feed_forward_length(16)
-    w.add_head_count(2)
-    w.add_head_count_kv(1)
-    w.add_context_length(32)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(11)
-    rng = np.random.default_rng(0)
-    shapes = {"token_embd.weight": (11, 8), "output_norm.weight": (8,), "blk.0.attn_norm.weight": (8,),
-              "blk.0.attn_q.weight": (8, 8), "blk.0.attn_k.weight": (4, 8), "blk.0.attn_v.weight": (4, 8),
-              "blk.0.attn_output.weight": (8, 8), "blk.0.ffn_norm.weight": (8,), "blk.0.ffn_gate.weight": (16, 8),
-              "blk.0.ffn_up.weight": (16, 8), "blk.0.ffn_down.weight": (8, 16)}
-    for name, shape in shapes.items():
-        w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 def test_gguf_float32_round_trip_and_rope_permutation(tmp_path):
     """A GGUF written here (F32, llama.cpp's Q/K row order) loads to the weights it was written from."""
     import gguf
 
     from interp.models.gguf import unpermute_rope_rows
 
-    file = _tiny_gguf(tmp_path / "tiny.gguf")
+    file = tiny_gguf(tmp_path / "tiny.gguf")
     model = interp.load(file)
     assert model.cfg.n_layers == 1 and model.cfg.kv_heads == 1 and model.cfg.tie_embeddings
     reader = gguf.GGUFReader(str(file))
@@ -184,13 +157,13 @@ def test_gguf_float32_round_trip_and_rope_permutation(tmp_path):
 
 
 def test_bad_gguf_files_give_clear_errors(tmp_path):
-    good = _tiny_gguf(tmp_path / "good.gguf")
+    good = tiny_gguf(tmp_path / "good.gguf")
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     with pytest.raises(CheckpointError, match="truncated"):
         interp.load(truncated)
     with pytest.raises(NotImplementedError, match="architecture 'bert'.*llama"):
-        interp.load(_tiny_gguf(tmp_path / "bert.gguf", arch="bert"))
+        interp.load(tiny_gguf(tmp_path / "bert.gguf", arch="bert"))
     (tmp_path / "notes.gguf").write_text("not a gguf")
     with pytest.raises(CheckpointError, match="not a GGUF"):
         interp.load(tmp_path / "notes.gguf")

@@ -8,6 +8,7 @@ import pandas as pd
 
 from .. import plots
 from ..ablation import ablate_heads
+from ..document import md_escape
 from .base import Analysis, Context, Metric, ReportSection, RunView, concat, head_rows, per_head, per_model, register
 
 PARAMS = MappingProxyType(dict(methods=("mean", "zero", "resample"), seed=0))
@@ -34,7 +35,7 @@ def section(v: RunView) -> list:
             + (f" (clean loss {float(clean.iloc[0]):.4f})" if len(clean) else "")
             + ". Each head alone has its output z replaced: `mean` by its mean over the data's positions, `zero` by 0, "
             "`resample` by z at the same position of another sequence (a seeded derangement); delta = ablated loss - "
-            f"clean loss, exact (one forward per ablation). Data: {v.settings.get('data_description', '')}.",
+            f"clean loss, exact (one forward per ablation). Data: {md_escape(v.settings.get('data_description', ''))}.",
             top, v.figure(plots.head_heatmaps(deltas, sorted(set(deltas["metric"])), "loss increase when ablated"),
                           "ablation")]
 

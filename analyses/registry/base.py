@@ -18,6 +18,8 @@ from typing import Callable, Literal, Mapping, Sequence
 import pandas as pd
 from torch import Tensor
 
+from ..store import NonFiniteResult, nonfinite_rows
+
 
 @dataclass
 class Context:
@@ -129,6 +131,17 @@ def rows(layer, head, metric, value) -> pd.DataFrame:
 def per_head(frame: pd.DataFrame, column: str, metric: str) -> pd.DataFrame:
     """Rows for the per-head `column` of an analyzer frame [layer, head, ..., column]."""
     return rows(frame["layer"].tolist(), frame["head"].tolist(), metric, frame[column].astype(float).tolist())
+
+
+def require_finite(frame: pd.DataFrame, column: str, metric: str, use: str) -> pd.DataFrame:
+    """`frame` ([layer, head, ..., column]) when every `column` value is finite; else `NonFiniteResult`
+    naming the heads. For numbers an analysis ranks or draws without returning them as rows (rows are
+    checked by the sweep): a NaN sorts last, so a ranking would quietly pick the others."""
+    bad = nonfinite_rows(frame.assign(metric=metric, value=frame[column]))
+    if bad:
+        raise NonFiniteResult(f"{metric} holds {len(bad)} non-finite value(s) ({', '.join(bad[:8])}), so {use} "
+                              "would be meaningless: check the checkpoint's weights for NaN/inf")
+    return frame
 
 
 def per_model(metric: str, value: float) -> pd.DataFrame:

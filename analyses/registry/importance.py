@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from types import MappingProxyType
 
 import pandas as pd
@@ -17,18 +18,25 @@ def run(ctx: Context) -> pd.DataFrame:
     p = PARAMS
     frame = head_importance(ctx.model, ctx.tokens, normalize=p["normalize"], method=p["method"], seed=p["seed"],
                             compare_exact=True, progress=False)
+    # A correlation over heads is NaN where it is undefined (one head, or a constant side): no row then, since
+    # it is not a finding. NaN weights cannot hide here: they leave the heads' own rows NaN, which the sweep
+    # reports as an error.
+    corr = [per_model(f"attribution_{c}", frame.attrs[c]) for c in ("pearson", "spearman")
+            if math.isfinite(frame.attrs[c])]
     return concat(
         per_head(frame, "importance", "importance"),
         per_head(frame, "attribution", "attribution"),
         per_head(frame, "ablation_delta", "exact_delta"),
-        per_model("attribution_pearson", frame.attrs["pearson"]),
-        per_model("attribution_spearman", frame.attrs["spearman"]),
+        *corr,
     )
 
 
 def section(v: RunView) -> list:
     corr = v.table[v.table["metric"].isin(["attribution_pearson", "attribution_spearman"])]
     if corr.empty:
+        if (v.last["metric"] == "attribution").any():
+            return [f"{v.prefix}Attribution patching ran, but its correlation with exact ablation is undefined here "
+                    "(fewer than two heads, or a constant score)."]
         return [f"{v.prefix}No importance results (see Errors)."]
     wide = corr.pivot_table(index=["checkpoint", "step"], columns="metric", values="value").reset_index()
     return [f"{v.prefix}Attribution patching (a first-order estimate of each head's mean-ablation effect from one "

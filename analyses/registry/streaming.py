@@ -64,7 +64,9 @@ def section(v: RunView) -> list:
         return [f"{v.prefix}No StreamingLLM results (see Errors)."]
     import math
 
-    table = pd.DataFrame([dict(zip(("setting", "window"), _parse(m)[:2]), loss=val, perplexity=math.exp(val))
+    # a loss past ~709 overflows exp: its perplexity is inf, which the table leaves blank (never "inf")
+    table = pd.DataFrame([dict(zip(("setting", "window"), _parse(m)[:2]), loss=val,
+                               perplexity=math.exp(val) if val < 700 else math.inf)
                           for m, val in zip(rows["metric"], rows["value"])])
     table["window"] = table["window"].map(lambda w: "" if w == 0 else w)
     pos = v.last[v.last["metric"].str.startswith("streaming_position_loss/")]

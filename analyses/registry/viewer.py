@@ -6,13 +6,14 @@ which later tokens attend to it (orange)."""
 from __future__ import annotations
 
 import base64
-import json
 from types import MappingProxyType
 
+import numpy as np
 import pandas as pd
 import torch
 
-from ..document import Html
+from ..document import Html, inline_json
+from ..store import NonFiniteResult
 from .base import Analysis, Context, Metric, ReportSection, RunView, metrics, per_model, register
 
 PARAMS = MappingProxyType(dict(max_tokens=48))
@@ -52,6 +53,11 @@ def run(ctx: Context) -> pd.DataFrame:
     with torch.no_grad():
         _, cache = ctx.model.run_with_cache(sample, names_filter=lambda name: name.endswith("hook_pattern"))
     patterns = torch.stack([cache["pattern", l][0] for l in range(ctx.model.cfg.n_layers)])  # [layer, head, q, k]
+    broken = (~torch.isfinite(patterns)).flatten(2).any(-1).nonzero().tolist()
+    if broken:  # NaN would be stored as a code like any other weight: refuse, naming the heads
+        raise NonFiniteResult(f"the attention patterns of {len(broken)} head(s) hold NaN or inf ("
+                              + ", ".join(f"L{l}H{h} pattern" for l, h in broken[:8])
+                              + "): check the checkpoint's weights for NaN/inf")
     codes = (patterns.float().clamp(0, 1) * 255).round().to(torch.uint8).contiguous()
     rows = per_model("viewer_tokens", n)
     rows.attrs["extra"] = {
@@ -70,7 +76,7 @@ def _grid_scores(v: RunView) -> dict:
         if part.empty:
             continue
         grid = part.pivot_table(index="layer", columns="head", values="value", aggfunc="mean")
-        out[m.label or m.name] = [[None if pd.isna(x) else round(float(x), 4) for x in row] for row in grid.to_numpy()]
+        out[m.label or m.name] = [[round(float(x), 4) if np.isfinite(x) else None for x in row] for row in grid.to_numpy()]
     return out
 
 
@@ -85,7 +91,7 @@ def section(v: RunView) -> list:
             "Choose a layer and head, or click a cell of the grid (coloured by the chosen score); hover a token to "
             "see where it attends (blue) and which later tokens attend to it (orange); the matrix on the right is "
             "the head's whole pattern (rows: queries, columns: keys).",
-            Html(_HTML.replace("__UID__", uid).replace("__DATA__", json.dumps(payload).replace("</", "<\\/")),
+            Html(_HTML.replace("__UID__", uid).replace("__DATA__", inline_json(payload)),
                  "(The interactive attention viewer is in report.html.)")]
 
 

@@ -11,7 +11,6 @@ ablation values, so their numbers must agree (the table reports the largest diff
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
@@ -19,6 +18,7 @@ import torch
 from interp.models import HookedTransformer, ModelConfig
 
 from interp.analyses.ablation import ablate_heads, ablation_values
+from . import entry
 
 
 @torch.no_grad()
@@ -56,7 +56,7 @@ def flop_ratio(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = entry.parser("ablation_loop", __doc__)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--d-model", type=int, default=256)
@@ -65,10 +65,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--method", choices=("mean", "zero", "resample"), default="mean")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each; the best is reported")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave as is)")
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    entry.apply_threads(args.threads)
 
     cfg = ModelConfig(n_layers=args.layers, d_model=args.d_model, n_heads=args.heads, d_vocab=args.d_vocab,
                       n_ctx=args.seq_len, d_mlp=4 * args.d_model)

@@ -12,7 +12,6 @@ no hooks), HF with `sdpa` and with `eager` attention, the bridge's plain forward
 
 from __future__ import annotations
 
-import argparse
 import copy
 
 import torch
@@ -20,6 +19,7 @@ import torch
 from .models import SHAPES, build_pair, build_trio, max_logit_diff, set_attention
 from .report import Options, Section, Table
 from .timing import compare_times, format_table, machine_summary
+from .entry import apply_threads, parser
 
 __all__ = ["SHAPES", "build_pair", "run", "section"]
 
@@ -107,15 +107,13 @@ def _span(xs: list[float]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("forward", __doc__)
     p.add_argument("--shape", nargs="+", default=["gpt2-small"], choices=sorted(SHAPES))
     p.add_argument("--seq", nargs="+", type=int, default=[1024])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     a = p.parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    apply_threads(a.threads)
     opts = Options(shapes=tuple(a.shape), seqs=tuple(a.seq), batch=a.batch, repeats=a.repeats, budget=float("inf"))
     rows, notes = run(opts)
     print(machine_summary())

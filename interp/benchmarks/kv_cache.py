@@ -14,12 +14,12 @@ attention kernel (as serving stacks have) would read the codes directly.
 
 from __future__ import annotations
 
-import argparse
 
 import torch
 
+from .entry import section_main
 from .report import Options, Section, Table
-from .timing import compare_times, machine_summary
+from .timing import compare_times
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8", "int4")
 
@@ -80,19 +80,7 @@ def section(opts: Options) -> Section:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m interp.benchmarks.kv_cache", description=__doc__.split("\n")[0])
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--quick", action="store_true")
-    args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    opts = Options.quick_config() if args.quick else Options()
-    from .timing import default_clock
-
-    opts = opts.replace(clock=default_clock(opts.device, torch.get_num_threads()))
-    print(section(opts).markdown())
-    print(f"\n{machine_summary()}")
-    return 0
+    return section_main("kv_cache", section, __doc__, argv)
 
 
 if __name__ == "__main__":

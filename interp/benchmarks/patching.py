@@ -15,13 +15,13 @@ Both run under `torch.no_grad()`. TransformerLens prints progress bars; TQDM_DIS
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Sequence
 
 import torch
 
 from interp.benchmarks.timing import format_table, machine_summary, median_time
+from .entry import apply_threads, parser
 
 # transformers configs (random init, never downloaded).
 SHAPES = {
@@ -112,21 +112,19 @@ def section(opts):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m interp.benchmarks.patching", description=__doc__.split("\n")[0])
+    p = parser("patching", __doc__.split("\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="gpt2-4l")
     p.add_argument("--seqs", type=int, nargs="+", default=[256, 1024])
     p.add_argument("--sweeps", choices=sorted(SWEEPS), nargs="+", default=["attn_head_out_all_pos"])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each sweep (the median is reported)")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     args = p.parse_args(argv)
     try:
         import transformer_lens  # noqa: F401
     except ImportError:
         print("this benchmark needs TransformerLens: pip install 'interp[tl]'", file=sys.stderr)
         return 1
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     rows = run(args.shape, args.seqs, args.sweeps, args.batch, args.repeats)
     print(format_table(HEADERS, [[r[h] for h in HEADERS] for r in rows]))
     print(f"\nspeedup = bridge time / our time; {machine_summary()}")

@@ -12,15 +12,15 @@ tokens, logits checked first, median of timed rounds (transformers with `sdpa` a
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 
 import torch
 
+from .entry import section_main
 from .report import Options, Section, Table
-from .timing import compare_times, fmt_bytes, format_table, machine_summary
+from .timing import compare_times, fmt_bytes, format_table
 
 _LOAD_SCRIPT = """
 import json, resource, sys, time
@@ -107,20 +107,7 @@ def section(opts: Options) -> Section:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m interp.benchmarks.real_model", description=__doc__.split("\n")[0])
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--quick", action="store_true")
-    args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    opts = Options.quick_config() if args.quick else Options()
-    from .timing import default_clock
-
-    opts = opts.replace(clock=default_clock(opts.device, torch.get_num_threads()))
-    s = section(opts)
-    print(s.markdown())
-    print(f"\n{machine_summary()}")
-    return 0
+    return section_main("real_model", section, __doc__, argv)
 
 
 if __name__ == "__main__":

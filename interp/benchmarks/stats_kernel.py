@@ -34,6 +34,7 @@ import time
 import torch
 
 from interp.kernels.stats import attention_stats
+from . import entry
 
 GIB = 2**30
 METHODS = ("materialised", "torch", "triton")
@@ -220,10 +221,7 @@ def _check(device: str, dtype: torch.dtype, methods: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m interp.benchmarks.stats_kernel",
-        description="Time and peak memory of head statistics: materialised pattern vs streaming kernels.",
-    )
+    parser = entry.parser("stats_kernel", "Time and peak memory of head statistics: materialised pattern vs streaming kernels.")
     parser.add_argument("--n", type=int, nargs="+", default=[1024, 4096, 16384, 65536], help="sequence lengths")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=4)
@@ -235,8 +233,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-budget", type=float, default=600.0, help="seconds per cell before it is stopped")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads per cell (default: torch's); 1 is steadier on a shared machine")
     parser.add_argument("--cell", help=argparse.SUPPRESS)  # internal: run one cell, print JSON
     args = parser.parse_args(argv)
 
@@ -249,8 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     kv_heads = args.kv_heads or args.heads
     methods = [m for m in METHODS if m in args.methods]
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    entry.apply_threads(args.threads)  # also each cell's (1 is steadier on a shared machine)
     where = f"CUDA {torch.cuda.get_device_name()}" if cuda else f"CPU, threads={torch.get_num_threads()}"
     print(
         f"attention statistics, causal, with tokens: batch={args.batch} heads={args.heads} "

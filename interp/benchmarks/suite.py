@@ -20,6 +20,8 @@ from typing import Callable, Sequence
 import torch
 
 from . import ablation, caching, forward, generation, gpu, head_scan, kv_cache, long_context, patching, real_model
+from interp.models.errors import check_threads
+
 from .report import Options, Section, load_average, render
 from .timing import default_clock
 
@@ -53,7 +55,7 @@ def run(
     unknown = [s for s in sections if s not in ALL]
     if unknown:
         raise ValueError(f"unknown benchmark sections {unknown}; choose from {list(ALL)}")
-    if threads:
+    if check_threads(threads):
         torch.set_num_threads(threads)
     threads = torch.get_num_threads()
     if opts.clock == "auto":

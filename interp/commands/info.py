@@ -17,7 +17,10 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     import interp
+    from interp.models.errors import check_int
 
+    if args.context is not None:
+        check_int("context", args.context, minimum=1)  # before the model is loaded
     model = interp.load(args.model)
     cfg = model.cfg
     print(model)

@@ -19,8 +19,11 @@ DIR/results.parquet and .csv (run, checkpoint, step, analysis, layer, head, metr
 DIR/settings.json, DIR/errors.json, DIR/report.html and DIR/report.md. Ablation, pruning and
 importance (a forward pass per head, or more) run on the last checkpoint of each run unless
 --expensive-on all. Exit status: 0; 1 when a checkpoint or an analysis failed (listed in the
-summary and errors.json, skipped, retried by the next run); 2 for bad arguments or settings that
-differ from those already in DIR.
+summary and errors.json, skipped, retried by the next run; NaN or inf in an analysis's numbers is
+such a failure, never a result); 2 for bad arguments, settings that differ from those already in
+DIR, or a DIR that cannot be used: a file, a folder you cannot write to, a non-empty folder interp
+did not create, or one another sweep is writing to. interp lists what it writes in
+DIR/.interp-manifest.json and never writes over or (with --force) removes anything else.
 """
 
 
@@ -30,7 +33,9 @@ def add_sweep_options(p, default_analyses=None) -> None:
     from .choices import DEFAULT_ANALYSES as SWEEP_DEFAULT
 
     DEFAULT_ANALYSES = default_analyses or SWEEP_DEFAULT
-    p.add_argument("--out", required=True, help="output folder (created; an existing sweep folder is resumed)")
+    p.add_argument("--out", required=True,
+                   help="output folder (created; an existing sweep folder is resumed; a non-empty folder interp did "
+                        "not create is refused)")
     p.add_argument("--analyses", default=",".join(DEFAULT_ANALYSES),
                    help=f"comma-separated, from: {', '.join(ANALYSES)} (default: {','.join(DEFAULT_ANALYSES)})")
     p.add_argument("--expensive-on", choices=("last", "all"), default="last",
@@ -48,7 +53,9 @@ def add_sweep_options(p, default_analyses=None) -> None:
     data.add_argument("--seq-len", type=int, default=DATA_SEQ_LEN, help=f"tokens per sequence (default {DATA_SEQ_LEN})")
     data.add_argument("--seed", type=int, default=DATA_SEED, help=f"data seed (default {DATA_SEED})")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
-    p.add_argument("--force", action="store_true", help="discard results in --out computed with other settings")
+    p.add_argument("--force", action="store_true",
+                   help="discard the results interp wrote in --out (e.g. computed with other settings); files interp "
+                        "did not write are never touched")
     p.add_argument("--no-report", action="store_true", help="skip writing report.html / report.md")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -72,7 +79,6 @@ def add_arguments(p) -> None:
 
 
 def settings_from_args(args):
-    import dataclasses
     from pathlib import Path
 
     from interp.analyses.sweep import SweepSettings
@@ -98,37 +104,18 @@ def run_sweep(args, runs, executor=None, last_only: bool = False) -> int:
     from interp.analyses.sweep import SettingsMismatch, sweep
 
     from interp.loading import ModelNotFound
+    from interp.models.names import resolve_run
 
     try:
         settings = settings_from_args(args)
-        runs = [_run_of(r, getattr(args, "revisions", None), last_only) for r in runs]
+        revisions = getattr(args, "revisions", None)  # with --revisions every RUN is a Hub repo id
+        runs = [resolve_run(r, revisions=revisions, last_only=last_only) for r in runs]
         result = sweep(runs, args.out, settings, executor, force=args.force, last_only=last_only,
                        progress=not args.no_progress, report=not args.no_report)
     except (SettingsMismatch, ValueError, FileNotFoundError, ModelNotFound, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 1 if result.errors else 0
-
-
-def _run_of(spec: str, revisions: str | None, last_only: bool):
-    """What the sweep driver gets for one RUN argument: the string itself where `runs.discover` reads
-    it (folders, zoo names), else a resolved `Run` (Hub revisions, repo ids, real models, GGUF files)."""
-    from pathlib import Path
-
-    from interp.loading import parse_revisions, resolve, revisions_run
-    from interp.models.runs import Checkpoint, Run
-    from interp.models.zoo import resolve as zoo_resolve
-
-    if revisions is not None:
-        if Path(spec).exists() or "/" not in spec:
-            raise ValueError(f"--revisions needs a Hugging Face repo id (org/name), got {spec!r}")
-        return revisions_run(spec, parse_revisions(revisions))
-    if (Path(spec).exists() and Path(spec).suffix != ".gguf") or zoo_resolve(spec) is not None:
-        return spec
-    path = resolve(spec)
-    name = spec.rstrip("/")
-    return Run(name, spec, (Checkpoint(run=name, name=path.stem if path.is_file() else "main", step=None,
-                                       path=str(path)),))
 
 
 def run(args) -> int:

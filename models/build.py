@@ -1,0 +1,144 @@
+"""From tensors to a model, for every checkpoint format: the shape and finiteness checks, a family's
+weight conversion (failing on any tensor it does not read), and the model built on the meta device
+that adopts the tensors. The formats (`format_ours`, `format_hf`, `gguf`) call in here.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .components import relayout_mlp_
+from .config import ModelConfig
+from .errors import CheckpointError
+from .positions import Rotary, alibi_slopes, sinusoidal_table
+from .transformer import HookedTransformer
+
+
+def build_model(cfg: ModelConfig, sd: dict[str, Tensor], source: str, dtype, device, *,
+                fresh: bool = False) -> HookedTransformer:
+    """A model holding the state dict `sd` (checked against the config's shapes). With `fresh` (the
+    tensors belong to no one else, e.g. just read from a file), the model adopts them without a copy."""
+    check_finite(sd, source)
+    with torch.device("meta"):
+        model = HookedTransformer(cfg, seed=None)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    missing = sorted(set(expected) - set(sd))
+    if missing:
+        raise CheckpointError(f"{source} is missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''} for this config")
+    unexpected = sorted(set(sd) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"{source} has tensors this config does not use: {unexpected[:5]}")
+    for k, shape in expected.items():
+        if tuple(sd[k].shape) != tuple(shape):
+            raise CheckpointError(f"tensor {k!r} in {source} has shape {tuple(sd[k].shape)}, the config implies {tuple(shape)}")
+    if fresh:
+        target = torch.device(device or "cpu")
+        owned = {k: (v.to(device=target, dtype=dtype) if v.is_floating_point() else v.to(target)).contiguous()
+                 for k, v in sd.items()}
+        model.load_state_dict(owned, strict=True, assign=True)
+    else:
+        model = model.to_empty(device=device or "cpu")
+        model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}, strict=True)
+    model.to(dtype)
+    for block in model.blocks:  # adopted tensors are contiguous: back to the MLP's out-major layout
+        relayout_mlp_(block.mlp)
+    # Buffers (rotary frequencies, sinusoidal tables, ALiBi slopes) were on the meta device: rebuild them.
+    _rebuild_buffers(model, cfg)
+    return model.eval()
+
+
+def check_finite(sd: dict[str, Tensor], source: str) -> None:
+    """Weights holding NaN or inf make every number computed from them meaningless (a diverged training
+    step, a damaged file): refused on load, naming the tensors, so no analysis ever reports them."""
+    bad = []
+    for name, t in sd.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad.append(f"{name} ({int((~torch.isfinite(t)).sum())} of {t.numel()})")
+    if bad:
+        raise CheckpointError(f"{source} holds non-finite weights (NaN or inf) in {', '.join(bad[:4])}"
+                              f"{' ...' if len(bad) > 4 else ''}: the checkpoint is damaged or its training "
+                              "diverged; nothing computed from it would mean anything")
+
+
+def check_shapes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], source: str) -> None:
+    """Shapes read from a file's header (`tensor_files.header_shapes`) against what `cfg` implies,
+    before any model is built, so a config that lies about its size (n_layers 100000) is refused at
+    once instead of after building it. The expected shapes come from a one-layer model on the meta
+    device (free)."""
+    layers = {int(k.split(".")[1]) for k in shapes if k.startswith("blocks.") and k.split(".")[1].isdigit()}
+    if layers != set(range(cfg.n_layers)):
+        raise CheckpointError(f"the config says n_layers={cfg.n_layers} but {source} holds {len(layers)} blocks: "
+                              "config.json and the weights do not belong together")
+    with torch.device("meta"):
+        one = HookedTransformer(cfg.replace(n_layers=1, layer_types=None), seed=None)
+    for key, value in one.state_dict().items():
+        names = [key] if not key.startswith("blocks.0.") else [f"blocks.{l}.{key[9:]}" for l in range(cfg.n_layers)]
+        for name in names:
+            if name in shapes and shapes[name] != tuple(value.shape):
+                raise CheckpointError(f"tensor {name!r} in {source} has shape {shapes[name]}, the config implies "
+                                      f"{tuple(value.shape)}: config.json and the weights do not belong together")
+
+
+def _rebuild_buffers(model: HookedTransformer, cfg: ModelConfig) -> None:
+    device = model.device
+    if model.rotary is not None:
+        model.rotary.inv_freq = Rotary(cfg).inv_freq.to(device)
+    if cfg.positional == "sinusoidal":
+        model.pos_embed.W_pos = sinusoidal_table(cfg.n_ctx, cfg.d_model).to(device, model.dtype)
+    if cfg.positional == "alibi":
+        for b in model.blocks:
+            b.attn.alibi_slopes = alibi_slopes(cfg.n_heads).to(device)
+
+
+def _getter(tensors: dict[str, Tensor], source: str) -> Callable[[str], Tensor]:
+    """get(name, *alternatives): a tensor by its Hugging Face name (or the first alternative name
+    present, e.g. Pythia's `embed_out` vs transformers 5's `lm_head`), tolerating a missing or extra
+    base-model prefix."""
+
+    def get(*names: str) -> Tensor:
+        get.last = names[0]
+        for name in names:
+            short = name.split(".", 1)[1] if "." in name else name
+            for cand in (name, short, f"model.{short}", f"transformer.{short}", f"gpt_neox.{short}"):
+                if cand in tensors:
+                    get.used.add(cand)
+                    return tensors[cand]
+        raise CheckpointError(f"{source} has no tensor {' or '.join(map(repr, names))} (it holds {len(tensors)} tensors)")
+
+    get.used, get.last = set(), None  # what the conversion read: unread tensors are an error (see _convert)
+    return get
+
+
+# Buffers some checkpoints carry that hold no weights (causal masks, rotary frequencies).
+_NOT_WEIGHTS = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias", "rotary_emb.inv_freq")
+
+
+def convert_weights(family, cfg: ModelConfig, tensors: dict[str, Tensor], source: str) -> dict[str, Tensor]:
+    """A family's weight mapping, failing loudly: a tensor it cannot convert, or a checkpoint tensor it
+    does not read (a weight the config does not describe, e.g. a bias the config turns off), raises."""
+    get = _getter(tensors, source)
+    try:
+        sd = family.weights(cfg, get)
+    except CheckpointError:
+        raise
+    except (RuntimeError, ValueError, IndexError) as e:
+        raise CheckpointError(
+            f"{source}: could not convert the {family.name} weights at tensor {get.last!r} ({e}); "
+            "do config.json and the weights belong to the same model?"
+        ) from e
+    unread = sorted(k for k in tensors if k not in get.used and not k.endswith(_NOT_WEIGHTS))
+    tied = [k for k in unread if k.endswith("lm_head.weight") and cfg.tie_embeddings]
+    for k in tied:  # transformers keeps the tied head in state_dict(); it must be the embedding
+        if not torch.equal(tensors[k], sd["embed.W_E"]):
+            raise CheckpointError(f"{source}: the config ties the embeddings but {k!r} differs from the embedding matrix")
+        unread.remove(k)
+    if unread:
+        raise CheckpointError(
+            f"{source} has tensors the {family.name} conversion does not use: {unread[:5]}{' ...' if len(unread) > 5 else ''}; "
+            "the config does not describe these weights (e.g. a bias or norm the config turns off)"
+        )
+    return sd
+
