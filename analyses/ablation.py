@@ -24,7 +24,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from ._common import HeadList, progress, resolve_heads, token_batch, token_input, valid_mask
+from ._common import HeadList, progress, resolve_heads, token_input, valid_mask
 
 Method = Literal["mean", "zero", "resample"]
 METHODS = ("mean", "zero", "resample")

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from interp.kernels import attention_stats
 
-from ._common import head_frame, pair_mask, token_batch, token_input, valid_mask
+from ._common import head_frame, pair_mask, token_input, valid_mask
 from .detect import DETECTION_PATTERNS, ErrorMeasure, canonical_kind, pattern_scores
 from interp.models.stats import _layer_geometry, attention_logsumexp, attention_weights_at, for_each_layer_qk
 

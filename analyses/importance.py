@@ -20,7 +20,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from ._common import HeadList, frozen_params, head_frame, pair_mask, pearson, spearman, token_batch, token_input, valid_mask
+from ._common import HeadList, frozen_params, head_frame, pair_mask, pearson, spearman, token_input, valid_mask
 from .ablation import Method, ablate_heads, ablation_values
 
 

@@ -19,11 +19,10 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Sequence
 
 import pandas as pd
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from interp.kernels.kv_quant import check_precision, fake_quantize

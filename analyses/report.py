@@ -2,18 +2,15 @@
 same sections; PNGs in `figures/`).
 
 Sections, in order (HTML ids in brackets): summary [summary], errors and skipped checkpoints
-[errors], head scores at the last checkpoint [heatmaps], induction across checkpoints
-[small-multiples], scores against training step with the phase change marked [curves], then one
-section per registered analysis that declares one (`analyses/registry/`, in registration order:
-sinks, ablation, pruning, attribution), and settings [settings]. This module knows no analysis by
-name: the head-score figure takes every metric declared `heatmap`, the curves every metric declared
-`curve`, the summary every `headline` metric. Sections without data are left out: an analysis that
-was not run, and the across-checkpoint figures of a single checkpoint (`interp analyze`), whose
-report is titled "head atlas". With several runs, per-run sections repeat per run.
-
-Phase change (`phase_change`): over consecutive checkpoints, the step interval where the maximum
-induction score (Olsson et al.'s, on repeated random tokens) of heads outside layer 0 rises fastest
-per training step (layer 0 cannot form an induction head with a previous-token head below it).
+[errors], head scores at the last checkpoint [heatmaps], then the sections each registered analysis
+declares (`analyses/registry/`, in registration order): first those across checkpoints (`across`:
+induction's small multiples [small-multiples] and curves against training step with the phase
+change [curves]), then their own (sinks, ablation, pruning, attribution, ...), and settings
+[settings]. This module knows no analysis by name: the head-score figure takes every metric
+declared `heatmap`, the summary every `headline` metric plus the facts an analysis adds (`headline`:
+induction's ICL score and phase change). Sections without data are left out: an analysis that was
+not run, and the across-checkpoint sections of a single checkpoint (`interp analyze`), whose report
+is titled "head atlas". With several runs, per-run sections repeat per run.
 
 Only finite numbers reach a table, figure or sentence: a sweep never stores NaN or inf, and results
 written before that rule (`load_results`, `ResultStore.errors`) are left out and listed as errors.
@@ -26,46 +23,22 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from . import plots
 from .document import Section, head_name, md_escape, write_document
 from .registry import ANALYSES, RunView, metrics
+from .registry.induction import phase_change  # noqa: F401 - public here since the report first computed it
 from .store import ResultStore, _slug, load_results
 
 _FIXED_HEAD = (("summary", "Summary"), ("errors", "Errors and skipped checkpoints"))
-_ACROSS = (("heatmaps", "Head scores at the last checkpoint"), ("small-multiples", "Induction heads across checkpoints"),
-           ("curves", "Scores against training step"))
-SECTION_IDS = tuple([i for i, _ in _FIXED_HEAD + _ACROSS] + [a.section.id for a in ANALYSES.values() if a.section]
-                    + ["settings"])
+_HEATMAPS = ("heatmaps", "Head scores at the last checkpoint")
+SECTION_IDS = tuple([i for i, _ in _FIXED_HEAD] + [_HEATMAPS[0]]
+                    + [s.id for a in ANALYSES.values() for s in a.across]
+                    + [a.section.id for a in ANALYSES.values() if a.section] + ["settings"])
 
 
 # ---- numbers the report derives ----------------------------------------------------------------
-def phase_change(table: pd.DataFrame) -> dict | None:
-    """The steepest rise of the max induction score outside layer 0 between consecutive checkpoints."""
-    ind = table[(table["metric"] == "induction_score") & table["layer"].notna() & table["step"].notna()
-                & np.isfinite(table["value"].to_numpy(dtype=float, na_value=np.nan))]
-    if ind.empty:
-        return None
-    later = ind[ind["layer"] >= 1] if int(ind["layer"].max()) >= 1 else ind
-    curve = later.groupby("step")["value"].max().sort_index()
-    if len(curve) < 3:
-        return None
-    steps, values = curve.index.to_numpy(dtype=float), curve.to_numpy()
-    slopes = np.diff(values) / np.maximum(np.diff(steps), 1)
-    i = int(np.argmax(slopes))
-    if slopes[i] <= 0:
-        return None
-    return {"start": int(steps[i]), "end": int(steps[i + 1]), "score_before": float(values[i]),
-            "score_after": float(values[i + 1]), "score_final": float(values[-1]),
-            "layers": "layers >= 1" if int(ind["layer"].max()) >= 1 else "all layers"}
-
-
-def _per_model(table: pd.DataFrame, metric: str) -> pd.DataFrame:
-    return table[(table["metric"] == metric) & table["layer"].isna()].sort_values("step")
-
-
 def _last(table: pd.DataFrame) -> pd.DataFrame:
     """Rows of the last checkpoint (by step) that has them, per metric."""
     if table.empty:
@@ -126,13 +99,15 @@ def build_sections(out, log_steps: bool = False) -> tuple[str, list[Section]]:
     single = all(len(settings.get("runs", {}).get(r, {}).get("checkpoints", [])) <= 1 for r in runs) and \
         table.groupby("run")["checkpoint"].nunique().le(1).all()
     sections = [_summary(settings, table, errors, timing, store, views), _errors(errors)]
-    across = {sid: Section(sid, title) for sid, title in _ACROSS if not (single and sid != "heatmaps")}
-    own = {a.name: Section(a.section.id, a.section.title) for a in ANALYSES.values() if a.section and a.name in analyses}
+    heatmaps = Section(*_HEATMAPS)
+    ran = [a for a in ANALYSES.values() if a.name in analyses]
+    across = [] if single else [(s, Section(s.id, s.title)) for a in ran for s in a.across]
+    own = [(a.section, Section(a.section.id, a.section.title)) for a in ran if a.section]
     for v in views:
-        _across_checkpoints(across, v, analyses)
-        for name, section in own.items():
-            section.add(*ANALYSES[name].section.render(v))
-    sections += list(across.values()) + list(own.values())
+        _heatmaps(heatmaps, v, analyses)
+        for spec, section in across + own:
+            section.add(*spec.render(v))
+    sections += [heatmaps] + [section for _, section in across + own]
     sections.append(Section("settings", "Settings").add(
         "The settings every result in this folder was computed with (`settings.json`).",
         "```\n" + json.dumps(settings, indent=2) + "\n```"))
@@ -183,18 +158,9 @@ def _headlines(views: list[RunView], markdown: bool = False) -> list[str]:
     for v in views:
         final = v.table["step"].max() if len(v.table) else None
         facts = [f"{m} {h}" for m in headline if (h := _top_head(v.last, m, final))]
-        icl = _per_model(v.table, "icl_score")
-        if not icl.empty:
-            where = {m: _per_model(v.table, f"icl_{m}_position")["value"] for m in ("early", "late")}
-            at = (f" (loss at token {int(where['late'].iloc[-1])} minus token {int(where['early'].iloc[-1])})"
-                  if all(len(w) for w in where.values()) else "")
-            step = icl["step"].iloc[-1]
-            facts.append(f"ICL score {icl['value'].iloc[-1]:+.3f}{at}" + (f" at step {int(step)}" if pd.notna(step) else ""))
-        phase = phase_change(v.table)
-        if phase:
-            facts.append(f"phase change between steps {phase['start']} and {phase['end']} "
-                         f"(max induction score {phase['score_before']:.2f} -> {phase['score_after']:.2f}, "
-                         f"{phase['score_final']:.2f} at the end)")
+        for analysis in ANALYSES.values():  # facts an analysis adds (induction: the ICL score, the phase change)
+            if analysis.headline is not None:
+                facts += analysis.headline(v)
         if facts:
             name = md_escape(v.run) if markdown else v.run
             lines.append(f"{name}: best heads at the last checkpoint: " + "; ".join(facts) + ".")
@@ -223,11 +189,11 @@ def _errors(errors: list[dict]) -> Section:
                  "analyses ran). A later `interp sweep` with the same --out retries them.", frame)
 
 
-def _across_checkpoints(sec: dict, v: RunView, analyses: list) -> None:
-    """The sections built from declared metrics: head-score heatmaps, small multiples, curves."""
+def _heatmaps(section: Section, v: RunView, analyses: list) -> None:
+    """The head-score heatmaps, built from every metric declared `heatmap`."""
     heat = [m for m in metrics(lambda m: m.heatmap and m.per == "head", analyses) if m.name in set(v.last["metric"])]
     described = [a for a in analyses if a in ANALYSES and any(m in ANALYSES[a].metrics for m in heat)]
-    sec["heatmaps"].add(
+    section.add(
         f"{v.prefix}Layers (rows) x heads (columns) at {v.where}. "
         + " ".join(f"{a}: {ANALYSES[a].description}." for a in described)
         if heat else f"{v.prefix}No head scores: run previous_token, duplicate_token, induction or sinks (or see Errors).",
@@ -235,25 +201,6 @@ def _across_checkpoints(sec: dict, v: RunView, analyses: list) -> None:
         v.figure(plots.head_heatmaps(v.last, [m.name for m in heat], f"{v.run} at {v.where}",
                                      {m.name: m.label or m.name for m in heat}), "heatmaps") if heat else None)
 
-    if "curves" not in sec:  # a single checkpoint: nothing across checkpoints
-        return
-    fig = plots.small_multiples(v.table, "induction_score")
-    sec["small-multiples"].add(
-        f"{v.prefix}Olsson et al.'s induction score of every head at each checkpoint (shared colour scale)." if fig
-        else f"{v.prefix}Needs the induction analysis on two or more checkpoints.",
-        v.figure(fig, "induction_small_multiples"))
-
-    phase = phase_change(v.table)
-    fig = plots.best_head_curves(v.table, [m.name for m in metrics(lambda m: m.curve)], phase,
-                                 _per_model(v.table, "icl_score"), log_steps=v.log_steps)
-    text = (f"{v.prefix}Each line follows the head that scores highest at the last checkpoint. " +
-            (f"Phase change (shaded): the max induction score ({phase['layers']}) rises fastest between steps "
-             f"{phase['start']} and {phase['end']} ({phase['score_before']:.2f} -> {phase['score_after']:.2f}; "
-             f"{phase['score_final']:.2f} at the end). The ICL score (loss at a late token minus loss at an early "
-             "one; negative means the model learns in context) is in the lower panel." if phase else
-             "No phase change found (needs the induction analysis on three or more checkpoints with a rising score)."))
-    sec["curves"].add(text if fig else f"{v.prefix}Needs head scores on two or more checkpoints with steps.",
-                      v.figure(fig, "curves"))
 
 
 def write_report(out, title: str | None = None, log_steps: bool = False) -> Path:

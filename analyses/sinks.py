@@ -21,7 +21,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from ._common import kv_group, token_batch, token_input, valid_mask
+from ._common import kv_group, token_input, valid_mask
 from interp.models.stats import _layer_geometry, attention_logsumexp, attention_weights_at, for_each_layer_qk
 
 

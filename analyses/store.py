@@ -353,9 +353,11 @@ class ResultStore:
         self.folder.claim(*(self._rel(run, ckpt, analysis, suffix) for run, ckpt, analysis in keys
                             for suffix in ((".error.json",) if analysis == LOAD else (".json", ".error.json"))))
 
-    def write_part(self, run: str, checkpoint: str, step: int | None, analysis: str, rows: pd.DataFrame, seconds: float) -> None:
-        """Persist one finished (checkpoint, analysis); clears an earlier error of the same task. Rows
-        holding NaN or inf are refused (`NonFiniteResult`): they are an error, never a result."""
+    def write_part(self, run: str, checkpoint: str, step: int | None, analysis: str, rows: pd.DataFrame, seconds: float,
+                   extra: dict | None = None) -> None:
+        """Persist one finished (checkpoint, analysis), with the JSON `extra` it keeps beside its rows;
+        clears an earlier error of the same task. Rows holding NaN or inf are refused
+        (`NonFiniteResult`): they are an error, never a result."""
         missing = set(ROW_FIELDS) - set(rows.columns)
         if missing:
             raise ValueError(f"analysis {analysis!r} returned rows without columns {sorted(missing)}")
@@ -365,8 +367,8 @@ class ResultStore:
                     for v in rows[c].tolist()] for c in ROW_FIELDS}
         record = {"run": run, "checkpoint": checkpoint, "step": step, "analysis": analysis,
                   "seconds": round(seconds, 4), "rows": cols}
-        if rows.attrs.get("extra") is not None:  # JSON an analysis keeps beside its rows (e.g. the viewer's sample)
-            record["extra"] = rows.attrs["extra"]
+        if extra is not None:  # e.g. the viewer's token sample and patterns
+            record["extra"] = extra
         self.folder.write_text(self._rel(run, checkpoint, analysis, ".json"), json.dumps(record))
         self.folder.remove(self._rel(run, checkpoint, analysis, ".error.json"))
 

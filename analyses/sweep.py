@@ -35,7 +35,7 @@ from typing import Callable, Iterator, Literal, Sequence
 import pandas as pd
 
 from .executors import ExecutorSettings, make_executor
-from .registry import ANALYSES, Context, resolve_analyses
+from .registry import ANALYSES, Context, as_output, resolve_analyses
 from interp.models.names import resolve_run
 from interp.models.runs import Checkpoint, Run
 from .store import LOAD, NonFiniteResult, OutputError, ResultStore, read_json_file
@@ -100,6 +100,7 @@ class PartEvent:
     analysis: str
     rows: pd.DataFrame
     seconds: float
+    extra: dict | None = None  # JSON the analysis keeps beside its rows (`registry.Output`)
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,7 @@ def run_checkpoint(task: CheckpointTask) -> Iterator[PartEvent | ErrorEvent]:
         for name in task.analyses:
             start = time.perf_counter()
             try:
-                rows = ANALYSES[name].run(ctx)  # analyzers set their own grad mode (importance needs gradients)
+                result = as_output(ANALYSES[name].run(ctx))  # analyzers set their own grad mode (importance needs gradients)
             except Exception as e:  # noqa: BLE001 - one analysis failing must not stop the others
                 if isinstance(e, NonFiniteResult):  # not a bug in the code: no traceback, say where
                     message = f"{name} at {ckpt.run}/{ckpt.name}: {e}"
@@ -150,9 +151,7 @@ def run_checkpoint(task: CheckpointTask) -> Iterator[PartEvent | ErrorEvent]:
                     message = f"{e}\n{traceback.format_exc(limit=-3)}"
                 yield ErrorEvent(ckpt, name, type(e).__name__, message)
                 continue
-            out = rows.reset_index(drop=True)
-            out.attrs = dict(rows.attrs)  # an analysis's `extra` travels with its rows
-            yield PartEvent(ckpt, name, out, time.perf_counter() - start)
+            yield PartEvent(ckpt, name, result.rows.reset_index(drop=True), time.perf_counter() - start, result.extra)
     finally:
         size = sum(t.numel() * t.element_size() for t in model.parameters())
         del ctx, model
@@ -306,7 +305,7 @@ def _run_tasks(store, found, settings, tasks, skipped, executor, start, tqdm, pr
             if isinstance(event, PartEvent):
                 store.clear_load_error(c.run, c.name)  # it loaded this time
                 try:
-                    store.write_part(c.run, c.name, c.step, event.analysis, event.rows, event.seconds)
+                    store.write_part(c.run, c.name, c.step, event.analysis, event.rows, event.seconds, event.extra)
                     n_run += 1
                     bar.set_postfix_str(f"{c.run}/{c.name} {event.analysis}", refresh=False)
                 except NonFiniteResult as e:  # NaN or inf: an error of this task, never a result

@@ -76,7 +76,7 @@ def from_transformer_lens(
         model = HookedTransformer(cfg, seed=0, tokenizer=tok).to(device=device or first.device, dtype=dtype or first.dtype).eval()
     bos = getattr(getattr(bridge, "cfg", None), "default_prepend_bos", None)
     if isinstance(bos, bool) and bos != model.cfg.default_prepend_bos:
-        model._set_prepend_bos(bos)
+        model.loaded_as(model.runtime.name, default_prepend_bos=bos)
     with torch.no_grad():
         if not all(_close(ours, theirs) for _, ours, theirs in _weight_pairs(model, bridge)):
             model = _from_processed(model, bridge)

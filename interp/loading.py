@@ -24,6 +24,7 @@ from interp.models.checkpoint import (  # noqa: F401 - FORMAT_VERSION, Checkpoin
     save_model,
 )
 from interp.models.families import get_family
+from interp.models.processing import check_processing
 from interp.models.names import (  # noqa: F401 - name resolution is the model layer's; re-exported as before
     REAL_MODELS,
     ModelNotFound,
@@ -59,20 +60,17 @@ def load(name_or_path, *, revision: str | None = None, dtype: torch.dtype = torc
     fold_value_biases all True."""
     path = resolve(name_or_path, revision=revision)
     model = load_checkpoint(path, dtype=dtype, device=device, tokenizer=tokenizer)
-    model._model_name = str(name_or_path) if revision is None else f"{name_or_path}@{revision}"
-    return _conventions(model, default_prepend_bos, fold_ln=fold_ln, center_writing_weights=center_writing_weights,
+    name = str(name_or_path) if revision is None else f"{name_or_path}@{revision}"
+    return _conventions(model, name, default_prepend_bos, fold_ln=fold_ln, center_writing_weights=center_writing_weights,
                         center_unembed=center_unembed, fold_value_biases=fold_value_biases,
                         refactor_factored_attn_matrices=refactor_factored_attn_matrices)
 
 
-def _conventions(model: HookedTransformer, default_prepend_bos: bool | None, **processing: bool) -> HookedTransformer:
+def _conventions(model: HookedTransformer, name: str | None, default_prepend_bos: bool | None,
+                 **processing: bool) -> HookedTransformer:
     """Apply the TransformerLens-convention options of `load` / `from_hf` to a loaded model."""
-    model._attach()  # cfg.model_name: what it was loaded as
-    if default_prepend_bos is not None:
-        model._set_prepend_bos(bool(default_prepend_bos))
+    model.loaded_as(name, default_prepend_bos=default_prepend_bos)  # cfg.model_name, cfg.default_prepend_bos
     if any(processing.values()):
-        from interp.models.processing import check_processing
-
         check_processing(model.cfg, **processing)
         model.process_weights_(**processing)
     return model
@@ -91,8 +89,7 @@ def from_hf(hf_model, *, tokenizer=None, dtype: torch.dtype | None = None, devic
     sd = convert_weights(family, cfg, tensors, f"{type(hf_model).__name__} state_dict")
     first = next(iter(tensors.values()))
     model = build_model(cfg, sd, type(hf_model).__name__, dtype or first.dtype, device or first.device)
-    model._model_name = getattr(hf_model.config, "name_or_path", None) or None
     model.tokenizer = tokenizer
-    return _conventions(model, default_prepend_bos, fold_ln=fold_ln, center_writing_weights=center_writing_weights,
+    return _conventions(model, getattr(hf_model.config, "name_or_path", None) or None, default_prepend_bos, fold_ln=fold_ln, center_writing_weights=center_writing_weights,
                         center_unembed=center_unembed, fold_value_biases=fold_value_biases,
                         refactor_factored_attn_matrices=refactor_factored_attn_matrices)

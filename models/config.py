@@ -61,6 +61,24 @@ _ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM", "
 
 
 @dataclass(frozen=True)
+class TLView:
+    """What TransformerLens reads off `model.cfg` that describes the model holding the config rather
+    than its shape: where it is, its text defaults, its hook switches. Built by `model.runtime.view`
+    (`interp.models.runtime`); never stored, compared or serialised."""
+
+    device: str
+    dtype: Any
+    model_name: str | None = None
+    tokenizer_name: str | None = None
+    default_prepend_bos: bool = False
+    default_padding_side: str = "right"
+    use_split_qkv_input: bool = False
+    use_attn_in: bool = False
+    use_hook_mlp_in: bool = False
+    processed_fold_ln: bool = False
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The shape of one transformer. All fields are plain data; `to_json`/`from_json` round-trip.
 
@@ -100,6 +118,9 @@ class ModelConfig:
     # TransformerLens marks BOS-free (GPT-NeoX/Pythia, Qwen2) set False; the zoo sets True (every
     # training window starts with <bos>). Read it resolved as `model.cfg.default_prepend_bos`.
     prepend_bos: bool | None = None
+    # The view of the model holding this config (`model.cfg`), for TransformerLens; not part of the
+    # config's meaning: excluded from equality, hashing, repr and `to_dict`.
+    view: TLView | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         problems = []
@@ -195,7 +216,7 @@ class ModelConfig:
     @property
     def default_padding_side(self) -> str:
         """Where `to_tokens` pads texts of different lengths by default: the tokenizer's side, else right."""
-        return self.__dict__.get("_attached", {}).get("default_padding_side") or "right"
+        return self.view.default_padding_side if self.view is not None else "right"
 
     attention_dir = "causal"
     post_embedding_ln = False
@@ -218,29 +239,29 @@ class ModelConfig:
     def model_name(self) -> str:
         """What the model was loaded as (`interp.load`'s name or path, the HF model's name_or_path),
         else its `model_type`."""
-        return self.__dict__.get("_attached", {}).get("model_name") or self.model_type
+        return (self.view.model_name if self.view is not None else None) or self.model_type
 
     @property
     def tokenizer_name(self) -> str | None:
         """The tokenizer's `name_or_path`, if it has one."""
-        return self.__dict__.get("_attached", {}).get("tokenizer_name")
+        return self.view.tokenizer_name if self.view is not None else None
 
     @property
     def default_prepend_bos(self) -> bool:
         """Whether text gets BOS first by default: `prepend_bos` resolved against the model's tokenizer."""
-        return self.__dict__.get("_attached", {}).get("default_prepend_bos", bool(self.prepend_bos))
+        return self.view.default_prepend_bos if self.view is not None else bool(self.prepend_bos)
 
     @property
     def use_split_qkv_input(self) -> bool:
-        return self.__dict__.get("_attached", {}).get("use_split_qkv_input", False)
+        return self.view.use_split_qkv_input if self.view is not None else False
 
     @property
     def use_attn_in(self) -> bool:
-        return self.__dict__.get("_attached", {}).get("use_attn_in", False)
+        return self.view.use_attn_in if self.view is not None else False
 
     @property
     def use_hook_mlp_in(self) -> bool:
-        return self.__dict__.get("_attached", {}).get("use_hook_mlp_in", False)
+        return self.view.use_hook_mlp_in if self.view is not None else False
 
     @property
     def n_key_value_heads(self) -> int | None:
@@ -251,7 +272,7 @@ class ModelConfig:
     def normalization_type(self) -> str | None:
         """"LN", "RMS" or None; "LNPre" / "RMSPre" once the model's norms are folded (`process_weights_`)."""
         kind = {"layernorm": "LN", "rmsnorm": "RMS", None: None}[self.normalization]
-        folded = self.__dict__.get("_attached", {}).get("processed_fold_ln", False)
+        folded = self.view.processed_fold_ln if self.view is not None else False
         return f"{kind}Pre" if kind and folded else kind
 
     @property
@@ -273,30 +294,21 @@ class ModelConfig:
 
     @property
     def device(self) -> str:
-        """The device of the model holding this config (`model.cfg`); see `attached`."""
-        if "_device" not in self.__dict__:
+        """The device of the model holding this config (`model.cfg`); see `view`."""
+        if self.view is None:
             raise AttributeError("device: this config is not held by a model; read model.cfg.device")
-        return self.__dict__["_device"]
+        return self.view.device
 
     @property
     def dtype(self):
-        """The dtype of the model holding this config (`model.cfg`); see `attached`."""
-        if "_dtype" not in self.__dict__:
+        """The dtype of the model holding this config (`model.cfg`); see `view`."""
+        if self.view is None:
             raise AttributeError("dtype: this config is not held by a model; read model.cfg.dtype")
-        return self.__dict__["_dtype"]
+        return self.view.dtype
 
-    def attached(self, device, dtype, **state) -> "ModelConfig":
-        """An equal copy that also reports the device and dtype of the model holding it, and `state`
-        (`default_prepend_bos`, the `use_*` hook switches).
-
-        TransformerLens reads `model.cfg.device` / `.dtype` / `.default_prepend_bos`; the model
-        re-attaches its config whenever it moves, casts, changes tokenizer or switches a hook, so
-        the config itself stays immutable and shareable. Not part of equality, hashing or `to_dict`."""
-        out = dataclasses.replace(self)
-        object.__setattr__(out, "_device", str(device))
-        object.__setattr__(out, "_dtype", dtype)
-        object.__setattr__(out, "_attached", dict(state))
-        return out
+    def with_view(self, view: TLView | None) -> "ModelConfig":
+        """An equal copy that presents `view` (the model holding it) to TransformerLens code."""
+        return dataclasses.replace(self, view=view)
 
     # ---- accounting -----------------------------------------------------------------------
     def n_params(self) -> int:
@@ -349,15 +361,18 @@ class ModelConfig:
         return out
 
     # ---- serialisation --------------------------------------------------------------------
+
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "view"}
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = dataclasses.asdict(self.rope_scaling)
         if self.layer_types is not None:
             out["layer_types"] = list(self.layer_types)
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)} - {"view"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown ModelConfig fields {unknown}; known fields: {sorted(known)}")
@@ -376,7 +391,8 @@ class ModelConfig:
         return cls.from_dict(json.loads(text))
 
     def replace(self, **changes: Any) -> "ModelConfig":
-        return dataclasses.replace(self, **changes)
+        """A copy with `changes`: a new shape, so without the view of the model that held this one."""
+        return dataclasses.replace(self, **{"view": None, **changes})
 
 
-__all__ = ["ModelConfig", "RopeScaling"]
+__all__ = ["ModelConfig", "RopeScaling", "TLView"]

@@ -247,4 +247,4 @@ def _install(model, sd: _Weights, dtype: torch.dtype) -> None:
         value = p.get(name)
         if value is not None:
             t.copy_(value.to(dtype))
-    model._attach()
+    # the caller (`HookedTransformer.process_weights_`) records the steps and refreshes cfg's view

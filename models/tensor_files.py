@@ -37,7 +37,11 @@ def save_model(model: "HookedTransformer", path, dtype: torch.dtype | None = Non
     tmp = path / "model.safetensors.tmp"
     save_file(sd, str(tmp), metadata={"interp_format": str(FORMAT_VERSION)})
     os.replace(tmp, path / "model.safetensors")
-    (path / "config.json").write_text(json.dumps({"interp_format": FORMAT_VERSION, "config": model.cfg.to_dict()}, indent=2))
+    cfg = model.cfg
+    override = getattr(getattr(model, "runtime", None), "prepend_bos", None)
+    if override is not None:  # a BOS default the model was loaded with is kept with it
+        cfg = cfg.replace(prepend_bos=override)
+    (path / "config.json").write_text(json.dumps({"interp_format": FORMAT_VERSION, "config": cfg.to_dict()}, indent=2))
     if meta is not None:
         (path / "meta.json").write_text(json.dumps(meta, indent=2))
     if model.tokenizer is not None and hasattr(model.tokenizer, "save_pretrained"):

@@ -3,8 +3,13 @@ padding with the tokenizer's pad id on its side, strings back from ids. A mixin 
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import torch
 from torch import Tensor
+
+from .config import ModelConfig
+from .runtime import Runtime
 
 
 def _is_text(x) -> bool:
@@ -15,7 +20,18 @@ def _describe(x) -> str:
     return f"{type(x).__name__} {x!r}"[:80]
 
 
+class TextModel(Protocol):
+    """What `TextMixin` needs from the model it is mixed into."""
+
+    cfg: ModelConfig  # n_ctx (truncation)
+    runtime: Runtime  # the tokenizer and the text defaults (BOS, padding side): decided there
+    tokenizer: Any
+    device: torch.device
+
+
 class TextMixin:
+    """Text in and out for a `TextModel` (HookedTransformer)."""
+
     # ---- tokenizer helpers --------------------------------------------------------------------
     def _need_tokenizer(self):
         if self.tokenizer is None:
@@ -25,15 +41,9 @@ class TextMixin:
             )
         return self.tokenizer
 
-    def _bos_default(self) -> bool:
-        """`cfg.prepend_bos` if the config says; otherwise TransformerLens's rule: BOS when the tokenizer has one."""
-        if self.cfg.prepend_bos is not None:
-            return self.cfg.prepend_bos
-        return getattr(self.tokenizer, "bos_token_id", None) is not None
-
     def bos_id(self, prepend_bos: bool | None) -> int | None:
         """The BOS id to put first (None: no BOS), for a call's `prepend_bos` (None: the model's default)."""
-        want = self.cfg.default_prepend_bos if prepend_bos is None else bool(prepend_bos)
+        want = self.runtime.default_prepend_bos(self.cfg) if prepend_bos is None else bool(prepend_bos)
         if not want:
             return None
         bos = getattr(self._need_tokenizer(), "bos_token_id", None)
@@ -67,7 +77,7 @@ class TextMixin:
             texts = list(text)
         else:
             raise TypeError(f"text must be a string or a non-empty list of strings, got {_describe(text)}")
-        side = padding_side if padding_side is not None else getattr(tok, "padding_side", "right")
+        side = padding_side if padding_side is not None else self.runtime.padding_side()
         if side not in ("left", "right"):
             raise ValueError(f"padding_side must be 'left' or 'right', got {side!r}")
         bos = self.bos_id(prepend_bos)

@@ -33,6 +33,7 @@ from .components import (
 )
 from .config import ModelConfig
 from .positions import Rotary
+from .runtime import Runtime
 from .tensor_files import save_model
 from .text import TextMixin, _is_text
 from .weights import WeightViews
@@ -140,10 +141,9 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
     def __init__(self, cfg: ModelConfig, *, seed: int | None = 0, tokenizer=None) -> None:
         super().__init__()
         self.cfg = cfg
-        self._hook_flags = dict(use_split_qkv_input=False, use_attn_in=False, use_hook_mlp_in=False)
-        self._processing: dict[str, bool] = {}  # the weight-processing steps applied (process_weights_)
-        self._model_name: str | None = None  # what it was loaded as (interp.load / from_hf): cfg.model_name
-        self.tokenizer = tokenizer
+        # What the model holds besides its shape and weights (name, tokenizer, text defaults, hook
+        # switches, processing), in one visible place; `cfg` presents TransformerLens's view of it.
+        self.runtime = Runtime(tokenizer=tokenizer)
         self.embed = Embed(cfg)
         self.hook_embed = HookPoint()
         self.pos_embed = {"learned": PosEmbed, "sinusoidal": SinusoidalPosEmbed}.get(cfg.positional, lambda c: None)(cfg)
@@ -157,7 +157,7 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
         if seed is not None:  # seed=None: leave the weights uninitialised (a loader fills them)
             init_weights(self, cfg, torch.Generator().manual_seed(seed))
         self.setup_hooks()
-        self._attach()  # cfg.device / cfg.dtype / cfg.default_prepend_bos, read by TransformerLens
+        self._refresh_view()  # cfg.device / cfg.dtype / cfg.default_prepend_bos, read by TransformerLens
 
     def __getattr__(self, name: str):
         # A property that raises AttributeError (W_pos on a rotary model, W_in on an attention-only
@@ -173,25 +173,31 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
                 prop.fget(self)
             raise
 
-    def _attach(self) -> None:
-        """Re-attach the config to what this model is now: device, dtype, tokenizer, hook switches."""
-        if "embed" not in self._modules:
+    def _refresh_view(self) -> None:
+        """Give the config the view of this model as it is now (device, dtype, `runtime`): TransformerLens
+        reads them off `model.cfg`. Called by every change of either."""
+        if "embed" not in self._modules or "runtime" not in self.__dict__:
             return  # still being built
-        names = dict(model_name=self.__dict__.get("_model_name"),
-                     tokenizer_name=getattr(self.tokenizer, "name_or_path", None) or None,
-                     default_padding_side=getattr(self.tokenizer, "padding_side", None))
-        self.cfg = self.cfg.attached(self.device, self.dtype, default_prepend_bos=self._bos_default(), **names,
-                                     **self._hook_flags, **{f"processed_{k}": v for k, v in self._processing.items()})
+        self.cfg = self.cfg.with_view(self.runtime.view(self.cfg, self.device, self.dtype))
 
     @property
     def tokenizer(self):
         """The tokenizer text goes through (any Hugging Face tokenizer, or the zoo's byte tokenizer)."""
-        return self.__dict__.get("_tokenizer")
+        return self.runtime.tokenizer
 
     @tokenizer.setter
     def tokenizer(self, tok) -> None:
-        self.__dict__["_tokenizer"] = tok
-        self._attach()  # default_prepend_bos follows the tokenizer's BOS
+        self.runtime.tokenizer = tok
+        self._refresh_view()  # default_prepend_bos follows the tokenizer's BOS
+
+    def loaded_as(self, name: str | None, *, default_prepend_bos: bool | None = None) -> "HookedTransformer":
+        """Record what this model was loaded as (`cfg.model_name`) and, unless None, override whether text
+        gets BOS first by default (`cfg.default_prepend_bos`). Returns the model."""
+        self.runtime.name = name
+        if default_prepend_bos is not None:
+            self.runtime.prepend_bos = bool(default_prepend_bos)
+        self._refresh_view()
+        return self
 
     @property
     def device(self) -> torch.device:
@@ -204,7 +210,7 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
     def _apply(self, fn, *args, **kwargs):
         # Every move or cast (.to, .cuda, .half, to_empty) goes through here: keep cfg.device/.dtype true.
         out = super()._apply(fn, *args, **kwargs)
-        self._attach()
+        self._refresh_view()
         return out
 
     # ---- weight processing ----------------------------------------------------------------------
@@ -224,8 +230,9 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
         steps = dict(fold_ln=fold_ln, center_writing_weights=center_writing_weights, center_unembed=center_unembed,
                      fold_value_biases=fold_value_biases, refactor_factored_attn_matrices=refactor_factored_attn_matrices)
         process_weights(self, **steps)
-        self._processing = {k: bool(self._processing.get(k) or v) for k, v in steps.items()}
-        self._attach()
+        done = self.runtime.processing
+        self.runtime.processing = {k: bool(done.get(k) or v) for k, v in steps.items()}
+        self._refresh_view()
         return self
 
     # ---- TransformerLens's optional hook points ---------------------------------------------------
@@ -234,7 +241,7 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
         `hook_v_input` [batch, pos, kv_head, d_model]: the residual stream copied per head before ln1,
         so one head's query (or one KV head's key / value) input can be patched alone. Off (the
         default), the fused attention path is untouched."""
-        if use_split_qkv_input and self._hook_flags["use_attn_in"]:
+        if use_split_qkv_input and self.runtime.hook_flags["use_attn_in"]:
             raise ValueError("use_split_qkv_input and use_attn_in are mutually exclusive (as in TransformerLens): "
                              "call model.set_use_attn_in(False) first")
         self._set_hook_flag("use_split_qkv_input", use_split_qkv_input,
@@ -244,7 +251,7 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
         """Add (True) or remove `blocks.L.hook_attn_in` [batch, pos, head, d_model]: one per-head copy of
         the residual stream feeding queries, keys and values (keys and values read the first kv_head
         copies under GQA, as TransformerLens's bridge does)."""
-        if use_attn_in and self._hook_flags["use_split_qkv_input"]:
+        if use_attn_in and self.runtime.hook_flags["use_split_qkv_input"]:
             raise ValueError("use_attn_in and use_split_qkv_input are mutually exclusive (as in TransformerLens): "
                              "call model.set_use_split_qkv_input(False) first")
         self._set_hook_flag("use_attn_in", use_attn_in, lambda b, on: b.set_split_input("attn_in" if on else None))
@@ -261,17 +268,13 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
 
     def _set_hook_flag(self, flag: str, on: bool, apply) -> None:
         on = bool(on)
-        if self._hook_flags[flag] == on:
+        if self.runtime.hook_flags[flag] == on:
             return
         for block in self.blocks:
             apply(block, on)
-        self._hook_flags[flag] = on
+        self.runtime.hook_flags[flag] = on
         self.setup_hooks()
-        self._attach()
-
-    def _set_prepend_bos(self, value: bool | None) -> None:
-        self.cfg = self.cfg.replace(prepend_bos=value)
-        self._attach()
+        self._refresh_view()
 
     # ---- attention backend --------------------------------------------------------------------
     @property

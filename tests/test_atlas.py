@@ -12,7 +12,7 @@ import pytest
 import torch
 from analyses_fixtures import build, tokens  # noqa: F401
 from sweep_fixtures import one_thread  # noqa: F401 - autouse
-from test_real_models import SMOL, needs_smol
+from smol import SMOL, needs_smol
 
 import interp
 from interp.analyses import window_eval

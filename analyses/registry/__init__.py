@@ -4,7 +4,9 @@ An entry declares its adapter (checkpoint -> long rows), its metrics and their s
 parameters (recorded in settings.json, so a sweep folder says how its numbers were made), whether
 it is expensive (a forward pass per head or more: the last checkpoint of each run unless the sweep
 says `expensive_on="all"`), and its report section with its plot. To add an analysis, add a file
-here and import it below; the report and the CLI pick it up. The metric table:
+here and import it below; the report and the CLI pick it up. An analysis returns its rows (a
+DataFrame), or `Output(rows, extra)` when it keeps JSON beside them (the viewer); its sections are
+its own (`section`, and `across` for figures over training), as are its headline facts. The metric table:
 `python -c "from interp.analyses.registry import metric_table; print(metric_table())"`.
 """
 
@@ -15,8 +17,10 @@ from .base import (
     Analysis,
     Context,
     Metric,
+    Output,
     ReportSection,
     RunView,
+    as_output,
     concat,
     metrics,
     per_head,
@@ -38,6 +42,7 @@ def metric_table() -> str:
     return "\n".join(lines)
 
 
-__all__ = ["ANALYSES", "Analysis", "Context", "Metric", "ReportSection", "RunView", "concat", "metric_table",
+__all__ = ["ANALYSES", "Analysis", "Context", "Metric", "Output", "ReportSection", "RunView", "as_output", "concat",
+           "metric_table",
            "metrics", "parse_pruning_metric", "per_head", "per_model", "pruning_metric", "register",
            "resolve_analyses", "rows"]

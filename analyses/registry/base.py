@@ -72,6 +72,20 @@ class RunView:
 
 
 @dataclass(frozen=True)
+class Output:
+    """What an analysis returns when it has more than rows: `extra`, JSON kept beside its rows in the
+    part file (the viewer's token sample and patterns), handed back to its report section as
+    `RunView.extras[name]`. An analysis with rows only returns the DataFrame itself."""
+
+    rows: pd.DataFrame
+    extra: dict | None = None
+
+
+def as_output(result: "pd.DataFrame | Output") -> Output:
+    return result if isinstance(result, Output) else Output(result)
+
+
+@dataclass(frozen=True)
 class ReportSection:
     id: str  # the HTML anchor
     title: str
@@ -81,12 +95,17 @@ class ReportSection:
 @dataclass(frozen=True)
 class Analysis:
     name: str
-    run: Callable[[Context], pd.DataFrame]
+    run: Callable[[Context], "pd.DataFrame | Output"]
     description: str
     params: Mapping = field(default_factory=lambda: MappingProxyType({}))
     expensive: bool = False  # a forward pass per head or more: by default on the last checkpoint only
     metrics: tuple[Metric, ...] = ()
-    section: ReportSection | None = None
+    section: ReportSection | None = None  # its own section of the report
+    # Sections only a sweep over several checkpoints has (figures across training), placed after the
+    # report's head-score heatmaps; and facts for the summary's headline sentence (plain text; the
+    # report escapes nothing in them, so they name no run).
+    across: tuple[ReportSection, ...] = ()
+    headline: Callable[[RunView], list[str]] | None = None
 
 
 ANALYSES: dict[str, Analysis] = {}
@@ -142,6 +161,11 @@ def require_finite(frame: pd.DataFrame, column: str, metric: str, use: str) -> p
         raise NonFiniteResult(f"{metric} holds {len(bad)} non-finite value(s) ({', '.join(bad[:8])}), so {use} "
                               "would be meaningless: check the checkpoint's weights for NaN/inf")
     return frame
+
+
+def model_rows(table: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """The rows of a per-model `metric` in a results table, in step order."""
+    return table[(table["metric"] == metric) & table["layer"].isna()].sort_values("step")
 
 
 def per_model(metric: str, value: float) -> pd.DataFrame:

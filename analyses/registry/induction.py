@@ -1,15 +1,22 @@
 """induction: detect_head on the sweep data, Olsson et al.'s score on repeated random tokens, and
-the in-context-learning score. Its figures (small multiples, the phase change) are the report's
-across-checkpoint sections, since they need no section of their own."""
+the in-context-learning score. Across checkpoints it owns the report's small multiples and the curves
+against training step with the phase change marked (`phase_change`), and it adds the ICL score and
+the phase change to the summary's headline.
+
+Phase change: over consecutive checkpoints, the step interval where the maximum induction score
+(Olsson et al.'s, on repeated random tokens) of heads outside layer 0 rises fastest per training
+step (layer 0 cannot form an induction head with a previous-token head below it)."""
 
 from __future__ import annotations
 
 from types import MappingProxyType
 
+import numpy as np
 import pandas as pd
 
+from .. import plots
 from ..heads import icl_score, induction_scores
-from .base import Analysis, Context, Metric, concat, per_head, per_model, register
+from .base import Analysis, Context, Metric, ReportSection, RunView, concat, metrics, model_rows, per_head, per_model, register
 from .detection import detect, detect_metric
 
 PARAMS = MappingProxyType(dict(method="auto", seq_len=50, n_repeats=2, batch_size=10, seed=0,
@@ -49,6 +56,64 @@ def run(ctx: Context) -> pd.DataFrame:
     )
 
 
+def phase_change(table: pd.DataFrame) -> dict | None:
+    """The steepest rise of the max induction score outside layer 0 between consecutive checkpoints."""
+    ind = table[(table["metric"] == "induction_score") & table["layer"].notna() & table["step"].notna()
+                & np.isfinite(table["value"].to_numpy(dtype=float, na_value=np.nan))]
+    if ind.empty:
+        return None
+    later = ind[ind["layer"] >= 1] if int(ind["layer"].max()) >= 1 else ind
+    curve = later.groupby("step")["value"].max().sort_index()
+    if len(curve) < 3:
+        return None
+    steps, values = curve.index.to_numpy(dtype=float), curve.to_numpy()
+    slopes = np.diff(values) / np.maximum(np.diff(steps), 1)
+    i = int(np.argmax(slopes))
+    if slopes[i] <= 0:
+        return None
+    return {"start": int(steps[i]), "end": int(steps[i + 1]), "score_before": float(values[i]),
+            "score_after": float(values[i + 1]), "score_final": float(values[-1]),
+            "layers": "layers >= 1" if int(ind["layer"].max()) >= 1 else "all layers"}
+
+
+def headline(v: RunView) -> list[str]:
+    """The ICL score (with the positions it compares) and the phase change, for the summary."""
+    facts = []
+    icl = model_rows(v.table, "icl_score")
+    if not icl.empty:
+        where = {m: model_rows(v.table, f"icl_{m}_position")["value"] for m in ("early", "late")}
+        at = (f" (loss at token {int(where['late'].iloc[-1])} minus token {int(where['early'].iloc[-1])})"
+              if all(len(w) for w in where.values()) else "")
+        step = icl["step"].iloc[-1]
+        facts.append(f"ICL score {icl['value'].iloc[-1]:+.3f}{at}" + (f" at step {int(step)}" if pd.notna(step) else ""))
+    phase = phase_change(v.table)
+    if phase:
+        facts.append(f"phase change between steps {phase['start']} and {phase['end']} "
+                     f"(max induction score {phase['score_before']:.2f} -> {phase['score_after']:.2f}, "
+                     f"{phase['score_final']:.2f} at the end)")
+    return facts
+
+
+def small_multiples(v: RunView) -> list:
+    fig = plots.small_multiples(v.table, "induction_score")
+    return [f"{v.prefix}Olsson et al.'s induction score of every head at each checkpoint (shared colour scale)." if fig
+            else f"{v.prefix}Needs the induction analysis on two or more checkpoints.",
+            v.figure(fig, "induction_small_multiples")]
+
+
+def curves(v: RunView) -> list:
+    phase = phase_change(v.table)
+    fig = plots.best_head_curves(v.table, [m.name for m in metrics(lambda m: m.curve)], phase,
+                                 model_rows(v.table, "icl_score"), log_steps=v.log_steps)
+    text = (f"{v.prefix}Each line follows the head that scores highest at the last checkpoint. " +
+            (f"Phase change (shaded): the max induction score ({phase['layers']}) rises fastest between steps "
+             f"{phase['start']} and {phase['end']} ({phase['score_before']:.2f} -> {phase['score_after']:.2f}; "
+             f"{phase['score_final']:.2f} at the end). The ICL score (loss at a late token minus loss at an early "
+             "one; negative means the model learns in context) is in the lower panel." if phase else
+             "No phase change found (needs the induction analysis on three or more checkpoints with a rising score)."))
+    return [text if fig else f"{v.prefix}Needs head scores on two or more checkpoints with steps.", v.figure(fig, "curves")]
+
+
 register(Analysis(
     "induction", run, "induction head scores (detect_head on the sweep data; Olsson et al. on repeated random "
     "tokens) and the in-context-learning score", PARAMS,
@@ -66,4 +131,8 @@ register(Analysis(
         Metric("icl_loss_late", "model", "loss at the late token"),
         Metric("icl_early_position", "model", "the early token's position (50, or a quarter of short sequences)"),
         Metric("icl_late_position", "model", "the late token's position (the last of the data's sequences)"),
-    )))
+    ),
+    across=(ReportSection("small-multiples", "Induction heads across checkpoints", small_multiples),
+            ReportSection("curves", "Scores against training step", curves)),
+    headline=headline,
+))

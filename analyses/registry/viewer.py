@@ -9,12 +9,11 @@ import base64
 from types import MappingProxyType
 
 import numpy as np
-import pandas as pd
 import torch
 
 from ..document import Html, inline_json
 from ..store import NonFiniteResult
-from .base import Analysis, Context, Metric, ReportSection, RunView, metrics, per_model, register
+from .base import Analysis, Context, Metric, Output, ReportSection, RunView, metrics, per_model, register
 
 PARAMS = MappingProxyType(dict(max_tokens=48))
 
@@ -47,7 +46,7 @@ def sample_window(tokens: torch.Tensor, n: int) -> torch.Tensor:
     return best
 
 
-def run(ctx: Context) -> pd.DataFrame:
+def run(ctx: Context) -> Output:
     n = min(PARAMS["max_tokens"], ctx.tokens.shape[1])
     sample = sample_window(ctx.tokens, n)
     with torch.no_grad():
@@ -59,13 +58,11 @@ def run(ctx: Context) -> pd.DataFrame:
                               + ", ".join(f"L{l}H{h} pattern" for l, h in broken[:8])
                               + "): check the checkpoint's weights for NaN/inf")
     codes = (patterns.float().clamp(0, 1) * 255).round().to(torch.uint8).contiguous()
-    rows = per_model("viewer_tokens", n)
-    rows.attrs["extra"] = {
+    return Output(per_model("viewer_tokens", n), extra={
         "tokens": _str_tokens(ctx.model, sample[0].tolist()), "n_layers": int(patterns.shape[0]),
         "n_heads": int(patterns.shape[1]), "n": n,
         "patterns_u8": base64.b64encode(codes.numpy().tobytes()).decode(),  # A * 255, rounded; [layer, head, q, k]
-    }
-    return rows
+    })
 
 
 def _grid_scores(v: RunView) -> dict:
