@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "ActivationCache": "interp.models.cache",
-    "KVCache": "interp.models.cache",
+    "KVCache": "interp.models.kv_cache",
     "FactoredMatrix": "interp.models.factored",
     "HookPoint": "interp.models.hooks",
     "act_name": "interp.models.hooks",

@@ -10,7 +10,7 @@ from torch import Tensor
 from .errors import BadValue, check_int, check_real
 
 if TYPE_CHECKING:
-    from .cache import KVCache
+    from .kv_cache import KVCache
 
     from .transformer import HookedTransformer
 

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from interp.kernels.kv_quant import check_precision, code_dtype, code_shape, dequantize, quantize
 
-from .cache import KVCache
+from .kv_cache import KVCache
 
 PrecisionMap = Mapping[tuple[int, int], str]
 

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .cache import ActivationCache, KVCache
+from .cache import ActivationCache, to_tl_cache
+from .kv_cache import KVCache
 from .hooks import HookedRootModule, HookPoint, NamesFilter, caching_hook
 from interp.kernels.attention import BACKEND_CHOICES, AttentionMask
 
@@ -234,6 +235,13 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
         self.runtime.processing = {k: bool(done.get(k) or v) for k, v in steps.items()}
         self._refresh_view()
         return self
+
+    def enable_compatibility_mode(self, disable_warnings: bool = False, no_processing: bool = False,
+                                  **_ignored) -> "HookedTransformer":
+        """TransformerLens 4's `TransformerBridge.enable_compatibility_mode`, so its tutorials run with
+        only the model line changed: its weight processing (`process_weights_` with TransformerLens's
+        defaults) unless `no_processing`. Our hook names and aliases need no switching. Returns the model."""
+        return self if no_processing else self.process_weights_()
 
     # ---- TransformerLens's optional hook points ---------------------------------------------------
     def set_use_split_qkv_input(self, use_split_qkv_input: bool) -> None:
@@ -485,8 +493,6 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
         if remove_batch_dim and return_cache_object:
             cache = cache.remove_batch_dim()
         if cache_type == "transformer_lens" and return_cache_object:
-            from .cache import to_tl_cache
-
             cache = to_tl_cache(cache)
         return out, cache
 

@@ -387,3 +387,20 @@ def test_smollm2_tutorial_lines_run_as_on_the_bridge():
         a, b = ours.run_with_hooks(text, fwd_hooks=hooks), bridge.run_with_hooks(text, fwd_hooks=hooks)
         close(a, b, 1e-4 * b.abs().max().item())
         assert (a - ours(text)).abs().max() > 1e-2
+
+
+def test_enable_compatibility_mode_processes_as_the_bridge():
+    """TransformerLens 4 tutorials call `model.enable_compatibility_mode()`: on ours it is TL's weight
+    processing, so the logits equal the bridge's in compatibility mode, and log-probs are unchanged."""
+    hf = build_hf("gpt2")  # fresh pair: processing edits weights in place (the shared `pair` must stay raw)
+    model, bridge = interp.from_hf(hf, tokenizer=tokenizer()), bridge_from_hf(hf, tokenizer=tokenizer())
+    tokens = model.to_tokens(TEXT)
+    with torch.no_grad():
+        before = model(tokens).log_softmax(-1)
+        assert model.enable_compatibility_mode() is model
+        after = model(tokens)
+        close(after.log_softmax(-1), before)
+        bridge.enable_compatibility_mode(disable_warnings=True)
+        close(after, bridge(tokens))
+    assert model.cfg.normalization_type == "LNPre"
+    assert model.enable_compatibility_mode(no_processing=True) is model
