@@ -9,6 +9,7 @@ line and exits 2; a library caller can catch it, or the built-in type each subcl
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -57,3 +58,16 @@ def check_threads(threads: int | None) -> int | None:
         return None
     cpus = os.cpu_count() or 1
     return check_int("threads", threads, minimum=1, maximum=cpus, hint=f"this machine has {cpus} CPU(s)")
+
+
+@contextlib.contextmanager
+def as_user_errors(*types: type[BaseException]):
+    """Inside the block, an exception of `types` becomes a `UserError` with the same message: for a
+    caller that knows those come from what the user gave (a command's settings), so that the CLI
+    reports them as every other user error, in one line, in one place (`interp.cli.main`)."""
+    try:
+        yield
+    except UserError:
+        raise
+    except types as e:
+        raise UserError(str(e)) from e

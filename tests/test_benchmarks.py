@@ -117,7 +117,8 @@ def test_forward_module_cli_still_works(capsys):
 
 def test_unknown_section_is_refused(capsys):
     assert cli(["bench", "--sections", "forward,nope", "--out", "-"]) == 2
-    assert "nope" in capsys.readouterr().out
+    err = capsys.readouterr().err  # one line on stderr, as every user error
+    assert "unknown sections ['nope']" in err and err.startswith("error: ") and err.count("\n") == 1
 
 
 def test_compare_times_rounds_follow_the_budget():

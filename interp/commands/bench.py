@@ -85,8 +85,9 @@ def run(args) -> int:
 
     unknown = [s for s in args.sections if s not in ALL]
     if unknown:
-        print(f"unknown sections {unknown}; choose from {','.join(ALL)}")
-        return 2
+        from interp.models.errors import BadValue
+
+        raise BadValue(f"unknown sections {unknown}; choose from {','.join(ALL)}")
     given = {dest: getattr(args, dest) for _, dest, _, _ in _SIZED if getattr(args, dest) is not None}
     opts = Options.quick_config(**given) if args.quick else Options(**given)
     sections = run_suite(

@@ -41,7 +41,6 @@ def _data_file(path: str):
 
 
 def run(args) -> int:
-    import sys
 
     from interp.kernels.kv_quant import check_precision, code_shape
 
@@ -70,9 +69,10 @@ def run(args) -> int:
             code_shape(p, cfg.head_dim)  # int4 with an odd d_head fails here, as the cache would
         if ids is not None and int(ids.max()) >= cfg.d_vocab:
             raise ValueError(f"{args.data_file} holds token id {int(ids.max())}, outside the vocabulary [0, {cfg.d_vocab})")
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, FileNotFoundError) as e:  # the settings: printed by interp.cli, as every user error
+        from interp.models.errors import UserError
+
+        raise UserError(str(e)) from e
 
     import time
 

@@ -22,21 +22,16 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    import sys
-
     from interp.analyses.report import headline, write_report
-    from interp.analyses.store import OutputError
+    from interp.models.errors import UserError
 
     try:
         if args.headline:
             print(headline(args.out))
             return 0
         path = write_report(args.out, title=args.title, log_steps=args.log_steps)
-    except (FileNotFoundError, OutputError) as e:  # not a sweep folder, a damaged file, in use, not ours
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except PermissionError as e:
-        print(f"error: cannot write the report into {args.out}: {e.strerror} ({e.filename})", file=sys.stderr)
-        return 2
+    except PermissionError as e:  # printed by interp.cli, as every user error
+        raise UserError(f"cannot write the report into {args.out}: {e.strerror} ({e.filename})") from None
+    # not a sweep folder, a damaged file, in use, not ours: FileNotFoundError / OutputError, printed by interp.cli
     print(f"wrote {path} and {path.with_suffix('.md')}")
     return 0

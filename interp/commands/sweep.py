@@ -99,33 +99,23 @@ def settings_from_args(args):
 
 
 def run_sweep(args, runs, executor=None, last_only: bool = False) -> int:
-    import sys
-
     from interp.analyses.sweep import SettingsMismatch, sweep
-
-    from interp.loading import ModelNotFound
+    from interp.models.errors import as_user_errors
     from interp.models.names import resolve_run
 
-    try:
+    with as_user_errors(SettingsMismatch, ValueError, FileNotFoundError, ImportError):  # printed by interp.cli
         settings = settings_from_args(args)
         revisions = getattr(args, "revisions", None)  # with --revisions every RUN is a Hub repo id
         runs = [resolve_run(r, revisions=revisions, last_only=last_only) for r in runs]
         result = sweep(runs, args.out, settings, executor, force=args.force, last_only=last_only,
                        progress=not args.no_progress, report=not args.no_report)
-    except (SettingsMismatch, ValueError, FileNotFoundError, ModelNotFound, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     return 1 if result.errors else 0
 
 
 def run(args) -> int:
     from interp.analyses.executors import ExecutorSettings
+    from interp.models.errors import as_user_errors
 
-    try:
+    with as_user_errors(ValueError):
         executor = ExecutorSettings(kind=args.executor, workers=args.workers, ray_address=args.ray_address)
-    except ValueError as e:
-        import sys
-
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     return run_sweep(args, args.runs, executor)
