@@ -355,7 +355,7 @@ def check_up_front(settings: SweepSettings, runs: Sequence[Run]) -> None:
     a device this machine does not have, sequences longer than a learned position table, token ids
     outside the vocabulary. Configs are read without weights; an unreadable one is left to the
     sweep, which reports that checkpoint and goes on."""
-    from interp.models.checkpoint import CheckpointError, OwnCodeRefused, read_config
+    from interp.models.checkpoint import CheckpointError, read_config
     from interp.models.folder import refuse_code_in
 
     _check_device(settings.device)
@@ -366,8 +366,6 @@ def check_up_front(settings: SweepSettings, runs: Sequence[Run]) -> None:
             refuse_code_in(checkpoint.path)
         try:
             cfg = read_config(run.checkpoints[-1].path)
-        except OwnCodeRefused:
-            raise
         except (CheckpointError, FileNotFoundError, ValueError, KeyError, ImportError):
             continue
         if cfg.positional in ("learned", "sinusoidal") and spec.seq_len > cfg.n_ctx:

@@ -121,7 +121,7 @@ def generate(
     check_real("temperature", temperature, minimum=0)  # 0: greedy
     if top_k is not None:
         check_int("top_k", top_k, minimum=0)  # 0: no top-k filter
-    if top_p is not None and not (check_real("top_p", top_p, minimum=0, strict=True) <= 1):
+    if top_p is not None and check_real("top_p", top_p, minimum=0, strict=True) > 1:
         raise BadValue(f"top_p must lie in (0, 1] (1 or None: no nucleus filter), got {top_p}")
     if freq_penalty < 0:
         raise ValueError(f"freq_penalty must be >= 0 (0 turns it off), got {freq_penalty}")
