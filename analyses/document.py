@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from .store import atomic_write_bytes, atomic_write_text
+
 
 @dataclass
 class Image:
@@ -57,7 +59,7 @@ def png(fig, name: str, caption: str = "") -> Image | None:
         return None
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # start-up time: pyplot takes ~0.5 s to import (plots.py draws without it)
 
     plt.close(fig)  # figures from pyplot must be released; harmless for the others
     return Image(name, buf.getvalue(), caption)
@@ -164,8 +166,6 @@ def render_markdown(title: str, sections: list[Section]) -> str:
 def write_document(out, title: str, sections: list[Section], folder=None) -> Path:
     """Write `out/report.html`, `out/report.md` and `out/figures/*.png`; return the HTML path. With
     `folder` (the `store.OutputFolder` of `out`), every file is claimed there before it is written."""
-    from .store import atomic_write_bytes, atomic_write_text
-
     out = Path(out)
     images = [b for s in sections for b in s.blocks if isinstance(b, Image)]
     if folder is not None:

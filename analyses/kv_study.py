@@ -25,7 +25,9 @@ import torch
 from . import plots
 from ._common import spearman
 from .document import Section, head_name, png, write_document
+from .heads import detect_heads
 from .kv import head_table, kv_sensitivity, mixed_precision, precision_table, recovered_gap
+from .sinks import attention_sinks
 
 KEEP_FRACTIONS = (0.1, 0.2, 0.5)
 
@@ -77,9 +79,6 @@ def run_study(model, tokens, out, *, precisions: Sequence[str] = ("fp32", "int8"
 
 def _roles(model, tokens) -> dict:
     """{role: top 3 heads} from the atlas's analyzers on the same text."""
-    from .heads import detect_heads
-    from .sinks import attention_sinks
-
     scores = detect_heads(model, tokens, kinds=("previous_token", "induction"))
     sinks = attention_sinks(model, tokens, n_sink=1)
     top = lambda f, col: [(int(r.layer), int(r.head)) for r in f.nlargest(3, col).itertuples()]  # noqa: E731

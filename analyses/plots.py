@@ -387,3 +387,36 @@ def mixed_precision_curve(mixed: pd.DataFrame):
     ax.set_title("mixed precision: top-k KV heads in fp32, the rest int4", fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def policy_tradeoff(cells: pd.DataFrame, summary: pd.DataFrame):
+    """Two panels against KV-cache bytes per token (log): passkey accuracy, one mark per policy and
+    context length (bytes held at that length); perplexity, one mark per policy."""
+    fig, (acc_ax, ppl_ax) = _figure(2, width=4.6, height=3.6)
+    markers = "osD^v<>p*h"
+    lengths = sorted(cells["length"].unique())
+    for i, length in enumerate(lengths):
+        part = cells[cells["length"] == length].groupby("policy", sort=False).agg(
+            correct=("correct", "sum"), n=("n", "sum"), bytes_per_token=("bytes_per_token", "mean"))
+        acc_ax.scatter(part["bytes_per_token"], part["correct"] / part["n"], marker=markers[i % len(markers)],
+                       label=f"{length} tokens", zorder=3)
+        if i == len(lengths) - 1:
+            for policy, r in part.iterrows():
+                acc_ax.annotate(policy, (r.bytes_per_token, r.correct / r.n), textcoords="offset points",
+                                xytext=(4, 4), fontsize=7)
+    acc_ax.set_ylim(-0.05, 1.05)
+    acc_ax.set_ylabel("passkey accuracy")
+    acc_ax.legend(fontsize=7)
+    ppl_ax.scatter(summary["bytes_per_token"], summary["perplexity"], color="black", zorder=3)
+    for r in summary.itertuples():
+        ppl_ax.annotate(r.policy, (r.bytes_per_token, r.perplexity), textcoords="offset points", xytext=(4, 4),
+                        fontsize=7)
+    ppl_ax.set_ylabel("perplexity")
+    for ax in (acc_ax, ppl_ax):
+        ax.set_xscale("log")
+        ax.set_xlabel("KV-cache bytes per token (log)")
+        ax.grid(alpha=0.3)
+    acc_ax.set_title("retrieval", fontsize=10)
+    ppl_ax.set_title("perplexity", fontsize=10)
+    fig.tight_layout()
+    return fig

@@ -29,13 +29,20 @@ import platform
 import time
 import traceback
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Callable, Iterator, Literal, Sequence
 
 import pandas as pd
+import torch
 
+from ._common import auto_tqdm
 from .executors import ExecutorSettings, make_executor
 from .registry import ANALYSES, Context, as_output, resolve_analyses
+from .report import write_report
+from interp.models import checkpoint  # checkpoint.load_checkpoint looked up at call time: tests monkeypatch it
+from interp.models.checkpoint import CheckpointError, read_config
+from interp.models.folder import refuse_code_in
 from interp.models.names import resolve_run
 from interp.models.runs import Checkpoint, Run
 from .store import LOAD, NonFiniteResult, OutputError, ResultStore, read_json_file
@@ -64,6 +71,11 @@ class SweepSettings:
     expensive_on "last": analyses marked expensive (ablation, pruning, importance: a forward pass
                  per head or more) run on the last checkpoint of each run only; "all": everywhere.
     device       where models run (None: CUDA when available); not part of the results' meaning.
+
+    Settings are checked here, once, when they are made (the CLI makes them before it resolves a name
+    or loads a model; `sweep()` remakes them when it settles data kind "auto"): unknown analyses,
+    `expensive_on`, and the data (`check_data`: the file exists and holds usable token ids, the
+    text is long enough).
     """
 
     analyses: tuple[str, ...] = DEFAULT_ANALYSES
@@ -75,6 +87,7 @@ class SweepSettings:
         resolve_analyses(self.analyses)  # raises on unknown names
         if self.expensive_on not in EXPENSIVE_ON:
             raise ValueError(f"expensive_on must be one of {EXPENSIVE_ON}, got {self.expensive_on!r}")
+        check_data(self.data)  # kind "auto" is checked once settled (`_resolve_data` remakes the settings)
 
     def meaning(self) -> dict:
         """The part of the settings results depend on (compared against an existing folder)."""
@@ -126,14 +139,10 @@ class SweepResult:
 # ---- the worker side -------------------------------------------------------------------------
 def run_checkpoint(task: CheckpointTask) -> Iterator[PartEvent | ErrorEvent]:
     """Load one checkpoint, run each pending analysis on it, yield one event per analysis."""
-    import torch
-
-    from interp.models.checkpoint import load_checkpoint
-
     ckpt = task.checkpoint
     device = task.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        model = load_checkpoint(ckpt.path, device=device)
+        model = checkpoint.load_checkpoint(ckpt.path, device=device)
         tokens = build_tokens(task.data, model, task.tokens).to(model.device)
     except Exception as e:  # noqa: BLE001 - any failure to load is reported, and the sweep goes on
         yield ErrorEvent(ckpt, LOAD, type(e).__name__, str(e), n_analyses=len(task.analyses))
@@ -167,8 +176,6 @@ def run_checkpoint(task: CheckpointTask) -> Iterator[PartEvent | ErrorEvent]:
 # ---- the driver ------------------------------------------------------------------------------
 def _installed(distribution: str) -> str | None:
     """The installed version of a distribution, without importing it (transformers takes seconds)."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version(distribution)
     except PackageNotFoundError:
@@ -176,8 +183,6 @@ def _installed(distribution: str) -> str | None:
 
 
 def versions() -> dict:
-    import torch
-
     out = {"interp": _installed("interp") or "unknown", "torch": torch.__version__, "pandas": pd.__version__,
            "python": platform.python_version()}
     if (transformers := _installed("transformers")) is not None:
@@ -254,8 +259,6 @@ def sweep(
     A run is a `Run` or any name `interp.models.names.resolve_run` resolves (a folder, a zoo name, a
     .gguf file, a real-model short name, a Hub repo id).
     `on_part(n)` is called after each result part is written (n parts so far)."""
-    from ._common import auto_tqdm
-
     tqdm = auto_tqdm()
     settings = settings or SweepSettings()
     executor = executor or ExecutorSettings()
@@ -280,8 +283,6 @@ def sweep(
                             on_part)
         log(summary(result, found))
         if report:
-            from .report import write_report
-
             result.report = write_report(store.out)
             log(f"report: {result.report} (and report.md)")
     return result
@@ -355,15 +356,12 @@ def check_up_front(settings: SweepSettings, runs: Sequence[Run]) -> None:
     a device this machine does not have, sequences longer than a learned position table, token ids
     outside the vocabulary. Configs are read without weights; an unreadable one is left to the
     sweep, which reports that checkpoint and goes on."""
-    from interp.models.checkpoint import CheckpointError, read_config
-    from interp.models.folder import refuse_code_in
-
     _check_device(settings.device)
     spec = settings.data
     file_tokens = int(prebuild_tokens(spec).max()) if spec.kind == "file" else None
     for run in runs:
-        for checkpoint in run.checkpoints:  # code in a checkpoint folder never runs: refused, not skipped
-            refuse_code_in(checkpoint.path)
+        for ckpt in run.checkpoints:  # code in a checkpoint folder never runs: refused, not skipped
+            refuse_code_in(ckpt.path)
         try:
             cfg = read_config(run.checkpoints[-1].path)
         except (CheckpointError, FileNotFoundError, ValueError, KeyError, ImportError):
@@ -379,8 +377,6 @@ def check_up_front(settings: SweepSettings, runs: Sequence[Run]) -> None:
 def _check_device(device: str | None) -> None:
     if device is None or device == "cpu":
         return
-    import torch
-
     try:
         dev = torch.device(device)
     except RuntimeError as e:
@@ -395,11 +391,11 @@ def _check_device(device: str | None) -> None:
 
 
 def _resolve_data(settings: SweepSettings, runs: Sequence[Run]) -> SweepSettings:
-    """Settle `data.kind == "auto"` before anything is recorded, so settings.json names real data."""
+    """Settle `data.kind == "auto"` before anything is recorded, so settings.json names real data.
+    Settings with a settled kind were checked when made; remade here, they check the data they now name."""
     kind = resolve_kind(settings.data.kind, [c.path for r in runs for c in r.checkpoints])
     if kind != settings.data.kind:
         settings = dataclasses.replace(settings, data=dataclasses.replace(settings.data, kind=kind))
-    check_data(settings.data)
     return settings
 
 

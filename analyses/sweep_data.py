@@ -37,11 +37,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import torch
+from pydoc_data.topics import topics
 from torch import Tensor
 
 from interp.models.errors import BadValue, check_int
+from interp.models.probes import repeated_random_tokens
 from interp.models.tokenizer import ByteTokenizer, load_tokenizer
+from interp.models.training import eval_windows, load_corpus
 
 DataKind = Literal["auto", "repeated_random", "corpus", "file", "text"]
 DATA_KINDS = ("auto", "repeated_random", "corpus", "file", "text")
@@ -121,8 +125,6 @@ def _text_pieces(path: str | None = None, limit: int | None = None):
     """The text in pieces of about `_PIECE_CHARS` characters, each ending at a line end where there is
     one (so a piece boundary never splits a word), until `limit` characters have been given (None: all)."""
     if path is None:
-        from pydoc_data.topics import topics
-
         source = iter(["\n\n".join(topics[k] for k in sorted(topics))])
     else:
         source = _file_chunks(path)
@@ -201,22 +203,16 @@ def _cached(spec: DataSpec, d_vocab: int | None) -> Tensor:
 
 
 def _repeated_random(spec: DataSpec, d_vocab: int) -> Tensor:
-    from interp.models.probes import repeated_random_tokens
-
     return repeated_random_tokens(spec.n_seqs, (spec.seq_len + 1) // 2, d_vocab, seed=spec.seed, total=spec.seq_len)
 
 
 def _corpus(spec: DataSpec, d_vocab: int | None) -> Tensor:
-    from interp.models.training import eval_windows, load_corpus
-
     return eval_windows(load_corpus(), spec.seq_len, spec.n_seqs, seed=spec.seed)
 
 
 def read_token_file(path) -> Tensor:
     """Integer token ids from a .npy or .pt file, as saved: [n_seqs, seq_len] or flat (int64).
     A missing or unreadable file, non-integer values or more than two dimensions: a clear error."""
-    import numpy as np
-
     path = str(path)
     if not Path(path).is_file():
         raise FileNotFoundError(f"data file {path} does not exist")

@@ -46,6 +46,9 @@ class AttentionMask:
                  2023); 0 (the default) keeps the plain window. A layer with a window of its own
                  (`sink_limit` below) keeps its sinks only inside that window: an analysis that
                  narrows a window never lets a layer see further than the model does.
+    explicit     bool [batch or 1, head or 1, n_q, n_k]: which keys each query sees, given outright
+                 (a KV cache whose heads hold different tokens, `models.kv_cache_policy`); the
+                 window and sink arguments are then already in it. No ALiBi with it.
 
     Boolean masks and ALiBi biases are built lazily, once per (window, slopes), and reused by every
     layer of the forward pass.
@@ -56,6 +59,7 @@ class AttentionMask:
     key_valid: Tensor | None = None
     causal: bool = True
     n_sink: int = 0
+    explicit: Tensor | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -64,7 +68,7 @@ class AttentionMask:
 
     def is_plain(self, window: int | None) -> bool:
         """True when SDPA's own `is_causal` (or no mask at all) expresses the mask exactly."""
-        if self.key_valid is not None:
+        if self.key_valid is not None or self.explicit is not None:
             return False
         if window is not None and window < self.n_k:
             return False
@@ -74,6 +78,8 @@ class AttentionMask:
         """bool [batch or 1, 1, n_q, n_k]: True where the query may attend to the key. `sink_limit`:
         the layer's own window (the model's, before any analysis narrowed it), which the sink keys
         may not reach past; None: sinks are kept at any distance."""
+        if self.explicit is not None:
+            return self.explicit.to(device)
         key = ("visible", window, sink_limit, device)
         if key not in self._cache:
             q_pos = torch.arange(self.offset, self.n_k, device=device)[:, None]
@@ -95,6 +101,8 @@ class AttentionMask:
              sink_limit: int | None = None) -> Tensor:
         """float [batch or 1, head or 1, n_q, n_k]: 0 / -inf mask plus the ALiBi bias -slope * (p - j)."""
         # Keyed by the slope values: every layer holds its own (equal) buffer, and one bias serves all.
+        if self.explicit is not None and slopes is not None:
+            raise ValueError("ALiBi biases need positions a mask given outright does not carry")
         key = ("bias", window, sink_limit, None if slopes is None else tuple(slopes.tolist()), dtype, device)
         if key not in self._cache:
             ok = self.visible(window, device, sink_limit)

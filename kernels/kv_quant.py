@@ -77,3 +77,89 @@ def bytes_per_vector(precision: str, d_head: int) -> int:
     """Bytes one stored vector takes: codes plus its float32 scale."""
     return code_shape(precision, d_head) * torch.tensor([], dtype=code_dtype(precision)).element_size() + (
         0 if precision in FULL else 4)
+
+
+# ---- KIVI (Liu et al. 2024): asymmetric low-bit codes, keys per channel, values per token ---------
+#
+#   keys    groups of G tokens: for each group and channel, zero = min, scale = (max - min) / (2^bits - 1)
+#   values  each token alone, in groups of G channels: the same min / max rule over the group
+#   codes   round((x - zero) / scale) clamped to [0, 2^bits - 1], packed 8 / bits per byte (low bits
+#           first); scale and zero stored as float16 (what KIVI stores), and the codes computed from
+#           the float16 values, so dequantized = codes * scale + zero exactly as stored.
+#
+# A group of equal values gets scale 1 (codes 0, dequantized exactly). Keys vary per channel (outlier
+# channels), values per token: the axes KIVI found to quantize each along.
+
+KIVI_BITS = (2, 4)
+
+
+def check_kivi(bits: int, group: int, d_head: int) -> None:
+    """KIVI's packing and grouping must fit d_head (values are grouped over channels)."""
+    if bits not in KIVI_BITS:
+        raise ValueError(f"KIVI quantizes to {' or '.join(map(str, KIVI_BITS))} bits, got {bits}")
+    if group < 1 or d_head % group:
+        raise ValueError(f"KIVI groups values over channels: the group size ({group}) must divide d_head ({d_head})")
+
+
+def pack_bits(codes: Tensor, bits: int) -> Tensor:
+    """uint8 codes [..., d] with values < 2^bits -> [..., d * bits / 8] bytes, low bits first."""
+    per = 8 // bits
+    c = codes.view(*codes.shape[:-1], codes.shape[-1] // per, per)
+    out = c[..., 0].clone()
+    for i in range(1, per):
+        out |= c[..., i] << (bits * i)
+    return out
+
+
+def unpack_bits(packed: Tensor, bits: int) -> Tensor:
+    """The inverse of `pack_bits`: [..., n] bytes -> uint8 codes [..., n * 8 / bits]."""
+    per, mask = 8 // bits, (1 << bits) - 1
+    parts = [(packed >> (bits * i)) & mask for i in range(per)]
+    return torch.stack(parts, dim=-1).flatten(-2)
+
+
+def _asym(x: Tensor, bits: int, dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Asymmetric codes of x along `dim` (the group axis): (uint8 codes like x, scale, zero as float16
+    with `dim` kept at size 1)."""
+    qmax = (1 << bits) - 1
+    xf = x.float()
+    lo, hi = xf.amin(dim, keepdim=True), xf.amax(dim, keepdim=True)
+    zero = lo.half()
+    scale = ((hi - lo) / qmax).half()
+    if not (torch.isfinite(zero).all() and torch.isfinite(scale).all()):
+        raise ValueError("KIVI stores scales in float16 and these keys or values exceed its range (|x| > 65504)")
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = ((xf - zero.float()) / scale.float()).round().clamp(0, qmax).to(torch.uint8)
+    return codes, scale, zero
+
+
+def kivi_quantize_keys(k: Tensor, bits: int, group: int) -> tuple[Tensor, Tensor, Tensor]:
+    """k [..., T, d] with T a multiple of `group` -> (packed codes [..., T, d * bits / 8],
+    scale and zero [..., T / group, d] float16): one (scale, zero) per channel per group of tokens."""
+    *lead, t, d = k.shape
+    codes, scale, zero = _asym(k.reshape(*lead, t // group, group, d), bits, dim=-2)
+    return pack_bits(codes.reshape(*lead, t, d), bits), scale.squeeze(-2), zero.squeeze(-2)
+
+
+def kivi_dequantize_keys(packed: Tensor, scale: Tensor, zero: Tensor, bits: int, group: int,
+                         dtype: torch.dtype) -> Tensor:
+    codes = unpack_bits(packed, bits).float()
+    *lead, t, d = codes.shape
+    out = codes.view(*lead, t // group, group, d) * scale.float()[..., None, :] + zero.float()[..., None, :]
+    return out.view(*lead, t, d).to(dtype)
+
+
+def kivi_quantize_values(v: Tensor, bits: int, group: int) -> tuple[Tensor, Tensor, Tensor]:
+    """v [..., T, d] -> (packed codes [..., T, d * bits / 8], scale and zero [..., T, d / group]
+    float16): one (scale, zero) per token per group of channels."""
+    *lead, d = v.shape
+    codes, scale, zero = _asym(v.reshape(*lead, d // group, group), bits, dim=-1)
+    return pack_bits(codes.reshape(*lead, d), bits), scale.squeeze(-1), zero.squeeze(-1)
+
+
+def kivi_dequantize_values(packed: Tensor, scale: Tensor, zero: Tensor, bits: int, group: int,
+                           dtype: torch.dtype) -> Tensor:
+    codes = unpack_bits(packed, bits).float()
+    *lead, d = codes.shape
+    out = codes.view(*lead, d // group, group) * scale.float()[..., None] + zero.float()[..., None]
+    return out.view(*lead, d).to(dtype)

@@ -147,16 +147,22 @@ class Attention(nn.Module):
             q = self.hook_rot_q(Rotary.rotate(q, cos, sin))
             k = self.hook_rot_k(Rotary.rotate(k, cos, sin))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [batch, head, pos, d_head]
-        if kv_cache is not None:
-            k, v = kv_cache.append(self.layer, k, v, q)
-
         backend = self.backend_now(q.device, mask.n_sink)  # asked once per call
         hooks = {}
         if backend.gives_pattern:
             hooks = dict(scores_hook=self.hook_attn_scores if self.hook_attn_scores.active else None,
                          pattern_hook=self.hook_pattern if self.hook_pattern.active else None)
-        z = backend(q, k, v, mask, scale=self.scale, window=self.window, alibi_slopes=self.alibi_slopes,
-                    sink_limit=self.cfg.window(self.layer) if mask.n_sink else None, **hooks)
+
+        def run(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask) -> Tensor:
+            return backend(q, k, v, mask, scale=self.scale, window=self.window, alibi_slopes=self.alibi_slopes,
+                           sink_limit=self.cfg.window(self.layer) if mask.n_sink else None, **hooks)
+
+        if kv_cache is None:
+            z = run(q, k, v, mask)
+        else:  # the cache writes this call's keys/values and runs the backend over what it holds
+            z = kv_cache.attend(self.layer, q, k, v, mask, run, scale=self.scale, window=self.window,
+                                own_window=self.cfg.window(self.layer),
+                                hooked=any(h is not None for h in hooks.values()))
 
         z = self.hook_z(z.transpose(1, 2))  # [batch, pos, head, d_head]
         if self.hook_result.active:

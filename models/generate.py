@@ -6,8 +6,10 @@ from typing import TYPE_CHECKING, Iterable
 
 import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from .errors import BadValue, check_int, check_real
+from .text import _is_text
 
 if TYPE_CHECKING:
     from .kv_cache import KVCache
@@ -90,6 +92,7 @@ def generate(
     capture_queries: bool = False,
     return_kv_cache: bool = False,
     kv_precision=None,
+    kv_policy=None,
     prepend_bos: bool | None = None,
     padding_side: str | None = None,
     return_type: str = "input",
@@ -107,7 +110,9 @@ def generate(
     generation ends when every row has stopped. Returns [batch, pos + new]
     (and the KV cache with `return_kv_cache=True`, e.g. to read queries/keys back for analysis).
     `kv_precision`: decode through a quantized cache ("int8", "fp8", "int4", ... or a
-    {(layer, kv_head): name} map; see `model.new_kv_cache`).
+    {(layer, kv_head): name} map; see `model.new_kv_cache`). `kv_policy`: decode through a cache
+    whose heads keep what a policy says ("streaming(4,128)", "kivi4", "h2o(256)", a map; see
+    `interp.models.kv_policy`).
     return_type: "input" (TransformerLens's default: text for text input, token ids for ids), "str"
     or "tokens". `repetition_penalty` / `freq_penalty`: as TransformerLens's (see `sample_next`),
     counting the real tokens of each row (prompt and continuation, not padding).
@@ -129,10 +134,10 @@ def generate(
         raise ValueError(f"repetition_penalty must be > 0 (1.0 turns it off), got {repetition_penalty}")
     if padding_side not in (None, "left"):
         raise ValueError(f"generation continues every row at its end, so it pads on the left; got padding_side={padding_side!r}")
-    if not use_past_kv_cache and (return_kv_cache or capture_queries or kv_precision is not None):
-        raise ValueError("return_kv_cache / capture_queries / kv_precision need the KV cache: drop use_past_kv_cache=False")
-    from .text import _is_text
-
+    if not use_past_kv_cache and (return_kv_cache or capture_queries or kv_precision is not None
+                                  or kv_policy is not None):
+        raise ValueError("return_kv_cache / capture_queries / kv_precision / kv_policy need the KV cache: drop "
+                         "use_past_kv_cache=False")
     single, text_in = isinstance(tokens, str), _is_text(tokens)
     prepared = model.prepare(tokens, attention_mask, prepend_bos=prepend_bos, padding_side="left")
     tokens, attention_mask = prepared.tokens, prepared.attention_mask
@@ -153,7 +158,8 @@ def generate(
 
     cache = None
     if use_past_kv_cache:
-        cache = model.new_kv_cache(batch, n + max_new_tokens, capture_queries=capture_queries, precision=kv_precision)
+        cache = model.new_kv_cache(batch, n + max_new_tokens, capture_queries=capture_queries, precision=kv_precision,
+                                   policy=kv_policy)
         # Prefill through the blocks, then unembed the last position only (as HF's logits_to_keep=1):
         # the other n - 1 rows of [n, vocab] logits are never read, and for a small model the
         # unembedding of a whole prompt costs several decoding steps.
@@ -169,8 +175,6 @@ def generate(
     done = torch.zeros(batch, dtype=torch.bool, device=model.device)
     steps = range(max_new_tokens)
     if verbose:
-        from tqdm.auto import tqdm
-
         steps = tqdm(steps, desc="generate", unit="tok")
     for step in steps:
         nxt = sample_next(logits, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,

@@ -94,6 +94,14 @@ class KVCache:
             self.queries[layer, :, :, start:end] = q
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
 
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask, run, **layer_info) -> Tensor:
+        """One attention call through this cache: write this call's keys and values, then
+        `run(q, keys, values, mask)` (the layer's backend) over everything cached. `layer_info`
+        (scale, windows, whether hooks read the pattern) serves caches that hold per-head policies
+        (`kv_cache_policy.PolicyKVCache`); this cache holds every token of every head and needs none."""
+        k, v = self.append(layer, k, v, q)
+        return run(q, k, v, mask)
+
     def commit(self, tokens: Tensor | None, valid: Tensor) -> None:
         """Advance `length` past the tokens of one forward pass (called by the model at its end)."""
         n = valid.shape[1]

@@ -42,7 +42,7 @@ def resolve_precisions(precision, n_layers: int, n_kv_heads: int, default: str =
     return grid
 
 
-class _Store:
+class PrecisionStore:
     """Codes (and scales) of a group of KV heads of one layer that share a precision."""
 
     def __init__(self, precision: str, heads: list[int], batch: int, max_len: int, d_head: int, device) -> None:
@@ -81,12 +81,12 @@ class QuantizedKVCache(KVCache):
         n_layers, batch, kv, max_len, d_head = shape
         self.shape = shape
         self.precisions = resolve_precisions(self._precision_arg, n_layers, kv, self._default)
-        self.stores: list[list[_Store]] = []
+        self.stores: list[list[PrecisionStore]] = []
         for layer in range(n_layers):
             groups: dict[str, list[int]] = {}
             for head, name in enumerate(self.precisions[layer]):
                 groups.setdefault(name, []).append(head)
-            self.stores.append([_Store(name, heads, batch, max_len, d_head, device) for name, heads in groups.items()])
+            self.stores.append([PrecisionStore(name, heads, batch, max_len, d_head, device) for name, heads in groups.items()])
 
     @property
     def nbytes(self) -> int:

@@ -37,6 +37,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .components import Unembed
+
 STEPS = ("fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases", "refactor_factored_attn_matrices")
 
 
@@ -203,8 +205,6 @@ class _Weights:
 def _install(model, sd: _Weights, dtype: torch.dtype) -> None:
     """Write the processed weights into `model`, first giving it the biases and untied unembedding
     that processing created (and a config that says so)."""
-    from .components import Unembed
-
     p = sd.p
 
     def nonzero(name: str) -> bool:

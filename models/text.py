@@ -21,16 +21,19 @@ def _describe(x) -> str:
 
 
 class TextModel(Protocol):
-    """What `TextMixin` needs from the model it is mixed into."""
+    """What `TextMixin` needs from the model it is mixed into (`HookedTransformer`), and all it reads."""
 
-    cfg: ModelConfig  # n_ctx (truncation)
-    runtime: Runtime  # the tokenizer and the text defaults (BOS, padding side): decided there
-    tokenizer: Any
-    device: torch.device
+    cfg: ModelConfig  # n_ctx (truncation); handed to runtime.default_prepend_bos
+    runtime: Runtime  # the text defaults: default_prepend_bos(cfg), padding_side(): decided there
+    tokenizer: Any  # None or a Hugging Face-like tokenizer (encode / decode, bos / eos / pad ids)
+    device: torch.device  # where token ids and masks are made
+    W_U: Tensor  # [d_model, d_vocab], for tokens_to_residual_directions (`WeightViews` gives it)
 
 
 class TextMixin:
-    """Text in and out for a `TextModel` (HookedTransformer)."""
+    """Text in and out, mixed into a `TextModel` (`HookedTransformer`): every method reads the host
+    only through the `TextModel` attributes (cfg, runtime, tokenizer, device, W_U) and this mixin's
+    own methods (tests/test_layers.py checks it)."""
 
     # ---- tokenizer helpers --------------------------------------------------------------------
     def _need_tokenizer(self):

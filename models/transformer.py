@@ -18,6 +18,8 @@ from torch import Tensor, nn
 
 from .cache import ActivationCache, to_tl_cache
 from .kv_cache import KVCache
+from .kv_cache_policy import PolicyKVCache
+from .kv_cache_quant import QuantizedKVCache
 from .hooks import HookedRootModule, HookPoint, NamesFilter, caching_hook
 from interp.kernels.attention import BACKEND_CHOICES, AttentionMask
 
@@ -503,23 +505,32 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
 
     def new_kv_cache(
         self, batch_size: int, max_len: int | None = None, capture_queries: bool = False, n_sink: int = 0,
-        precision=None, default: str = "fp32",
+        precision=None, default: str | None = None, policy=None,
     ) -> KVCache:
         """A preallocated KV cache for `max_len` tokens (default n_ctx), in the model's dtype and device.
 
         n_sink > 0 keeps the first n_sink keys visible past sliding windows (StreamingLLM).
         precision: None (the model's dtype, unquantized), a name ("int8", "fp8", "int4", "fp16", "bf16",
         "fp32") for every KV head, or a {(layer, kv_head): name} map with `default` for the rest: a
-        `QuantizedKVCache` (`interp.models.kv_cache_quant`)."""
+        `QuantizedKVCache` (`interp.models.kv_cache_quant`); `default` (fp32) for the heads a map leaves out.
+        policy: what each KV head keeps ("full", "kivi4", "streaming(4,128)", "h2o(256)", "snapkv(256)",
+        a precision, or a {layer: ..., (layer, kv_head): ...} map with `default`, "full", for the rest):
+        a `PolicyKVCache` (`interp.models.kv_cache_policy`; names in `interp.models.kv_policy`)."""
         cfg = self.cfg
         args = (cfg.n_layers, batch_size, max_len or cfg.n_ctx, cfg.kv_heads, cfg.head_dim)
         kwargs = dict(n_heads=cfg.n_heads, capture_queries=capture_queries, dtype=self.dtype, device=self.device,
                       n_sink=n_sink)
+        if precision is not None and policy is not None:
+            raise ValueError("give precision= (a quantized cache) or policy= (per-head policies, precisions "
+                             "included), not both")
+        if policy is not None:
+            if self.cfg.positional == "alibi":
+                raise ValueError("per-head cache policies mask by cache slot and do not carry ALiBi's distances; "
+                                 "this model uses ALiBi")
+            return PolicyKVCache(*args, policy=policy, default=default or "full", **kwargs)
         if precision is None:
             return KVCache(*args, **kwargs)
-        from .kv_cache_quant import QuantizedKVCache
-
-        return QuantizedKVCache(*args, precision=precision, default=default, **kwargs)
+        return QuantizedKVCache(*args, precision=precision, default=default or "fp32", **kwargs)
 
     def attention_stats(
         self, tokens=None, *, kv_cache: KVCache | None = None, attention_mask: Tensor | None = None,

@@ -4,9 +4,12 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import Tensor, nn
 
+from .config import ModelConfig
 from .factored import FactoredMatrix, composition_scores
 
 
@@ -51,7 +54,25 @@ def stored(module: nn.Module, name: str) -> Tensor | None:
     return module._parameters[name]
 
 
+class WeightModel(Protocol):
+    """What `WeightViews` needs from the model it is mixed into (`HookedTransformer`), and all it reads."""
+
+    cfg: ModelConfig  # n_layers, n_heads, kv_heads, d_model, positional, attn_only
+    embed: nn.Module  # .W_E
+    pos_embed: nn.Module | None  # .W_pos; None without learned or sinusoidal positions
+    blocks: nn.ModuleList  # TransformerBlocks: .attn (W_Q, W_K, W_V, W_O, b_Q, b_K, b_V, b_O), .mlp (None
+    #                        when attention-only; W_in, W_out, b_in, b_out, W_gate when gated), .ln1, .ln2
+    ln_final: nn.Module | None
+    unembed: nn.Module  # .W_U, .b_U
+    device: torch.device
+    dtype: torch.dtype
+
+
 class WeightViews:
+    """TransformerLens's weight views, mixed into a `WeightModel` (`HookedTransformer`): every view
+    reads the host only through the `WeightModel` attributes (cfg, embed, pos_embed, blocks,
+    ln_final, unembed, device, dtype) and this mixin's own views (tests/test_layers.py checks it)."""
+
     # ---- weights, TransformerLens names -------------------------------------------------------
     @property
     def W_E(self) -> Tensor:

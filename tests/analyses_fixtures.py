@@ -23,16 +23,6 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Import into a test module to run it on one torch thread: the models here are tiny, and two
-    threads fighting over a shared machine made some tests 30x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def build(name: str, seed: int = 0, sharpen: float = 8.0) -> HookedTransformer:
     """A random model; q/k weights scaled by `sharpen` so that patterns are far from uniform."""
     model = HookedTransformer(ModelConfig(**CONFIGS[name]), seed=seed).eval()

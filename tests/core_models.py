@@ -10,24 +10,12 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-import pytest
 import torch
 
 import interp
 from interp import HookedTransformer, ModelConfig
 
 VOCAB = 53
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Import into a test module to run it on one intra-op thread. The models are tiny, so a second
-    thread never pays, and on a busy shared machine OpenMP's barrier waits make every small op ~30x
-    slower (a [36, 48] @ [48, 144] matmul: 1.4 ms on two threads, 40 us on one)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 def small(**changes) -> ModelConfig:

@@ -6,9 +6,6 @@ import dataclasses
 from collections import Counter
 from pathlib import Path
 
-import pytest
-import torch
-
 import interp
 from interp.analyses import registry
 from interp.analyses.sweep import SweepSettings
@@ -44,12 +41,3 @@ def count_calls(monkeypatch) -> Counter:
         monkeypatch.setitem(registry.ANALYSES, name, dataclasses.replace(analysis, run=counted))
     return calls
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread; on a shared 2-core machine more threads only contend
-    (20x slower ablations measured under load). Imported by each test module that sweeps."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)

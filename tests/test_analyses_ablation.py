@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from analyses_fixtures import build, one_thread, tokens  # noqa: F401 (one_thread: autouse fixture)
+from analyses_fixtures import build, tokens
 
 from interp.analyses import ablate_heads
 from interp.models import lm_loss

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from analyses_fixtures import build, one_thread  # noqa: F401 (one_thread: autouse fixture)
+from analyses_fixtures import build
 from hf_cases import build_hf
 
 import interp

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 import torch
-from analyses_fixtures import build, one_thread, tokens, word_tokenizer  # noqa: F401 (one_thread: autouse fixture)
+from analyses_fixtures import build, tokens, word_tokenizer
 from hf_cases import VOCAB, build_hf
 
 import interp

@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from analyses_fixtures import build, force_attention, one_thread, tokens  # noqa: F401 (one_thread: autouse fixture)
+from analyses_fixtures import build, force_attention, tokens
 
 from interp.analyses import (
     detect_heads,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 import torch
-from analyses_fixtures import alternating_tokens, build, one_thread, tokens, trained_alternating_model  # noqa: F401
+from analyses_fixtures import alternating_tokens, build, tokens, trained_alternating_model
 
 from interp.analyses import ablate_heads, attribution_correlation, head_importance, pruning_curve
 from interp.models import lm_loss

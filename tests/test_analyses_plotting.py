@@ -9,7 +9,7 @@ matplotlib.use("Agg")
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
-from analyses_fixtures import build, one_thread, tokens  # noqa: E402,F401 (one_thread: autouse fixture)
+from analyses_fixtures import build, tokens  # noqa: E402
 
 from interp.analyses import (  # noqa: E402
     composition_scores,

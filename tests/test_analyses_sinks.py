@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from analyses_fixtures import build, force_attention, one_thread, tokens  # noqa: F401 (one_thread: autouse fixture)
+from analyses_fixtures import build, force_attention, tokens
 
 from interp import HookedTransformer
 from interp.analyses import attention_sinks, sink_rate, window_eval

@@ -11,7 +11,6 @@ import pandas as pd
 import pytest
 import torch
 from analyses_fixtures import build, tokens  # noqa: F401
-from sweep_fixtures import one_thread  # noqa: F401 - autouse
 from smol import SMOL, needs_smol
 
 import interp

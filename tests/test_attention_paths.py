@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import interp.models.attention as attention_module
-from core_models import OWN_CONFIGS, build, hf_pair, left_mask, one_thread, own, small, tokens  # noqa: F401 (one_thread: an autouse fixture)
+from core_models import OWN_CONFIGS, build, hf_pair, left_mask, own, small, tokens
 from hf_cases import CASES
 from interp.kernels.attention import (
     ATTENTION_BACKENDS,

@@ -10,7 +10,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-from sweep_fixtures import one_thread  # noqa: F401 - autouse
 from smol import needs_smol
 
 from interp.cli import main as cli

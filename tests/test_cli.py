@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from sweep_fixtures import CFG, make_run, one_thread  # noqa: F401 - autouse
+from sweep_fixtures import CFG, make_run
 
 from interp.cli import main as cli
 from interp.commands import choices
@@ -32,6 +32,10 @@ def test_the_help_names_are_the_librarys():
     from interp.kernels.kv_quant import PRECISIONS
 
     assert choices.KV_PRECISIONS == PRECISIONS
+    from interp.analyses.kv_policies import DEFAULT_POLICIES
+    from interp.analyses.tasks import VARIANTS
+
+    assert choices.KV_POLICIES == DEFAULT_POLICIES and choices.KV_TASKS[1:] == tuple(VARIANTS)
 
 
 @pytest.mark.parametrize("args", [[], ["sweep"], ["analyze"], ["bench"], ["info"], ["report"], ["train"], ["kv"]])

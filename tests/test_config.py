@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from core_models import OWN_CONFIGS, build, one_thread, small  # noqa: F401 (one_thread: an autouse fixture)
+from core_models import OWN_CONFIGS, build, small
 from hf_cases import CASES
 from interp import HookedTransformer, ModelConfig, RopeScaling
 

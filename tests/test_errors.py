@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import interp
-from core_models import hf_pair, one_thread, own, tokens  # noqa: F401 (one_thread: an autouse fixture)
+from core_models import hf_pair, own, tokens
 from interp import CheckpointError
 
 N = 6

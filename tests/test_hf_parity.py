@@ -17,7 +17,7 @@ import torch
 
 import interp
 from interp.kernels.attention import ATTENTION_BACKENDS
-from core_models import hf_pair, one_thread  # noqa: F401 (one_thread: an autouse fixture)
+from core_models import hf_pair
 from hf_cases import CASES, VOCAB, build_hf
 
 N = 12  # > sliding_window (5) and > llama-dynamic's max_position_embeddings (8)

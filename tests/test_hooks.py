@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from core_models import OWN_CONFIGS, one_thread, own, tokens  # noqa: F401 (one_thread: an autouse fixture)
+from core_models import OWN_CONFIGS, own, tokens
 from interp import ActivationCache
 
 N = 7

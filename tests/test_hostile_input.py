@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import interp
-from core_models import one_thread  # noqa: F401 (an autouse fixture)
 from interp import CheckpointError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from sweep_fixtures import CFG, make_run, one_thread, settings  # noqa: F401 - one_thread is autouse
+from sweep_fixtures import CFG, make_run, settings
 
 import interp
 from interp.analyses import registry

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import interp
-from core_models import OWN_CONFIGS, build, hf_pair, left_mask, one_thread, own, small, tokens  # noqa: F401 (one_thread: an autouse fixture)
+from core_models import OWN_CONFIGS, build, hf_pair, left_mask, own, small, tokens
 from hf_cases import CASES, build_hf
 
 N, PREFILL = 12, 4  # N > every sliding window (5 for the HF cases, 3-4 for ours)

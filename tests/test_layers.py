@@ -115,3 +115,32 @@ def test_no_test_module_imports_another():
     found = [f"{f.name}: {m}" for f in (ROOT / "tests").glob("test_*.py")
              for m in re.findall(r"^(?:from|import) (test_\w+)", f.read_text(), flags=re.M)]
     assert not found, found
+
+
+def test_fixtures_live_in_conftest():
+    """A fixture is defined once, in conftest.py, where pytest gives it to every test module: a support
+    module (core_models.py, sweep_fixtures.py, ...) holds plain helpers only, so no test imports a fixture."""
+    found = [f.name for f in (ROOT / "tests").glob("*.py")
+             if not f.name.startswith("test_") and f.name != "conftest.py" and "@pytest.fixture" in f.read_text()]
+    assert not found, f"fixtures outside conftest.py: {found}"
+
+
+@pytest.mark.parametrize("module, mixin, host", [("models/text.py", "TextMixin", "TextModel"),
+                                                  ("models/weights.py", "WeightViews", "WeightModel")])
+def test_the_mixins_read_only_what_their_protocol_names(module, mixin, host):
+    """`TextMixin` and `WeightViews` reach the model they are mixed into only through the attributes their
+    Protocol lists (or their own methods), and the model has every one of them."""
+    import ast
+
+    from interp import HookedTransformer, ModelConfig
+
+    tree = ast.parse((ROOT / module).read_text())
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+    named = {n.target.id for n in classes[host].body if isinstance(n, ast.AnnAssign)}
+    own = {n.name for n in classes[mixin].body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    own |= {t.id for n in classes[mixin].body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    read = {n.attr for n in ast.walk(classes[mixin])
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    assert read - own - named == set(), f"{mixin} reads {sorted(read - own - named)}: add them to {host}"
+    model = HookedTransformer(ModelConfig(n_layers=1, d_model=8, n_heads=2, d_vocab=11, n_ctx=8))
+    assert all(hasattr(model, name) for name in named), [n for n in named if not hasattr(model, n)]

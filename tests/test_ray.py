@@ -8,7 +8,7 @@ import pytest
 from interp.analyses.executors import ExecutorSettings
 from interp.analyses.sweep import sweep
 
-from sweep_fixtures import CHEAP, STEPS, make_run, one_thread, settings  # noqa: F401 - autouse fixture
+from sweep_fixtures import CHEAP, STEPS, make_run, settings
 
 QUIET = dict(progress=False, report=False, log=lambda *_: None)
 

@@ -18,7 +18,7 @@ from interp.analyses.report import SECTION_IDS, phase_change, write_report
 from interp.analyses.store import as_table
 from interp.analyses.sweep import DEFAULT_ANALYSES, sweep
 
-from sweep_fixtures import make_run, one_thread, settings  # noqa: F401 - one_thread is autouse
+from sweep_fixtures import make_run, settings
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import interp
-from core_models import OWN_CONFIGS, hf_pair, left_mask, one_thread, own, tokens  # noqa: F401 (one_thread: an autouse fixture)
+from core_models import OWN_CONFIGS, hf_pair, left_mask, own, tokens
 
 N = 9
 

@@ -21,7 +21,7 @@ from interp.analyses.sweep import SettingsMismatch, sweep
 from interp.analyses.sweep_data import DataSpec, build_tokens
 from interp.cli import main as cli
 
-from sweep_fixtures import CFG, CHEAP, DATA, STEPS, count_calls, make_run, one_thread, settings  # noqa: F401
+from sweep_fixtures import CFG, CHEAP, DATA, STEPS, count_calls, make_run, settings
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import interp  # noqa: E402
 import interp.analyses  # noqa: E402
 from hf_cases import build_hf  # noqa: E402
 from interp.interop import bridge_from_hf  # noqa: E402
-from tl_pairs import CASES, CLEAN, TEXT, _one_thread, close, pair, tokenizer  # noqa: E402, F401 (_one_thread: autouse)
+from tl_pairs import CASES, CLEAN, TEXT, close, pair, tokenizer  # noqa: E402
 from transformer_lens.head_detector import detect_head  # noqa: E402
 
 

@@ -25,7 +25,7 @@ import interp  # noqa: E402
 import interp.analyses  # noqa: E402
 from hf_cases import VOCAB, build_hf  # noqa: E402, F401
 from interp.interop import bridge_from_hf, conforms, to_tl_cache  # noqa: E402, F401
-from tl_pairs import CASES, CLEAN, CORRUPTED, TEXT, TOL, _one_thread, close, metric, pair, tokenizer  # noqa: E402, F401
+from tl_pairs import CASES, CLEAN, CORRUPTED, TEXT, TOL, close, metric, pair, tokenizer  # noqa: E402
 from transformer_lens import patching  # noqa: E402
 from transformer_lens.head_detector import detect_head  # noqa: E402
 

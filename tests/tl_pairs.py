@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import functools
 
-import pytest
-import torch
 from hf_cases import VOCAB, build_hf
 
 import interp
@@ -19,16 +17,6 @@ TOL = 1e-4
 TEXT = "w5 w7 w9 w11 w13 w5 w7 w9 w11 w13 w2 w5 w7"  # repeats: duplicate and induction targets
 CLEAN = ["w5 w7 w9 w11 w5 w7 w9 w11", "w2 w3 w4 w6 w2 w3 w4 w6"]
 CORRUPTED = ["w5 w7 w9 w12 w5 w7 w9 w11", "w2 w3 w8 w6 w2 w3 w4 w6"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These models are tiny: extra intra-op threads only add synchronisation (and, on a shared
-    machine, contention that makes the bridge-vs-ours sweeps slow and noisy)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @functools.lru_cache(maxsize=None)

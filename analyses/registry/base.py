@@ -18,6 +18,7 @@ from typing import Callable, Literal, Mapping, Sequence
 import pandas as pd
 from torch import Tensor
 
+from ..document import png
 from ..store import NonFiniteResult, nonfinite_rows
 
 
@@ -66,8 +67,6 @@ class RunView:
         return self.settings.get("params", {}).get(analysis, {})
 
     def figure(self, fig, name: str, caption: str = ""):
-        from ..document import png
-
         return png(fig, f"{self.slug}_{name}.png", caption)
 
 

@@ -1,16 +1,24 @@
 """`interp kv MODEL --out DIR`: what quantized KV caches do to a model, head by head, and a per-head
-mixed-precision cache chosen by the analysis."""
+mixed-precision cache chosen by the analysis; with `--task passkey` (or `needle`), what per-head cache
+policies (streaming, KIVI, H2O, SnapKV) cost in long-context retrieval, perplexity and bytes."""
 
 from __future__ import annotations
 
-HELP = "KV-cache compression study: perplexity and bytes per precision, which heads change, mixed precision"
+HELP = "KV-cache study: precisions head by head, or cache policies on passkey retrieval (--task passkey)"
 EPILOG = """examples:
   interp kv smollm2-135m --out out/kv                      # real text (the Python Language Reference), 2048 tokens
   interp kv smollm2-135m --out out/kv --precisions fp32,fp16,int8,int4
   interp kv attn-only-2l --out out/kv-zoo --seq-len 256
   interp kv smollm2-135m --out out/kv --data-file ids.npy  # token ids, one sequence per row, used as they are
+  interp kv smollm2-135m --task passkey --out out/kv-passkey
+  interp kv smollm2-135m --task passkey --policies 'full,kivi4,streaming(4,128)' --lengths 1024 --prompts 5 --out DIR
+  interp kv smollm2-135m --task needle --out out/kv-needle   # the key hidden in real text, not filler
 
-Writes kv.parquet, kv_heads.parquet, kv_mixed.parquet, kv_sensitivity.parquet, report.html and report.md.
+--task precisions (default) writes kv.parquet, kv_heads.parquet, kv_mixed.parquet, kv_sensitivity.parquet;
+--task passkey / needle writes kv_policies.parquet (policy, selection, budget, seed, length, depth, correct, n,
+accuracy, perplexity, bytes_per_token) and kv_passkey_answers.parquet; both write report.html and report.md.
+Policies: full, fp16, bf16, int8, fp8, int4, kivi4, kivi2, kivi4(G,R), streaming(S,W), h2o(B), h2o(B,R),
+snapkv(B), snapkv(B,W,K) (quote the parentheses in a shell).
 """
 
 
@@ -28,6 +36,16 @@ def add_arguments(p) -> None:
     p.add_argument("--sensitivity-tokens", type=int, default=1024,
                    help="tokens per sequence for the per-KV-head loss and gradient rankings (default 1024)")
     p.add_argument("--seeds", type=int, default=3, help="random selections per k (default 3)")
+    from .choices import KV_POLICIES, KV_TASKS
+
+    p.add_argument("--task", default="precisions", choices=KV_TASKS,
+                   help="precisions: the quantization study (default); passkey / needle: cache policies on retrieval")
+    p.add_argument("--policies", default=KV_POLICIES, help=f"with --task passkey/needle: comma-separated (default {KV_POLICIES})")
+    p.add_argument("--lengths", default="1024,2048", help="with --task: prompt lengths in tokens (default 1024,2048)")
+    p.add_argument("--depths", default="0.1,0.3,0.5,0.7", help="with --task: needle depths in [0, 1] (default 0.1,0.3,0.5,0.7)")
+    p.add_argument("--prompts", type=int, default=2, help="with --task: prompts per (length, depth) (default 2)")
+    p.add_argument("--seed", type=int, default=0, help="with --task: seed of the pass keys (default 0)")
+    p.add_argument("--new-tokens", type=int, default=8, help="with --task: greedy tokens decoded per answer (default 8)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -40,7 +58,19 @@ def _data_file(path: str):
     return ids.reshape(1, -1) if ids.dim() == 1 else ids
 
 
+def _numbers(text: str, kind, flag: str) -> list:
+    try:
+        values = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise ValueError(f"{flag} is empty")
+    return values
+
+
 def run(args) -> int:
+    if args.task != "precisions":
+        return _run_policies(args)
 
     from interp.kernels.kv_quant import check_precision, code_shape
 
@@ -92,4 +122,63 @@ def run(args) -> int:
                      seeds=tuple(range(args.seeds)), sensitivity_tokens=args.sensitivity_tokens,
                      progress_bar=False if args.no_progress else None)
     print(f"done in {time.perf_counter() - start:.0f} s; report: {path} (and report.md, kv*.parquet)")
+    return 0
+
+
+def _run_policies(args) -> int:
+    """interp kv MODEL --task passkey|needle: every setting checked before the model loads."""
+    from interp.models.errors import as_user_errors
+
+    with as_user_errors(ValueError, FileNotFoundError):
+        from interp.analyses.kv_policies import policy_runs
+        from interp.analyses.sweep_data import DataSpec, check_data
+        from interp.analyses.store import OutputFolder
+        from interp.loading import resolve
+        from interp.models.checkpoint import read_config
+        from interp.models.errors import check_int
+        from interp.models.kv_policy import resolve_policies
+
+        runs = policy_runs(args.policies)
+        lengths = _numbers(args.lengths, int, "--lengths")
+        depths = _numbers(args.depths, float, "--depths")
+        check_int("--prompts", args.prompts, minimum=1)
+        check_int("--new-tokens", args.new_tokens, minimum=1)
+        check_int("--seed", args.seed, minimum=0)
+        if args.data_file and args.text_file:
+            raise ValueError("give --data-file (token ids) or --text-file (text), not both")
+        ids = _data_file(args.data_file) if args.data_file else None
+        spec = None if ids is not None else DataSpec(kind="text", n_seqs=1, seq_len=args.seq_len, path=args.text_file)
+        if spec is not None:
+            check_data(spec)
+        cfg = read_config(resolve(args.model))
+        for length in lengths:
+            if not 1 <= length <= cfg.n_ctx - args.new_tokens:
+                raise ValueError(f"--lengths {length}: prompts plus {args.new_tokens} answer tokens must fit this model's "
+                                 f"context (n_ctx={cfg.n_ctx}): use lengths up to {cfg.n_ctx - args.new_tokens}")
+        n_text = ids.shape[1] if ids is not None else args.seq_len
+        for run in runs:  # a window or budget beyond the shortest prompt or the text is refused here
+            for max_len in (min(lengths) + args.new_tokens, n_text):
+                resolve_policies(run.policy, cfg.n_layers, cfg.kv_heads, max_len=max_len, d_head=cfg.head_dim)
+        OutputFolder(args.out).check()
+
+    import time
+
+    import torch
+
+    import interp
+    from interp.analyses.kv_policies import run_policy_study
+    from interp.analyses.sweep_data import build_tokens
+    from interp.analyses.tasks import retrieval_prompts
+
+    start = time.perf_counter()
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = interp.load(args.model, device=device)
+    with as_user_errors(ValueError):
+        prompts = retrieval_prompts(model, lengths, depths, args.prompts, args.seed, variant=args.task)
+    tokens = (ids[:1] if ids is not None else build_tokens(spec, model)).to(model.device)
+    description = (f"{tokens.shape[1]} tokens from {args.data_file}" if ids is not None else spec.describe())
+    path = run_policy_study(model, args.out, runs=runs, prompts=prompts, text_tokens=tokens, name=args.model,
+                            data_description=description, max_new_tokens=args.new_tokens,
+                            progress_bar=False if args.no_progress else None)
+    print(f"done in {time.perf_counter() - start:.0f} s; report: {path} (and report.md, kv_policies.parquet)")
     return 0

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from .choices import ANALYSES, DATA_KINDS, DATA_N_SEQS, DATA_SEED, DATA_SEQ_LEN, EXECUTOR_KINDS
+from .choices import DEFAULT_ANALYSES as SWEEP_DEFAULT
+
 HELP = "run head analyses over every checkpoint of training runs (resumable; local processes or Ray)"
 EPILOG = """examples:
   interp sweep attn-only-2l --out out/attn-only-2l
@@ -29,9 +34,6 @@ DIR/.interp-manifest.json and never writes over or (with --force) removes anythi
 
 def add_sweep_options(p, default_analyses=None) -> None:
     """Options shared by `interp sweep` and `interp analyze` (names from `choices`: no torch import)."""
-    from .choices import ANALYSES, DATA_KINDS, DATA_N_SEQS, DATA_SEED, DATA_SEQ_LEN
-    from .choices import DEFAULT_ANALYSES as SWEEP_DEFAULT
-
     DEFAULT_ANALYSES = default_analyses or SWEEP_DEFAULT
     p.add_argument("--out", required=True,
                    help="output folder (created; an existing sweep folder is resumed; a non-empty folder interp did "
@@ -61,8 +63,6 @@ def add_sweep_options(p, default_analyses=None) -> None:
 
 
 def add_arguments(p) -> None:
-    from .choices import EXECUTOR_KINDS
-
     p.add_argument("runs", nargs="+", metavar="RUN",
                    help="zoo name, run folder, checkpoint folder, .gguf file, real-model name, or Hugging Face repo id")
     p.add_argument("--revisions", default=None,
@@ -79,11 +79,11 @@ def add_arguments(p) -> None:
 
 
 def settings_from_args(args):
-    from pathlib import Path
-
-    from interp.analyses.sweep import SweepSettings
-    from interp.analyses.registry import resolve_analyses
-    from interp.analyses.sweep_data import DataSpec, check_data
+    """The sweep's settings from the command line, checked (by `SweepSettings`, data included) before
+    any name is resolved or model loaded."""
+    from interp.analyses.registry import resolve_analyses  # CLI start-up time: interp.analyses imports torch
+    from interp.analyses.sweep import SweepSettings  # CLI start-up time
+    from interp.analyses.sweep_data import DataSpec  # CLI start-up time
 
     if args.data_file and args.text_file:
         raise ValueError("give --data-file (token ids) or --text-file (text), not both")
@@ -94,14 +94,13 @@ def settings_from_args(args):
         kind = "file" if args.data_file else "text"
     data = DataSpec(kind=kind, n_seqs=args.n_seqs, seq_len=args.seq_len, seed=args.seed, path=path)
     analyses = resolve_analyses(tuple(a.strip() for a in args.analyses.split(",") if a.strip()))
-    check_data(data)  # before any name is resolved or model loaded
     return SweepSettings(analyses=analyses, data=data, expensive_on=args.expensive_on, device=args.device)
 
 
 def run_sweep(args, runs, executor=None, last_only: bool = False) -> int:
-    from interp.analyses.sweep import SettingsMismatch, sweep
-    from interp.models.errors import as_user_errors
-    from interp.models.names import resolve_run
+    from interp.analyses.sweep import SettingsMismatch, sweep  # CLI start-up time: interp.analyses imports torch
+    from interp.models.errors import as_user_errors  # CLI start-up time: interp.models imports torch
+    from interp.models.names import resolve_run  # CLI start-up time
 
     with as_user_errors(SettingsMismatch, ValueError, FileNotFoundError, ImportError):  # printed by interp.cli
         settings = settings_from_args(args)
@@ -113,8 +112,8 @@ def run_sweep(args, runs, executor=None, last_only: bool = False) -> int:
 
 
 def run(args) -> int:
-    from interp.analyses.executors import ExecutorSettings
-    from interp.models.errors import as_user_errors
+    from interp.analyses.executors import ExecutorSettings  # CLI start-up time: interp.analyses imports torch
+    from interp.models.errors import as_user_errors  # CLI start-up time: interp.models imports torch
 
     with as_user_errors(ValueError):
         executor = ExecutorSettings(kind=args.executor, workers=args.workers, ray_address=args.ray_address)

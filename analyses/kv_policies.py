@@ -1,0 +1,283 @@
+"""What a KV-cache policy costs, measured: passkey retrieval (or a needle in real text) and perplexity
+through caches whose heads hold what a policy says (`interp.models.kv_policy`), with the bytes held.
+
+    runs = policy_runs("full,kivi4,streaming(4,128),h2o(132)")
+    table = passkey_table(model, retrieval_prompts(model, [1024], [0.1, 0.5], 5, seed=0), runs)
+    ppl = policy_perplexity(model, text_tokens, runs)           # {label: (perplexity, bytes per token)}
+    run_policy_study(model, "out/kv-passkey", runs=runs, ...)   # kv_policies.parquet + report
+
+Protocol.
+- Passkey: each prompt is prefilled once with the full model for every policy whose prefill is the
+  full model's (full, KIVI, H2O, SnapKV: `PolicyKVCache.absorb` then leaves each cache as its own
+  prefill would), and on its own for the others (streaming attends through its window, per-vector
+  quantized caches read their own codes); then `max_new_tokens` greedy tokens are decoded through
+  the policy's cache. Correct when the key appears in the continuation (`tasks.is_correct`).
+- Perplexity: the text's first `prefix` tokens are prefilled (as above), the rest is fed through the
+  cache in chunks of `chunk` tokens (teacher forcing), and the loss counts the fed positions only,
+  where the cache's compression acts. Chunks of KIVI's residual length (32) make KIVI's numbers those
+  of token-by-token decoding exactly; streaming is exact at any chunk; H2O evicts once per chunk.
+- Bytes per token: `PolicyKVCache.bytes_per_token()` at the end of the sequence: what is held
+  (codes, scales, kept keys and values, their slots), over the tokens seen.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from interp.models.kv_policy import Policy, PolicyMap, parse_policies, resolve_policies
+
+from . import plots
+from ._common import progress
+from .document import Section, png, write_document
+from .store import OutputFolder, atomic_write_text
+from .tasks import RetrievalPrompt, accuracy_label, is_correct
+
+DEFAULT_POLICIES = "full,kivi4,kivi2,streaming(4,128),h2o(132),snapkv(132)"
+COLUMNS = ["policy", "selection", "budget", "seed", "variant", "length", "depth", "correct", "n", "accuracy",
+           "perplexity", "bytes_per_token"]
+
+
+@dataclass(frozen=True)
+class PolicyRun:
+    """One cache configuration of a study: a label, the policy (one for every head, or a map of
+    (layer, kv_head) -> policy with `default` for the rest), the selection that chose the map
+    ("all": the same policy everywhere) and its token budget per head (None: unbounded)."""
+
+    label: str
+    policy: PolicyMap
+    default: str = "full"
+    selection: str = "all"
+    budget: int | None = None
+
+    def grid(self, model, max_len: int) -> list[list[Policy]]:
+        cfg = model.cfg
+        return resolve_policies(self.policy, cfg.n_layers, cfg.kv_heads, default=self.default, max_len=max_len,
+                                d_head=cfg.head_dim)
+
+    def shares_prefill(self, model, max_len: int) -> bool:
+        return all(p.shares_prefill for row in self.grid(model, max_len) for p in row)
+
+    def needs_queries(self, model, max_len: int) -> bool:
+        return any(p.kind in ("h2o", "snapkv") for row in self.grid(model, max_len) for p in row)
+
+    def cache(self, model, max_len: int):
+        return model.new_kv_cache(1, max_len, policy=self.policy, default=self.default)
+
+
+def policy_runs(policies: str | Sequence[Policy]) -> list[PolicyRun]:
+    """One run per policy, every head alike: from "full,kivi4,streaming(4,128)" or Policy objects."""
+    parsed = parse_policies(policies) if isinstance(policies, str) else list(policies)
+    return [PolicyRun(p.name, p, budget=p.budget) for p in parsed]
+
+
+def check_runs(model, runs: Sequence[PolicyRun], max_len: int) -> None:
+    """Every run's policies against a cache of `max_len` tokens (the shortest the study makes), before any work."""
+    if not runs:
+        raise ValueError("no KV-cache policy to measure")
+    labels = [r.label for r in runs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"two runs share a label: {labels}")
+    for r in runs:
+        r.grid(model, max_len)
+
+
+# ---- shared prefill -------------------------------------------------------------------------------
+class _Prefill:
+    """One full prefill of a prompt, absorbed by every run whose prefill is the full model's."""
+
+    def __init__(self, model, tokens: torch.Tensor, runs: Sequence[PolicyRun], max_len: int) -> None:
+        self.model, self.tokens, self.max_len = model, tokens, max_len
+        shared = [r for r in runs if r.shares_prefill(model, max_len)]
+        self.full = self.logits = None
+        if shared:
+            queries = any(r.needs_queries(model, max_len) for r in shared)
+            self.full = model.new_kv_cache(1, tokens.shape[1], capture_queries=queries)
+            self.logits = self._last_logits(self.full)
+
+    def _last_logits(self, cache) -> torch.Tensor:
+        model = self.model  # prefill through the blocks, then unembed the last position only
+        resid = model(self.tokens, kv_cache=cache, stop_at_layer=model.cfg.n_layers)
+        return model(resid[:, -1:], start_at_layer=model.cfg.n_layers)[:, -1]
+
+    def cache_for(self, run: PolicyRun):
+        """(run's cache holding the prompt, the prompt's last logits)."""
+        cache = run.cache(self.model, self.max_len)
+        if self.full is not None and run.shares_prefill(self.model, self.max_len):
+            cache.absorb(self.full, self.model)
+            return cache, self.logits
+        return cache, self._last_logits(cache)
+
+
+@torch.no_grad()
+def answer(model, prompt: RetrievalPrompt, runs: Sequence[PolicyRun], max_new_tokens: int = 8) -> list[dict]:
+    """Greedy answers to one prompt through each run's cache: [{label, text, correct, bytes_per_token}]."""
+    n = prompt.n_tokens
+    prefill = _Prefill(model, prompt.tokens, runs, n + max_new_tokens)
+    out = []
+    for run in runs:
+        cache, logits = prefill.cache_for(run)
+        ids = []
+        for step in range(max_new_tokens):
+            nxt = logits.argmax(-1)
+            ids.append(int(nxt))
+            if step < max_new_tokens - 1:
+                logits = model(nxt[:, None], kv_cache=cache)[:, -1]
+        text = model.tokenizer.decode(ids)
+        out.append(dict(label=run.label, text=text, correct=is_correct(text, prompt.key),
+                        bytes_per_token=cache.bytes_per_token()))
+    return out
+
+
+def passkey_table(model, prompts: Sequence[RetrievalPrompt], runs: Sequence[PolicyRun], *, max_new_tokens: int = 8,
+                  progress_bar: bool | None = None) -> pd.DataFrame:
+    """One row per (run, prompt): label, selection, budget, variant, length, depth, seed, key,
+    n_tokens, answer, correct, bytes_per_token."""
+    check_runs(model, runs, min(p.n_tokens for p in prompts) + max_new_tokens)
+    rows = []
+    for p in progress(prompts, desc="passkey prompts", enabled=progress_bar):
+        for a, run in zip(answer(model, p, runs, max_new_tokens), runs):
+            rows.append(dict(policy=run.label, selection=run.selection, budget=run.budget, variant=p.variant,
+                             length=p.length, depth=p.depth, seed=p.seed, key=p.key, n_tokens=p.n_tokens,
+                             answer=a["text"], correct=a["correct"], bytes_per_token=a["bytes_per_token"]))
+    return pd.DataFrame(rows)
+
+
+@torch.no_grad()
+def policy_perplexity(model, tokens: torch.Tensor, runs: Sequence[PolicyRun], *, prefix: int | None = None,
+                      chunk: int = 32, progress_bar: bool | None = None) -> dict[str, tuple[float, float]]:
+    """{label: (perplexity, bytes per token)} over `tokens` [1, T] (module docstring: the first
+    `prefix` tokens, default T // 2, prefilled; the rest fed in chunks; loss on the fed positions)."""
+    if tokens.dim() != 2 or tokens.shape[0] != 1:
+        raise ValueError(f"policy_perplexity takes one sequence [1, T], got {tuple(tokens.shape)}")
+    t = tokens.shape[1]
+    prefix = t // 2 if prefix is None else prefix
+    if not 1 <= prefix < t - 1:
+        raise ValueError(f"prefix must leave tokens to feed: 1 <= prefix < {t - 1}, got {prefix}")
+    check_runs(model, runs, t)
+    prefill = _Prefill(model, tokens[:, :prefix], runs, t)
+    out = {}
+    for run in progress(runs, desc="perplexity", enabled=progress_bar):
+        cache, _ = prefill.cache_for(run)
+        losses = []
+        for a in range(prefix, t, chunk):
+            logits = model(tokens[:, a : a + chunk], kv_cache=cache)[0]
+            targets = tokens[0, a + 1 : a + chunk + 1]
+            losses.append(F.cross_entropy(logits[: len(targets)].float(), targets, reduction="none"))
+        loss = torch.cat(losses)
+        if not torch.isfinite(loss).all():
+            raise FloatingPointError(f"{run.label}: the loss is not finite: NaN or inf is an error, not a perplexity")
+        out[run.label] = (math.exp(float(loss.mean())), cache.bytes_per_token())
+    return out
+
+
+def cell_table(answers: pd.DataFrame, perplexity: Mapping[str, tuple[float, float]]) -> pd.DataFrame:
+    """kv_policies.parquet: one row per (policy, length, depth) with the count of correct answers
+    (`correct` of `n`), accuracy = correct / n, the policy's perplexity, and the bytes per token held
+    at the end of those prompts (mean)."""
+    keys = ["policy", "selection", "budget", "seed", "variant", "length", "depth"]
+    frame = answers.assign(budget=answers["budget"].astype("float"))
+    cells = (frame.groupby(keys, dropna=False, sort=False)
+             .agg(correct=("correct", "sum"), n=("correct", "size"), bytes_per_token=("bytes_per_token", "mean"))
+             .reset_index())
+    cells["correct"] = cells["correct"].astype(int)
+    cells["accuracy"] = cells["correct"] / cells["n"]
+    cells["perplexity"] = [perplexity.get(p, (math.nan, math.nan))[0] for p in cells["policy"]]
+    return cells[COLUMNS]
+
+
+# ---- the study ----------------------------------------------------------------------------------
+def run_policy_study(model, out, *, runs: Sequence[PolicyRun], prompts: Sequence[RetrievalPrompt],
+                     text_tokens: torch.Tensor, name: str = "model", data_description: str = "",
+                     max_new_tokens: int = 8, chunk: int = 32, progress_bar: bool | None = None,
+                     log=print) -> Path:
+    """Passkey (or needle) accuracy and perplexity for every run; writes kv_policies.parquet,
+    kv_passkey_answers.parquet, settings.json, report.html / report.md and figures/ into `out` (an
+    `OutputFolder`: only files interp wrote there are ever replaced). Returns the report's path."""
+    folder = OutputFolder(out)
+    folder.check()  # before any heavy work
+    timings = {}
+    start = time.perf_counter()
+    log(f"kv: passkey over {len(prompts)} prompts x {len(runs)} policies ...")
+    answers = passkey_table(model, prompts, runs, max_new_tokens=max_new_tokens, progress_bar=progress_bar)
+    timings["passkey"] = time.perf_counter() - start
+    start = time.perf_counter()
+    log(f"kv: perplexity over {text_tokens.shape[1]} tokens ...")
+    ppl = policy_perplexity(model, text_tokens, runs, chunk=chunk, progress_bar=progress_bar)
+    timings["perplexity"] = time.perf_counter() - start
+    cells = cell_table(answers, ppl)
+    summary = pd.DataFrame([dict(policy=r.label, selection=r.selection, budget=r.budget, perplexity=ppl[r.label][0],
+                                 bytes_per_token=ppl[r.label][1]) for r in runs])
+    settings = dict(model=name, data=data_description, policies=[r.label for r in runs],
+                    prompts=len(prompts), lengths=sorted({p.length for p in prompts}),
+                    depths=sorted({p.depth for p in prompts}), seeds=sorted({p.seed for p in prompts if p.seed is not None}),
+                    variant=sorted({p.variant for p in prompts}), max_new_tokens=max_new_tokens,
+                    perplexity_tokens=int(text_tokens.shape[1]), chunk=chunk, seconds=timings)
+    sections = policy_sections(name, cells, summary, answers, data_description, timings)
+    with folder.writing():
+        folder.claim("kv_policies.parquet", "kv_passkey_answers.parquet", "settings.json")
+        cells.to_parquet(Path(out) / "kv_policies.parquet", index=False)
+        answers.to_parquet(Path(out) / "kv_passkey_answers.parquet", index=False)
+        atomic_write_text(Path(out) / "settings.json", json.dumps(settings, indent=2))
+        return write_document(out, f"KV-cache policies: {name}", sections, folder=folder)
+
+
+def headline(name: str, cells: pd.DataFrame, summary: pd.DataFrame) -> list[str]:
+    """Sentences read off the data: the full cache's accuracy per length, every other policy's bytes,
+    accuracy and perplexity against it."""
+    variant = "pass key" if set(cells["variant"]) == {"passkey"} else "needle's key"
+    acc = cells.groupby(["policy", "length"], sort=False)[["correct", "n"]].sum()
+    lengths = sorted(cells["length"].unique())
+
+    def counts(policy):
+        return ", ".join(f"{accuracy_label(int(acc.loc[(policy, L), 'correct']), int(acc.loc[(policy, L), 'n']))} at "
+                         f"{L} tokens" for L in lengths if (policy, L) in acc.index)
+
+    by = summary.set_index("policy")
+    base = "full" if "full" in by.index else by.index[0]
+    lines = [f"{name} finds the {variant} with the {base} cache in {counts(base)}."]
+    for p in by.index:
+        if p == base:
+            continue
+        ratio = by.loc[p, "bytes_per_token"] / by.loc[base, "bytes_per_token"]
+        d = by.loc[p, "perplexity"] / by.loc[base, "perplexity"] - 1
+        lines.append(f"{p}: {ratio:.2f}x the {base} cache's bytes per token, perplexity {d:+.1%}, {counts(p)}.")
+    return lines
+
+
+def policy_sections(name, cells, summary, answers, data, timings) -> list[Section]:
+    s = Section("summary", "Summary").add(*headline(name, cells, summary),
+                                         f"Perplexity on {data}." if data else None,
+                                         "Time: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()) + ".")
+    by_len = (cells.groupby(["policy", "length"], sort=False)[["correct", "n"]].sum().reset_index())
+    table = by_len.assign(accuracy=[accuracy_label(c, n) for c, n in zip(by_len["correct"], by_len["n"])]).pivot(
+        index="policy", columns="length", values="accuracy")
+    table.columns = [f"passkey @ {c}" for c in table.columns]
+    table = summary.set_index("policy")[["perplexity", "bytes_per_token"]].join(table).reset_index()
+    base = summary["bytes_per_token"].iloc[0]
+    table.insert(3, "bytes vs first", (table["bytes_per_token"] / base).round(3))
+    table["perplexity"] = table["perplexity"].round(4)
+    table["bytes_per_token"] = table["bytes_per_token"].round(0).astype(int)
+    main = Section("policies", "Policies side by side").add(
+        "Each policy on every KV head. Accuracy as k of n prompts (greedy decoding; correct when the key appears); "
+        "perplexity of the text's second half fed through the cache after a prefill of its first half; bytes per "
+        "token held at the end (codes, scales, kept keys and values, their slots).",
+        table, png(plots.policy_tradeoff(cells, summary), "kv_policies.png"))
+    depth = cells.groupby(["policy", "depth"], sort=False)[["correct", "n"]].sum().reset_index()
+    depth = depth.assign(accuracy=[accuracy_label(c, n) for c, n in zip(depth["correct"], depth["n"])]).pivot(
+        index="policy", columns="depth", values="accuracy").reset_index()
+    depth.columns = ["policy"] + [f"depth {c:g}" for c in depth.columns[1:]]
+    depths = Section("depths", "By depth of the needle").add("Accuracy over lengths, by where the key sits (0: start).",
+                                                             depth)
+    wrong = answers[~answers["correct"]].head(12)[["policy", "length", "depth", "key", "answer"]]
+    examples = Section("answers", "Wrong answers (first 12)").add(
+        wrong if len(wrong) else "Every answer was correct.")
+    return [s, main, depths, examples]
