@@ -13,9 +13,12 @@ Protocol.
   quantized caches read their own codes); then `max_new_tokens` greedy tokens are decoded through
   the policy's cache. Correct when the key appears in the continuation (`tasks.is_correct`).
 - Perplexity: the text's first `prefix` tokens are prefilled (as above), the rest is fed through the
-  cache in chunks of `chunk` tokens (teacher forcing), and the loss counts the fed positions only,
-  where the cache's compression acts. Chunks of KIVI's residual length (32) make KIVI's numbers those
-  of token-by-token decoding exactly; streaming is exact at any chunk; H2O evicts once per chunk.
+  cache in chunks that end at multiples of `chunk` (the first one shorter when `prefix` is not a
+  multiple: positions prefix..c-1, c..c+chunk-1, ...; teacher forcing), and the loss counts the fed
+  positions only, where the cache's compression acts. Chunks of KIVI's residual length (32), aligned
+  so, make KIVI's numbers those of token-by-token decoding exactly at any prefix (unaligned chunks
+  would read a flushed group in full precision); streaming is exact at any chunk; H2O evicts once per
+  chunk.
 - Bytes per token: `PolicyKVCache.bytes_per_token()` at the end of the sequence: what is held
   (codes, scales, kept keys and values, their slots), over the tokens seen.
 """
@@ -56,7 +59,13 @@ class PolicyRun:
     policy: PolicyMap
     default: str = "full"
     selection: str = "all"
-    budget: int | None = None
+    budget: float | None = None
+    seed: int | None = None  # the seed that drew a random selection
+    full_heads: int | None = None  # KV heads kept full by a selection
+    lengths: tuple[int, ...] | None = None  # evaluate on prompts of these lengths only (None: all)
+
+    def runs_on(self, prompt) -> bool:
+        return self.lengths is None or prompt.length in self.lengths
 
     def grid(self, model, max_len: int) -> list[list[Policy]]:
         cfg = model.cfg
@@ -117,11 +126,16 @@ class _Prefill:
         return cache, self._last_logits(cache)
 
 
+def _cache_len(prompt: RetrievalPrompt, max_new_tokens: int) -> int:
+    """A prompt's cache size: its requested length (its tokens are a unit or so fewer) plus the answer,
+    so a policy is checked against the length asked for, as the CLI checks it before any prompt exists."""
+    return max(prompt.n_tokens, prompt.length) + max_new_tokens
+
+
 @torch.no_grad()
 def answer(model, prompt: RetrievalPrompt, runs: Sequence[PolicyRun], max_new_tokens: int = 8) -> list[dict]:
     """Greedy answers to one prompt through each run's cache: [{label, text, correct, bytes_per_token}]."""
-    n = prompt.n_tokens
-    prefill = _Prefill(model, prompt.tokens, runs, n + max_new_tokens)
+    prefill = _Prefill(model, prompt.tokens, runs, _cache_len(prompt, max_new_tokens))
     out = []
     for run in runs:
         cache, logits = prefill.cache_for(run)
@@ -139,15 +153,18 @@ def answer(model, prompt: RetrievalPrompt, runs: Sequence[PolicyRun], max_new_to
 
 def passkey_table(model, prompts: Sequence[RetrievalPrompt], runs: Sequence[PolicyRun], *, max_new_tokens: int = 8,
                   progress_bar: bool | None = None) -> pd.DataFrame:
-    """One row per (run, prompt): label, selection, budget, variant, length, depth, seed, key,
-    n_tokens, answer, correct, bytes_per_token."""
-    check_runs(model, runs, min(p.n_tokens for p in prompts) + max_new_tokens)
+    """One row per (run, prompt): label, selection, budget, selection_seed, full_heads, variant,
+    length, depth, seed, key, n_tokens, answer, correct, bytes_per_token. A run with `lengths` answers
+    the prompts of those lengths only."""
+    check_runs(model, runs, min(_cache_len(p, max_new_tokens) for p in prompts))
     rows = []
     for p in progress(prompts, desc="passkey prompts", enabled=progress_bar):
-        for a, run in zip(answer(model, p, runs, max_new_tokens), runs):
-            rows.append(dict(policy=run.label, selection=run.selection, budget=run.budget, variant=p.variant,
-                             length=p.length, depth=p.depth, seed=p.seed, key=p.key, n_tokens=p.n_tokens,
-                             answer=a["text"], correct=a["correct"], bytes_per_token=a["bytes_per_token"]))
+        mine = [r for r in runs if r.runs_on(p)]
+        for a, run in zip(answer(model, p, mine, max_new_tokens), mine):
+            rows.append(dict(policy=run.label, selection=run.selection, budget=run.budget, selection_seed=run.seed,
+                             full_heads=run.full_heads, variant=p.variant, length=p.length, depth=p.depth,
+                             seed=p.seed, key=p.key, n_tokens=p.n_tokens, answer=a["text"], correct=a["correct"],
+                             bytes_per_token=a["bytes_per_token"]))
     return pd.DataFrame(rows)
 
 
@@ -168,9 +185,10 @@ def policy_perplexity(model, tokens: torch.Tensor, runs: Sequence[PolicyRun], *,
     for run in progress(runs, desc="perplexity", enabled=progress_bar):
         cache, _ = prefill.cache_for(run)
         losses = []
-        for a in range(prefix, t, chunk):
-            logits = model(tokens[:, a : a + chunk], kv_cache=cache)[0]
-            targets = tokens[0, a + 1 : a + chunk + 1]
+        starts = [prefix, *range((prefix // chunk + 1) * chunk, t, chunk)]  # chunks end at multiples of `chunk`
+        for a, b in zip(starts, [*starts[1:], t]):
+            logits = model(tokens[:, a:b], kv_cache=cache)[0]
+            targets = tokens[0, a + 1 : b + 1]
             losses.append(F.cross_entropy(logits[: len(targets)].float(), targets, reduction="none"))
         loss = torch.cat(losses)
         if not torch.isfinite(loss).all():
@@ -183,15 +201,16 @@ def cell_table(answers: pd.DataFrame, perplexity: Mapping[str, tuple[float, floa
     """kv_policies.parquet: one row per (policy, length, depth) with the count of correct answers
     (`correct` of `n`), accuracy = correct / n, the policy's perplexity, and the bytes per token held
     at the end of those prompts (mean)."""
-    keys = ["policy", "selection", "budget", "seed", "variant", "length", "depth"]
-    frame = answers.assign(budget=answers["budget"].astype("float"))
+    keys = ["policy", "selection", "budget", "selection_seed", "full_heads", "seed", "variant", "length", "depth"]
+    frame = answers.assign(**{c: (answers[c] if c in answers else None) for c in ("selection_seed", "full_heads")})
+    frame = frame.astype({c: "float" for c in ("budget", "selection_seed", "full_heads")})
     cells = (frame.groupby(keys, dropna=False, sort=False)
              .agg(correct=("correct", "sum"), n=("correct", "size"), bytes_per_token=("bytes_per_token", "mean"))
              .reset_index())
     cells["correct"] = cells["correct"].astype(int)
     cells["accuracy"] = cells["correct"] / cells["n"]
     cells["perplexity"] = [perplexity.get(p, (math.nan, math.nan))[0] for p in cells["policy"]]
-    return cells[COLUMNS]
+    return cells[COLUMNS + ["selection_seed", "full_heads"]]
 
 
 # ---- the study ----------------------------------------------------------------------------------
@@ -217,7 +236,8 @@ def run_policy_study(model, out, *, runs: Sequence[PolicyRun], prompts: Sequence
     summary = pd.DataFrame([dict(policy=r.label, selection=r.selection, budget=r.budget, perplexity=ppl[r.label][0],
                                  bytes_per_token=ppl[r.label][1]) for r in runs])
     settings = dict(model=name, data=data_description, policies=[r.label for r in runs],
-                    prompts=len(prompts), lengths=sorted({p.length for p in prompts}),
+                    prompts=len(prompts), prompts_per_cell=max(1, len(prompts) // max(1, len(
+                        {(p.length, p.depth) for p in prompts}))), lengths=sorted({p.length for p in prompts}),
                     depths=sorted({p.depth for p in prompts}), seeds=sorted({p.seed for p in prompts if p.seed is not None}),
                     variant=sorted({p.variant for p in prompts}), max_new_tokens=max_new_tokens,
                     perplexity_tokens=int(text_tokens.shape[1]), chunk=chunk, seconds=timings)
@@ -269,11 +289,13 @@ def policy_sections(name, cells, summary, answers, data, timings) -> list[Sectio
     main = Section("policies", "Policies side by side").add(
         "Each policy on every KV head. Accuracy as k of n prompts (greedy decoding; correct when the key appears); "
         "perplexity of the text's second half fed through the cache after a prefill of its first half; bytes per "
-        "token held at the end (codes, scales, kept keys and values, their slots).",
+        "token held at the end of that text (codes, scales, kept keys and values, their slots; "
+        "kv_policies.parquet gives the bytes held at the end of each passkey answer instead).",
         table, png(plots.policy_tradeoff(cells, summary), "kv_policies.png"))
     depth = cells.groupby(["policy", "depth"], sort=False)[["correct", "n"]].sum().reset_index()
+    order = list(dict.fromkeys(cells["policy"]))  # as the policies were given
     depth = depth.assign(accuracy=[accuracy_label(c, n) for c, n in zip(depth["correct"], depth["n"])]).pivot(
-        index="policy", columns="depth", values="accuracy").reset_index()
+        index="policy", columns="depth", values="accuracy").reindex(order).reset_index()
     depth.columns = ["policy"] + [f"depth {c:g}" for c in depth.columns[1:]]
     depths = Section("depths", "By depth of the needle").add("Accuracy over lengths, by where the key sits (0: start).",
                                                              depth)

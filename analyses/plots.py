@@ -420,3 +420,47 @@ def policy_tradeoff(cells: pd.DataFrame, summary: pd.DataFrame):
     ppl_ax.set_title("perplexity", fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def selection_curves(sel: pd.DataFrame):
+    """Passkey accuracy against KV-cache bytes per token, one line per selection over its budgets, a
+    panel per prompt length; random draws as their mean with the best and worst seed as a bar."""
+    lengths = sorted(sel["length"].unique())
+    fig, axes = _figure(len(lengths), width=4.8, height=3.6)
+    for ax, length in zip(axes, lengths):
+        part = sel[sel["length"] == length]
+        for name, line in part.groupby("selection", sort=False):
+            line = line.sort_values("bytes_per_token")
+            rate = line["correct"] / line["n"]
+            if name == "random":
+                lo, hi = line["worst_run"] / line["n_per_run"], line["best_run"] / line["n_per_run"]
+                ax.errorbar(line["bytes_per_token"], rate, yerr=[rate - lo, hi - rate], linestyle="--", marker="o",
+                            markersize=3, capsize=2, label="random (mean, best/worst seed)")
+            elif len(line) == 1:
+                ax.scatter(line["bytes_per_token"], rate, marker="s", zorder=3, label=name)
+            else:
+                ax.plot(line["bytes_per_token"], rate, marker="o", markersize=3, label=name)
+        ax.set_xscale("log")
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_xlabel("KV-cache bytes per token (log)")
+        ax.set_ylabel("passkey accuracy")
+        ax.set_title(f"{length} tokens", fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def gate_curve(curve: pd.DataFrame):
+    """DuoAttention gate training: total, distillation and L1 loss per step."""
+    fig = _notebook_figure()(figsize=(5.6, 3.4))
+    ax = fig.subplots()
+    for col in [c for c in ("total", "distill", "l1") if c in curve.columns]:
+        ax.plot(curve["step"] if "step" in curve else range(len(curve)), curve[col], label=col)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (log)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

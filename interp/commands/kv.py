@@ -41,11 +41,23 @@ def add_arguments(p) -> None:
     p.add_argument("--task", default="precisions", choices=KV_TASKS,
                    help="precisions: the quantization study (default); passkey / needle: cache policies on retrieval")
     p.add_argument("--policies", default=KV_POLICIES, help=f"with --task passkey/needle: comma-separated (default {KV_POLICIES})")
-    p.add_argument("--lengths", default="1024,2048", help="with --task: prompt lengths in tokens (default 1024,2048)")
+    p.add_argument("--lengths", default=None,
+                   help="with --task: prompt lengths in tokens (default 1024,2048; with --select 1024)")
     p.add_argument("--depths", default="0.1,0.3,0.5,0.7", help="with --task: needle depths in [0, 1] (default 0.1,0.3,0.5,0.7)")
     p.add_argument("--prompts", type=int, default=2, help="with --task: prompts per (length, depth) (default 2)")
     p.add_argument("--seed", type=int, default=0, help="with --task: seed of the pass keys (default 0)")
     p.add_argument("--new-tokens", type=int, default=8, help="with --task: greedy tokens decoded per answer (default 8)")
+    p.add_argument("--select", default=None,
+                   help="with --task: head-role selections to compare, from retrieval,razor,loss,gates,random "
+                        "(top-k KV heads full, the rest streaming(--sinks,--window))")
+    p.add_argument("--fractions", default="0.1,0.25,0.5", help="with --select: fractions of the KV heads kept full")
+    p.add_argument("--sinks", type=int, default=4, help="with --select: sink tokens of the streaming heads (default 4)")
+    p.add_argument("--window", type=int, default=128, help="with --select: window of the streaming heads (default 128)")
+    p.add_argument("--selection-seeds", type=int, default=3, help="with --select: random selections per budget (default 3)")
+    p.add_argument("--scoring-prompts", type=int, default=6,
+                   help="with --select: prompts that score retrieval heads (keys from another seed; default 6)")
+    p.add_argument("--gate-seconds", type=float, default=150.0,
+                   help="with --select gates: seconds of DuoAttention gate training (default 150)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -65,6 +77,9 @@ def _numbers(text: str, kind, flag: str) -> list:
         raise ValueError(f"{flag} takes comma-separated numbers, got {text!r}") from None
     if not values:
         raise ValueError(f"{flag} is empty")
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if repeated:
+        raise ValueError(f"{flag} repeats {', '.join(map(str, repeated))}: give each value once")
     return values
 
 
@@ -139,8 +154,25 @@ def _run_policies(args) -> int:
         from interp.models.kv_policy import resolve_policies
 
         runs = policy_runs(args.policies)
-        lengths = _numbers(args.lengths, int, "--lengths")
+        lengths = _numbers(args.lengths or ("1024" if args.select else "1024,2048"), int, "--lengths")
+        selections = fractions = None
+        if args.select:
+            from interp.analyses.head_roles import check_selection
+
+            selections = [s.strip() for s in args.select.split(",") if s.strip()]
+            fractions = _numbers(args.fractions, float, "--fractions")
+            check_int("--selection-seeds", args.selection_seeds, minimum=1)
+            check_int("--scoring-prompts", args.scoring_prompts, minimum=1)
+            check_selection(selections, fractions, 10**9)  # names and (0, 1]; k checked with the model's heads
+            from interp.analyses.kv_policies import PolicyRun
+            from interp.models.kv_policy import Streaming
+
+            runs = [PolicyRun("streaming", Streaming(args.sinks, args.window))]  # checked against the lengths below
         depths = _numbers(args.depths, float, "--depths")
+        for depth in depths:  # nan fails both comparisons
+            if not 0.0 <= depth <= 1.0:
+                raise ValueError(f"--depths {depth:g}: a depth is the fraction of the filler before the needle, "
+                                 "between 0 (the start) and 1 (right before the question)")
         check_int("--prompts", args.prompts, minimum=1)
         check_int("--new-tokens", args.new_tokens, minimum=1)
         check_int("--seed", args.seed, minimum=0)
@@ -151,11 +183,20 @@ def _run_policies(args) -> int:
         if spec is not None:
             check_data(spec)
         cfg = read_config(resolve(args.model))
+        if selections:
+            check_selection(selections, fractions, cfg.n_layers * cfg.kv_heads)
         for length in lengths:
             if not 1 <= length <= cfg.n_ctx - args.new_tokens:
                 raise ValueError(f"--lengths {length}: prompts plus {args.new_tokens} answer tokens must fit this model's "
                                  f"context (n_ctx={cfg.n_ctx}): use lengths up to {cfg.n_ctx - args.new_tokens}")
         n_text = ids.shape[1] if ids is not None else args.seq_len
+        if n_text > cfg.n_ctx:
+            where = f"{args.data_file}'s rows" if ids is not None else "--seq-len"
+            raise ValueError(f"the perplexity text of {n_text} tokens ({where}) is longer than this model's context "
+                             f"(n_ctx={cfg.n_ctx}); use --seq-len {cfg.n_ctx} or shorter rows")
+        if ids is not None and int(ids[:1].max()) >= cfg.d_vocab:
+            raise ValueError(f"{args.data_file} holds token id {int(ids[:1].max())}, outside the vocabulary "
+                             f"[0, {cfg.d_vocab})")
         for run in runs:  # a window or budget beyond the shortest prompt or the text is refused here
             for max_len in (min(lengths) + args.new_tokens, n_text):
                 resolve_policies(run.policy, cfg.n_layers, cfg.kv_heads, max_len=max_len, d_head=cfg.head_dim)
@@ -177,6 +218,17 @@ def _run_policies(args) -> int:
         prompts = retrieval_prompts(model, lengths, depths, args.prompts, args.seed, variant=args.task)
     tokens = (ids[:1] if ids is not None else build_tokens(spec, model)).to(model.device)
     description = (f"{tokens.shape[1]} tokens from {args.data_file}" if ids is not None else spec.describe())
+    if selections:
+        from interp.analyses.kv_roles_study import run_roles_study
+
+        path = run_roles_study(model, args.out, prompts=prompts, text_tokens=tokens, selections=selections,
+                               fractions=fractions, seeds=tuple(range(args.selection_seeds)), sinks=args.sinks,
+                               window=args.window, n_scoring=args.scoring_prompts, seed=args.seed,
+                               gate_seconds=args.gate_seconds, name=args.model, data_description=description,
+                               max_new_tokens=args.new_tokens, progress_bar=False if args.no_progress else None)
+        print(f"done in {time.perf_counter() - start:.0f} s; report: {path} (and report.md, kv_policies.parquet, "
+              "kv_head_roles.parquet)")
+        return 0
     path = run_policy_study(model, args.out, runs=runs, prompts=prompts, text_tokens=tokens, name=args.model,
                             data_description=description, max_new_tokens=args.new_tokens,
                             progress_bar=False if args.no_progress else None)

@@ -1,0 +1,207 @@
+"""Head roles against cases built by hand: a head made to copy the needle scores retrieval 1 and no
+other head does unless its attention lands there too; the streaming loss of a KV head equals a forward
+with that head's queries masked by hand; KV-head scores are the max / mean over the query heads that
+share it; selections keep the top k; bad selections are one clear line."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+from core_models import build, small, tokens
+
+import interp
+from interp.analyses.head_roles import (
+    check_selection,
+    equal_bytes_budget,
+    equal_bytes_runs,
+    kv_roles,
+    loss_scores,
+    per_kv_head,
+    razor_scores,
+    ranking,
+    retrieval_scores,
+    selection_runs,
+)
+from interp.analyses.tasks import passkey_prompt
+from interp.models.errors import BadValue
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    return interp.load("attn-only-2l")
+
+
+def test_a_head_made_to_copy_the_needle_scores_one(zoo):
+    """Hooks make the model answer with the key's characters in order and make L0H2 put its top-1
+    attention on the needle's copy of each one at the step that produces it: L0H2 scores 5 of 5 = 1;
+    a head whose top-1 is forced elsewhere (L1H0, onto the first token) scores 0."""
+    prompt = passkey_prompt(zoo, 248, 0.5, "48213")
+    a, b = prompt.key_span
+    key_ids = prompt.tokens[0, a:b].tolist()
+    step = {"i": 0}
+
+    def force_attention(scores, hook):  # [batch, head, q, k]: decoding steps only
+        if scores.shape[2] != 1:
+            return scores
+        s = scores.clone()
+        if hook.layer() == 0:
+            s[0, 2, 0] = float("-inf")
+            s[0, 2, 0, a + min(step["i"], len(key_ids) - 1)] = 0.0
+        else:
+            s[0, 0, 0] = float("-inf")
+            s[0, 0, 0, 0] = 0.0
+        return s
+
+    def force_answer(resid, hook):  # the key's next character, by a large push along its unembedding
+        if resid.shape[1] != 1:
+            return resid
+        i = min(step["i"], len(key_ids) - 1)
+        step["i"] += 1
+        return resid + 1e4 * zoo.W_U[:, key_ids[i]] / zoo.W_U[:, key_ids[i]].norm()
+
+    last = f"blocks.{zoo.cfg.n_layers - 1}.hook_resid_post"
+    handles = [zoo.add_hook("blocks.0.attn.hook_attn_scores", force_attention),
+               zoo.add_hook("blocks.1.attn.hook_attn_scores", force_attention),
+               zoo.add_hook(last, force_answer)]
+    try:
+        frame = retrieval_scores(zoo, [prompt], max_new_tokens=len(key_ids))
+    finally:
+        for h in handles:
+            h.remove()
+    score = frame.set_index(["layer", "head"])["retrieval"]
+    assert int(frame["copied"].iloc[0]) == len(key_ids)
+    assert score[(0, 2)] == 1.0
+    assert score[(1, 0)] == 0.0
+    assert (frame["retrieval"] <= 1).all() and (frame["retrieval"] >= 0).all()
+
+
+def test_a_model_that_copies_nothing_is_an_error_not_zeros(zoo):
+    prompt = passkey_prompt(zoo, 248, 0.5, "48213")
+    handle = zoo.add_hook(f"blocks.{zoo.cfg.n_layers - 1}.hook_resid_post",
+                          lambda r, hook: r + 1e4 * zoo.W_U[:, 1] / zoo.W_U[:, 1].norm())  # never a digit
+    try:
+        with pytest.raises(BadValue, match="copied no needle token"):
+            retrieval_scores(zoo, [prompt], max_new_tokens=3)
+    finally:
+        handle.remove()
+
+
+@pytest.fixture(scope="module")
+def gqa():
+    return build(small(positional="rotary", normalization="rmsnorm", act_fn="silu", gated_mlp=True, d_model=48,
+                       n_heads=6, n_kv_heads=2, n_ctx=96, n_layers=3))
+
+
+def test_streaming_loss_of_a_kv_head_by_hand(gqa):
+    sinks, window = 2, 6
+    toks = tokens(2, 40, seed=3)
+    frame = loss_scores(gqa, toks, sinks=sinks, window=window).set_index(["layer", "kv_head"])["loss"]
+    n, start = toks.shape[1], sinks + window
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    hide = ~((j <= i) & ((j < sinks) | (i - j < window)))
+
+    def loss_of(logits):  # mean next-token loss of the tokens predicted from positions >= sinks + window
+        return F.cross_entropy(logits[:, start:-1].flatten(0, 1), toks[:, start + 1 :].flatten())
+
+    clean = loss_of(gqa(toks))
+    for layer, kv in ((0, 1), (2, 0)):
+        def mask(scores, hook):
+            s = scores.clone()
+            s[:, 3 * kv : 3 * kv + 3] = s[:, 3 * kv : 3 * kv + 3].masked_fill(hide, float("-inf"))
+            return s
+
+        want = loss_of(gqa.run_with_hooks(toks, fwd_hooks=[(f"blocks.{layer}.attn.hook_attn_scores", mask)])) - clean
+        assert frame[(layer, kv)] == pytest.approx(float(want), abs=1e-5)
+    assert len(frame) == 3 * 2
+
+
+def test_kv_head_scores_are_the_max_and_mean_of_their_query_heads():
+    q = pd.DataFrame(dict(layer=[0, 0, 0, 0], head=[0, 1, 2, 3], kv_head=[0, 0, 1, 1],
+                          retrieval=[0.1, 0.5, 0.0, 0.2], echo=[0.3, 0.1, 0.9, 0.0]))
+    kv = per_kv_head(q, ["retrieval", "echo"]).set_index("kv_head")
+    assert kv.loc[0, "retrieval"] == 0.5 and kv.loc[0, "retrieval_mean"] == pytest.approx(0.3)
+    assert kv.loc[1, "echo"] == 0.9 and kv.loc[1, "echo_mean"] == pytest.approx(0.45)
+    roles = kv_roles(q, loss=pd.DataFrame(dict(layer=[0, 0], kv_head=[0, 1], loss=[0.01, 0.2])))
+    assert list(ranking(roles, "loss").sort_values(ascending=False).index) == [(0, 1), (0, 0)]
+
+
+def test_razor_is_the_larger_of_echo_and_induction(zoo):
+    r = razor_scores(zoo, seq_len=20, batch_size=2)
+    assert (r["razor"] == r[["echo", "induction"]].max(axis=1)).all()
+    assert len(r) == zoo.cfg.n_layers * zoo.cfg.n_heads
+
+
+def test_selections_keep_the_top_k_and_stream_the_rest():
+    scores = pd.Series([0.9, 0.1, 0.5, 0.7, 0.0, 0.3], index=pd.MultiIndex.from_tuples(
+        [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)], names=["layer", "kv_head"]))
+    runs = selection_runs({"loss": scores, "random": None}, 3, 2, fractions=(0.34, 0.5), seeds=(0, 1), sinks=4,
+                          window=16)
+    top = [r for r in runs if r.selection == "loss"]
+    assert [sorted(r.policy) for r in top] == [[(0, 0), (1, 1)], [(0, 0), (1, 0), (1, 1)]]
+    assert all(r.default == "streaming(4,16)" and set(r.policy.values()) == {"full"} for r in runs)
+    rnd = [r for r in runs if r.selection == "random"]
+    assert len(rnd) == 4 and rnd[0].policy != rnd[1].policy and all(len(r.policy) == r.full_heads for r in rnd)
+    again = selection_runs({"random": None}, 3, 2, fractions=(0.34,), seeds=(0,), sinks=4, window=16)
+    assert again[0].policy == rnd[0].policy  # seeded
+
+
+def test_equal_bytes_budget_by_hand():
+    # 10% of heads hold all 1024 tokens, 90% hold 4 + 128: on average 0.1 * 1024 + 0.9 * 132 = 221.2 (2048: 323.6)
+    assert equal_bytes_budget(0.1, 1024, 4, 128) == 221
+    runs = equal_bytes_runs((0.1, 0.5), (1024, 2048), sinks=4, window=128)
+    assert [r.policy for r in runs] == ["snapkv(221)", "snapkv(324)", "snapkv(578)", "snapkv(1090)"]
+    assert runs[1].lengths == (2048,)
+
+
+@pytest.mark.parametrize("names, fractions, match", [
+    (["retrival"], [0.1], "unknown selection retrival"),
+    (["loss"], [0.0], r"fraction of the KV heads in \(0, 1\]"),
+    (["loss"], [1.5], r"fraction of the KV heads in \(0, 1\]"),
+    (["loss"], [0.005], "keeps none"),
+])
+def test_bad_selections_are_one_line(names, fractions, match):
+    with pytest.raises(BadValue, match=match):
+        check_selection(names, fractions, 90)
+
+
+def test_the_cli_compares_selections_end_to_end(tmp_path, capsys):
+    from interp.cli import main as cli
+
+    out = tmp_path / "roles"
+    argv = ["kv", "attn-only-2l", "--task", "passkey", "--select", "retrieval,razor,loss,random", "--lengths", "248",
+            "--depths", "0.5", "--prompts", "1", "--window", "32", "--fractions", "0.25,0.5", "--seq-len", "200",
+            "--scoring-prompts", "2", "--selection-seeds", "2", "--out", str(out), "--no-progress"]
+    assert cli(argv) == 0, capsys.readouterr().err
+    cells = pd.read_parquet(out / "kv_policies.parquet")
+    heads = pd.read_parquet(out / "kv_head_roles.parquet")
+    assert {"retrieval", "echo", "induction", "razor", "sink", "loss"} <= set(heads.columns)
+    assert len(heads) == 2 * 4  # one row per query head of attn-only-2l
+    n_kv = 2 * 4
+    picked = cells[cells["selection"] == "loss"].sort_values("budget")
+    assert list(picked["full_heads"]) == [round(0.25 * n_kv), round(0.5 * n_kv)]
+    assert set(cells["selection"]) == {"full", "streaming", "retrieval", "razor", "loss", "random", "snapkv"}
+    assert len(cells[cells["selection"] == "random"]) == 2 * 2  # 2 seeds x 2 budgets
+    report = (out / "report.md").read_text()
+    assert "of 1 keys" in report and "retrieval score above 0.1" in report
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"--select": "retrieval,lru"}, "unknown selection lru"),
+    ({"--fractions": "0.1,1.5"}, "fraction of the KV heads in (0, 1]"),
+    ({"--fractions": "0.01"}, "keeps none"),
+    ({"--window": "400"}, "streaming(4,400): the window must be between 1 and"),
+    ({"--lengths": "248,900"}, "--lengths 900"),
+])
+def test_bad_selection_settings_are_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch, change, message):
+    from interp.cli import main as cli
+
+    monkeypatch.setattr(interp, "load", lambda *a, **k: pytest.fail("the model must not load"))
+    out = tmp_path / "out"
+    settings = {"--task": "passkey", "--select": "retrieval,random", "--lengths": "248", "--depths": "0.5",
+                "--prompts": "1", "--seq-len": "128", "--out": str(out), **change}
+    assert cli(["kv", "attn-only-2l", *[x for kv in settings.items() for x in kv], "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not out.exists()
