@@ -41,7 +41,8 @@ from .sinks import attention_sinks
 from .store import OutputFolder, atomic_write_text
 from .tasks import RetrievalPrompt, accuracy_label, retrieval_prompts
 
-SCORING_SEED_OFFSET = 1000  # scoring prompts: keys drawn from seed + 1000, never an evaluation key
+SCORING_SEED_OFFSET = 1000
+LOSS_TOKENS = 1024  # the streaming-loss ranking reads the text's first 1024 tokens (892 past sinks + window 128)  # scoring prompts: keys drawn from seed + 1000, never an evaluation key
 
 
 def gate_cache_dir() -> Path:
@@ -87,7 +88,8 @@ def score_heads(model, prompts: Sequence[RetrievalPrompt], text: torch.Tensor, s
     loss = None
     if "loss" in selections:
         loss = stage("streaming loss per KV head",
-                     lambda: loss_scores(model, text, sinks=sinks, window=window, progress_bar=progress_bar))
+                     lambda: loss_scores(model, text[:, :LOSS_TOKENS], sinks=sinks, window=window,
+                                         progress_bar=progress_bar))
     gates = curve = None
     if "gates" in selections:
         # DuoAttention's synthetic passkey data, short enough for many steps on a CPU: 512-token

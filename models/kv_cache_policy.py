@@ -267,6 +267,12 @@ class _SubsetGroup(_Group):
         inf = torch.tensor(float("inf"), device=S.device)
         score = None
         if isinstance(p, Streaming):
+            m = S.shape[-1]
+            if m > p.budget and bool(valid.all()):  # no padding: entries are in slot order, so the sinks are
+                # the first `sinks` entries and the window the last `window`: slices, no top-k or gather
+                cut = lambda x: torch.cat([x[:, :, : p.sinks], x[:, :, m - p.window :]], dim=2)  # noqa: E731
+                self.k, self.v, self.slots = cut(K), cut(V), cut(S[..., None])[..., 0].to(torch.int32)
+                return
             keep = valid & ((S < p.sinks) | (S > last - p.window))
             prio, cap = torch.where(keep, inf, -inf), p.budget
         elif isinstance(p, H2O):

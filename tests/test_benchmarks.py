@@ -11,7 +11,10 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("transformer_lens")
 
+from core_models import build, small, tokens  # noqa: E402
+
 from interp.benchmarks import gpu, long_context, timing  # noqa: E402
+from interp.benchmarks.kv_policies import PreparedCache  # noqa: E402
 from interp.benchmarks.report import Options  # noqa: E402
 from interp.cli import main as cli  # noqa: E402
 
@@ -181,3 +184,46 @@ def test_kv_cache_section_measures_what_theory_says(page):
     kv = next(body for title, body in found.items() if title.startswith("Quantized KV caches"))
     assert [float(r) for r in column(kv, "ratio")] == [1.0] * 6  # measured bytes per token = theoretical
     assert set(column(kv, "precision")) == {"fp32", "fp16", "bf16", "int8", "fp8", "int4"}
+
+
+def test_kv_policies_section_holds_what_theory_says(page):
+    found = sections(page)
+    title, body = next((t, b) for t, b in found.items() if t.startswith("Per-head KV-cache policies"))
+    assert "Skipped" not in body.split("\n\n")[0], body[:300]
+    rows = table_rows(body)
+    assert len(rows) == 2 * 9  # two contexts, the plain KVCache and eight policies each
+    policies = [r[0] for r in rows]
+    assert set(policies) == {"KVCache (plain)", "full", "fp16", "int8", "kivi4", "kivi2", "streaming(4,28)",
+                             "h2o(32)", "snapkv(32)"}
+    assert {float(r[6]) for r in rows} == {1.0}  # measured bytes per token = the theoretical figure
+    for r in rows:
+        if r[0] == "full":
+            assert float(r[3]) == 1.0
+        if r[0] in ("streaming(4,28)", "h2o(32)", "snapkv(32)"):
+            assert float(r[1]) == 32  # a head holds its budget, not the context
+    heads = page.split("## Headline", 1)[1].split("\n## ", 1)[0]
+    assert "KV policies, decode time vs the full cache" in heads
+
+
+@pytest.mark.parametrize("policy", ["full", "int8", "kivi4(8,8)", "streaming(2,8)", "h2o(12)", "snapkv(12,4,3)"])
+def test_kv_policies_rounds_start_from_the_same_cache(policy):
+    """Every timed round decodes from the cache as it held the context: a reset dense cache, or a copy
+    made before the timing (KIVI flushes a group, streaming / H2O / SnapKV evict, during the steps)."""
+    model = build(small(positional="rotary", normalization="rmsnorm", act_fn="silu", gated_mlp=True, d_model=48,
+                        n_heads=6, n_kv_heads=2, n_ctx=96, n_layers=2))
+    toks = tokens(1, 36, seed=5)
+    with torch.no_grad():
+        cache = model.new_kv_cache(1, 36, policy=policy)
+        model(toks[:, :30], kv_cache=cache)
+        prepared = PreparedCache(cache, calls=3)
+        runs = []
+        for _ in range(3):
+            state = prepared.fresh()
+            runs.append(torch.cat([model(toks[:, i : i + 1], kv_cache=state) for i in range(30, 36)], dim=1))
+            assert state.length == 36
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
+    with torch.no_grad():  # and that state is the one a fresh prefill leaves
+        again = model.new_kv_cache(1, 36, policy=policy)
+        model(toks[:, :30], kv_cache=again)
+        want = torch.cat([model(toks[:, i : i + 1], kv_cache=again) for i in range(30, 36)], dim=1)
+    assert torch.equal(runs[0], want)

@@ -19,7 +19,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import ablation, caching, forward, generation, gpu, head_scan, kv_cache, long_context, patching, real_model
+from . import (ablation, caching, forward, generation, gpu, head_scan, kv_cache, kv_policies, long_context, patching,
+               real_model)
 from interp.models.errors import check_threads
 
 from .report import Options, Section, load_average, render
@@ -35,6 +36,7 @@ SECTIONS: dict[str, Callable[[Options], Section]] = {
     "real_model": real_model.section,
     "head_scan": head_scan.section,
     "kv_cache": kv_cache.section,
+    "kv_policies": kv_policies.section,
 }
 ALL = (*SECTIONS, "gpu")
 
