@@ -14,6 +14,11 @@ attention output plus head i's exact change of output, (z_new - z)_i @ W_O[i] (s
 is not even recomputed), runs the rest of block L and then blocks L+1.. (`start_at_layer`). That is
 1 + n_layers forwards of decreasing depth instead of n_layers * n_heads full ones
 (`python -m interp.benchmarks.ablation_loop`).
+
+Sandwich norms (Gemma 2 / 3): there `hook_attn_out` is ln1_post's output, and a norm is not linear,
+so a head's change cannot be added after it. The attention layer's own output (sum over heads of
+z W_O, plus b_O: what ln1_post normalises) is recomputed from the cached z instead, the head's change
+added to it, and the rest of the block (`after_attention`) applies ln1_post to the sum.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from typing import Callable, Literal
 import pandas as pd
 import torch
 from torch import Tensor
+
+from interp.models.weights import stored
 
 from ._common import HeadList, progress, resolve_heads, token_input, valid_mask
 
@@ -79,15 +86,30 @@ def _replace_heads(values: Tensor, heads: list[int]):
     return hook
 
 
+def attention_output(attn, z: Tensor) -> Tensor:
+    """What the attention layer returns for `z` [batch, pos, head, d_head]: the sum over heads of
+    z W_O, plus b_O, computed as `Attention.forward` computes it (the input of `ln1_post` in a block
+    with sandwich norms, `hook_attn_out` in one without)."""
+    b, p = z.shape[:2]
+    flat = z.reshape(b, p, -1)
+    b_O = stored(attn, "b_O")
+    if b_O is None:
+        return torch.matmul(flat, attn.W_O_flat)
+    return torch.addmm(b_O, flat.reshape(b * p, -1), attn.W_O_flat).view(b, p, -1)
+
+
 class AblationRunner:
     """One clean forward (with the `base` heads ablated everywhere, e.g. already pruned ones) that
     caches every layer's resid_pre, attention output and z; then any single-head ablations.
 
     Ablating head h at layer L changes that layer's attention output by exactly
     (z_new - z)[..., h, :] @ W_O[h], and nothing below L. So a batch of ablations at L is: the cached
-    attn_out plus one such delta per copy, the rest of block L (`TransformerBlock.after_attention`),
-    then blocks L+1.. from there; layer L's attention is never recomputed. The metric is computed one
-    copy at a time. Shared by `ablate_heads` and the pruning curves.
+    attention output plus one such delta per copy, the rest of block L
+    (`TransformerBlock.after_attention`), then blocks L+1.. from there; layer L's attention is never
+    recomputed. The attention output is the attention layer's own (before ln1_post): `hook_attn_out`
+    without sandwich norms, recomputed from the cached z (`attention_output`) with them, since
+    `hook_attn_out` is then after ln1_post, which is not linear. The metric is computed one copy at a
+    time. Shared by `ablate_heads` and the pruning curves.
 
     values: replacement z per layer; None computes them (`method`, `seed`) from this clean run, which
     needs an empty `base`."""
@@ -114,13 +136,16 @@ class AblationRunner:
         def keep(x, hook):
             store[hook.name] = x.detach()
 
-        names = ("hook_resid_pre", "hook_attn_out", "attn.hook_z")
+        # With sandwich norms hook_attn_out is after ln1_post: the attention output is recomputed from z
+        # (`attention_output`, in `run`) instead of cached.
+        names = ("hook_resid_pre", "attn.hook_z") + (() if model.cfg.sandwich_norms else ("hook_attn_out",))
         # base replacements first, so the cached z / attn_out already include them
         hooks = self._base_hooks(0) + [(f"blocks.{l}.{n}", keep) for l in range(n_layers) for n in names]
         with torch.no_grad():
             resid = model.run_with_hooks(tokens, fwd_hooks=hooks, attention_mask=attention_mask, stop_at_layer=n_layers)
             self.clean = self._metric(resid)
-        self.resid, self.attn_out, self.z = ([store[f"blocks.{l}.{n}"] for l in range(n_layers)] for n in names)
+        self.resid, self.z, *attn_out = ([store[f"blocks.{l}.{n}"] for l in range(n_layers)] for n in names)
+        self.attn_out: list[Tensor] | None = attn_out[0] if attn_out else None
         if values is None:
             self.values = values_from_z(self.z, method, valid=self.valid, seed=seed)
 
@@ -141,12 +166,15 @@ class AblationRunner:
     def run(self, layer: int, heads_of_copy: list[list[int]]) -> list[float]:
         """Metric with, in copy i, the heads heads_of_copy[i] of `layer` ablated (on top of the base set)."""
         model, b, c = self.model, self.tokens.shape[0], len(heads_of_copy)
-        W_O = model.blocks[layer].attn.W_O  # [head, d_head, d_model]
+        attn = model.blocks[layer].attn
+        W_O = attn.W_O  # [head, d_head, d_model]
         z, new = self.z[layer], self.values[layer].to(self.z[layer].dtype)
+        # the attention layer's output of the clean (base-ablated) run, before any post-attention norm
+        clean_out = attention_output(attn, z) if self.attn_out is None else self.attn_out[layer]
         attn_out = []
         for heads in heads_of_copy:
             change = torch.einsum("bphd,hdm->bpm", (new[:, :, heads] - z[:, :, heads]).expand(b, z.shape[1], -1, -1), W_O[heads])
-            attn_out.append(self.attn_out[layer] + change)
+            attn_out.append(clean_out + change)
         mask = None if self.attention_mask is None else self.attention_mask.repeat(c, 1)
         with model.hooks(self._base_hooks(layer + 1)):
             x = model.blocks[layer].after_attention(self.resid[layer].repeat(c, 1, 1), torch.cat(attn_out))

@@ -81,7 +81,11 @@ def streaming_loss(
 def _cache_position_hooks(model, window: int, n_sink: int) -> list:
     """Hooks that give the sink keys StreamingLLM's in-cache distance: per layer, keep the query
     before RoPE and the rotated keys, and overwrite the sink columns of the (masked) scores with
-    the query rotated to slot min(p, n_sink + window - 1) against the sink keys."""
+    the query rotated to slot min(p, n_sink + window - 1) against the sink keys.
+
+    The query kept is the one RoPE rotates: after QK-norm where the model has it (`hook_q_normed`,
+    Gemma 3), else `hook_q`; it is rotated with its layer's own table (`cos_sin(..., layer=)`: Gemma 3's
+    local and global layers have different RoPE bases)."""
     if model.rotary is None:
         raise NotImplementedError(
             f"positions='cache' re-numbers rotary positions inside the cache; this model's positions are "
@@ -100,7 +104,7 @@ def _cache_position_hooks(model, window: int, n_sink: int) -> list:
         b, n = q.shape[:2]
         p = torch.arange(n, device=q.device)
         slot = p.clamp(max=n_sink + window - 1)
-        cos, sin = model.rotary.cos_sin(slot[None].expand(b, n), q.dtype)
+        cos, sin = model.rotary.cos_sin(slot[None].expand(b, n), q.dtype, layer=int(layer))
         q_slot = Rotary.rotate(q, cos, sin).transpose(1, 2)  # [b, h, pos, dh]
         k_sink = k[:, :n_sink].transpose(1, 2).repeat_interleave(group, dim=1)  # [b, h, n_sink, dh]
         sink = torch.matmul(q_slot, k_sink.transpose(-1, -2)).float() * model.blocks[int(layer)].attn.scale
@@ -111,9 +115,10 @@ def _cache_position_hooks(model, window: int, n_sink: int) -> list:
         s[..., :n_sink] = torch.where(visible, sink, float("-inf"))
         return s
 
+    query = "attn.hook_q_normed" if model.cfg.qk_norm else "attn.hook_q"  # what RoPE rotates
     hooks = []
     for l in range(model.cfg.n_layers):
-        hooks += [(f"blocks.{l}.attn.hook_q", keep("q")), (f"blocks.{l}.attn.hook_rot_k", keep("k")),
+        hooks += [(f"blocks.{l}.{query}", keep("q")), (f"blocks.{l}.attn.hook_rot_k", keep("k")),
                   (f"blocks.{l}.attn.hook_attn_scores", scores)]
     return hooks
 

@@ -46,7 +46,8 @@ def from_transformer_lens(
     The bridge wraps a `transformers` model (`bridge.original_model`) whose submodules it replaced
     with its own components; the original parameters are still inside, under the same names with
     `._original_component` segments added. We strip those and convert as `interp.from_hf` does
-    (GPT-2, GPT-NeoX/Pythia, Llama, Mistral, Qwen2).
+    (GPT-2, GPT-NeoX/Pythia, Llama, Mistral, Qwen2, Gemma 3). Gemma's norms: the bridge keeps
+    Hugging Face's w (multiplying by 1 + w, `cfg.rmsnorm_uses_offset`), ours the multiplier 1 + w.
 
     If the bridge's weights were processed (`enable_compatibility_mode()` folds LayerNorm, centres
     writing weights and the unembedding, folds value biases), not all of those edits reach the wrapped
@@ -147,7 +148,11 @@ def _weight_pairs(model, bridge):
     yield "W_E", model.embed.W_E, bridge.W_E
     if isinstance(getattr(model.pos_embed, "W_pos", None), torch.nn.Parameter):
         yield "W_pos", model.pos_embed.W_pos, bridge.W_pos
-    norms = [(f"blocks.{l}.{n}", getattr(b, n), getattr(bridge.blocks[l], n)) for l, b in enumerate(model.blocks) for n in ("ln1", "ln2")]
+    # Sandwich norms (ln1_post, ln2_post) and QK-norm (attn.q_norm, attn.k_norm) where the model has them.
+    norms = [(f"blocks.{l}.{n}", getattr(b, n), _maybe(bridge.blocks[l], n)) for l, b in enumerate(model.blocks)
+             for n in ("ln1", "ln1_post", "ln2", "ln2_post")]
+    norms += [(f"blocks.{l}.attn.{n}", getattr(b.attn, n, None), _maybe(bridge.blocks[l].attn, n))
+              for l, b in enumerate(model.blocks) for n in ("q_norm", "k_norm")]
     for l, block in enumerate(model.blocks):
         theirs = bridge.blocks[l]
         for w in ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O"):
@@ -162,9 +167,13 @@ def _weight_pairs(model, bridge):
                 if hasattr(block.mlp, w):
                     ours = stored(block.mlp, w) if w.startswith("b_") else getattr(block.mlp, w)
                     yield f"blocks.{l}.mlp.{w}", ours, _maybe(theirs.mlp, w)
+    # The bridge's Gemma norms hold Hugging Face's w and multiply by (1 + w) (`cfg.rmsnorm_uses_offset`);
+    # ours hold the multiplier itself (as `models/families/gemma3.py` loads them).
+    offset = bool(getattr(getattr(bridge, "cfg", None), "rmsnorm_uses_offset", False))
     for name, ours, theirs in [*norms, ("ln_final", model.ln_final, bridge.ln_final)]:
         if ours is not None and hasattr(ours, "w"):
-            yield f"{name}.w", ours.w, _maybe(theirs, "w")
+            w = _maybe(theirs, "w")
+            yield f"{name}.w", ours.w, (w.float() + 1.0 if offset and w is not None else w)
             if hasattr(ours, "b"):
                 yield f"{name}.b", ours.b, _maybe(theirs, "b")
     yield "W_U", model.W_U, bridge.W_U

@@ -80,7 +80,8 @@ def from_hf(hf_model, *, tokenizer=None, dtype: torch.dtype | None = None, devic
             default_prepend_bos: bool | None = None, fold_ln: bool = False, center_writing_weights: bool = False,
             center_unembed: bool = False, fold_value_biases: bool = False,
             refactor_factored_attn_matrices: bool = False) -> HookedTransformer:
-    """Convert a `transformers` causal-LM object (GPT-2, GPT-NeoX/Pythia, Llama, Mistral, Qwen2).
+    """Convert a `transformers` causal-LM object (GPT-2, GPT-NeoX/Pythia, Llama, Mistral, Qwen2, and
+    Gemma 3's text model, `Gemma3ForCausalLM`: model_type "gemma3_text").
     default_prepend_bos and the weight-processing options are `load`'s."""
     config = hf_model.config.to_dict()
     family = get_family(config.get("model_type"))

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from .hooks import HookPoint
 from interp.kernels.attention import AttentionBackend, AttentionMask, Needs, choose
 
+from .components import RMSNorm
 from .config import ModelConfig
 from .positions import Rotary, alibi_slopes
 from .weights import OptionalBias, stored
@@ -51,6 +52,14 @@ class Attention(nn.Module):
         self.backend: BackendChoice = "auto"
 
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
+        # QK-norm (Gemma 3): RMSNorm over d_head of each query and key head, after hook_q / hook_k and
+        # before RoPE. TransformerLens's names: the norms `q_norm` / `k_norm` (with their hook_scale and
+        # hook_normalized, as its HookedTransformer) and their outputs `hook_q_normed` / `hook_k_normed`
+        # (as its TransformerBridge).
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(cfg, length=dh), RMSNorm(cfg, length=dh)
+            self.hook_q_normed, self.hook_k_normed = HookPoint(), HookPoint()
         if self.rotary:
             self.hook_rot_q, self.hook_rot_k = HookPoint(), HookPoint()
         self.hook_attn_scores = HookPoint()
@@ -142,6 +151,9 @@ class Attention(nn.Module):
         q = self.hook_q(q)
         k = self.hook_k(k)
         v = self.hook_v(v)
+        if self.qk_norm:
+            q = self.hook_q_normed(self.q_norm(q))
+            k = self.hook_k_normed(self.k_norm(k))
         if self.rotary:
             cos, sin = rope
             q = self.hook_rot_q(Rotary.rotate(q, cos, sin))

@@ -21,12 +21,19 @@ from .weights import OptionalBias, stored
 
 
 class Embed(nn.Module):
+    """Token embeddings, times `cfg.embed_scale` when set (Gemma's sqrt(d_model)): the scale is rounded
+    to the embedding's dtype first and multiplies in it, as Hugging Face's Gemma does."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.W_E = nn.Parameter(torch.empty(cfg.d_vocab, cfg.d_model))
+        self.scale = cfg.embed_scale
 
     def forward(self, tokens: Tensor) -> Tensor:
-        return F.embedding(tokens, self.W_E)
+        x = F.embedding(tokens, self.W_E)
+        if self.scale is None:
+            return x
+        return x * torch.tensor(self.scale, dtype=torch.float32, device=x.device).to(x.dtype)
 
 
 class PosEmbed(nn.Module):
@@ -71,12 +78,14 @@ class LayerNorm(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm (Zhang & Sennrich 2019) computed in float32 and cast back, as Llama does."""
+    """RMSNorm (Zhang & Sennrich 2019) computed in float32 and cast back, as Llama does. Over d_model,
+    or over `length` (QK-norm: d_head). Gemma's (1 + weight) convention is converted on load: `w` holds
+    the whole multiplier, as TransformerLens stores it."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, length: int | None = None) -> None:
         super().__init__()
         self.eps = cfg.norm_eps
-        self.w = nn.Parameter(torch.ones(cfg.d_model))
+        self.w = nn.Parameter(torch.ones(length or cfg.d_model))
         self.hook_scale = HookPoint()
         self.hook_normalized = HookPoint()
 

@@ -57,7 +57,7 @@ class RopeScaling:
 
 
 _ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM", "llama": "LlamaForCausalLM",
-                  "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+                  "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -102,15 +102,27 @@ class ModelConfig:
     rotary_dim: int | None = None  # None: the whole head (partial rotary for GPT-NeoX/Pythia)
     rotary_base: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    # The RoPE base of the sliding-window layers when it differs from the full layers' (Gemma 3: 1e4 on
+    # local layers, 1e6 on global ones), unscaled; None: every layer uses rotary_base (and rope_scaling).
+    # TransformerLens's name. Read per layer as `cfg.rope_base(layer)`.
+    rotary_base_local: float | None = None
     sliding_window: int | None = None  # a query sees keys p - window < j <= p (Hugging Face's rule)
     layer_types: tuple[LayerType, ...] | None = None  # per layer; None: every layer "sliding" if a window is set
     parallel_attn_mlp: bool = False  # GPT-NeoX / GPT-J: x + attn(ln1(x)) + mlp(ln2(x))
+    # RMSNorm over d_head of every head's query and key, before RoPE (Gemma 3; `attn.q_norm`, `attn.k_norm`).
+    qk_norm: bool = False
+    # "Sandwich" norms (Gemma 2 / 3): the attention and MLP outputs are normalised again (`ln1_post`,
+    # `ln2_post`) before they join the residual stream: x + ln1_post(attn(ln1(x))), then the same for the MLP.
+    sandwich_norms: bool = False
     qkv_bias: bool = True
     attn_out_bias: bool = True
     mlp_bias: bool = True
     unembed_bias: bool = False
     tie_embeddings: bool = False
-    attn_scale: float | None = None  # None: 1 / sqrt(d_head)
+    # Token embeddings are multiplied by this (Gemma: sqrt(d_model)), rounded to the embedding's dtype first
+    # as Hugging Face's Gemma does; W_E itself (and a tied unembedding) stays unscaled. None: no scaling.
+    embed_scale: float | None = None
+    attn_scale: float | None = None  # None: 1 / sqrt(d_head); Gemma: query_pre_attn_scalar ** -0.5
     init_range: float = 0.02
     model_type: str = "interp"  # provenance only (e.g. "gpt2", "llama"); never branched on in forward
     # Whether text gets a BOS token first by default (`to_tokens`, `model("...")`, analyzers).
@@ -156,6 +168,10 @@ class ModelConfig:
             problems.append(f"rotary_dim={self.rot_dim} must be even")
         if self.positional == "rotary" and self.rot_dim > self.head_dim:
             problems.append(f"rotary_dim={self.rot_dim} exceeds d_head={self.head_dim}")
+        if self.rotary_base_local is not None and self.positional != "rotary":
+            problems.append(f"rotary_base_local is set but positional={self.positional!r}; it needs positional='rotary'")
+        if self.sandwich_norms and self.normalization is None:
+            problems.append("sandwich_norms needs a normalization (the post-attention and post-MLP norms are of that kind)")
         if self.layer_types is not None and len(self.layer_types) != self.n_layers:
             problems.append(f"layer_types has {len(self.layer_types)} entries for {self.n_layers} layers")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
@@ -163,8 +179,9 @@ class ModelConfig:
         # Every real number the forward divides by or exponentiates: a NaN or a negative here gives NaN
         # or wrong logits silently, so it is refused wherever the config came from (ours, HF, GGUF).
         reals = dict(norm_eps=self.norm_eps, rotary_base=self.rotary_base)
-        if self.attn_scale is not None:
-            reals["attn_scale"] = self.attn_scale
+        for name in ("attn_scale", "rotary_base_local", "embed_scale"):
+            if getattr(self, name) is not None:
+                reals[name] = getattr(self, name)
         for name, value in reals.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 problems.append(f"{name} must be a finite number > 0, got {value!r}")
@@ -202,6 +219,16 @@ class ModelConfig:
             return self.sliding_window
         return None
 
+    def local_rope(self, layer: int) -> bool:
+        """Whether `layer` rotates with `rotary_base_local` (a sliding-window layer of a model that has one)."""
+        return self.rotary_base_local is not None and self.window(layer) is not None
+
+    def rope_base(self, layer: int) -> float | None:
+        """The RoPE base of `layer` (Gemma 3: 1e4 on sliding layers, 1e6 on full ones); None without rotary."""
+        if self.positional != "rotary":
+            return None
+        return self.rotary_base_local if self.local_rope(layer) else self.rotary_base
+
     # ---- TransformerLens names (read-only) --------------------------------------------------
     # TransformerLens's utilities (`patching`, `head_detector`, its `ActivationCache`) read these
     # off `model.cfg`. They are derived, never stored or serialised, and describe how the model
@@ -220,7 +247,6 @@ class ModelConfig:
 
     attention_dir = "causal"
     post_embedding_ln = False
-    use_normalization_before_and_after = False
     output_logits_soft_cap = -1.0
     attn_scores_soft_cap = -1.0
     seed = None
@@ -229,6 +255,26 @@ class ModelConfig:
     @property
     def use_local_attn(self) -> bool:
         return self.sliding_window is not None
+
+    @property
+    def window_size(self) -> int | None:
+        """`sliding_window`, under TransformerLens's name."""
+        return self.sliding_window
+
+    @property
+    def attn_types(self) -> list[str] | None:
+        """Per layer "local" (a sliding window) or "global", as TransformerLens lists them; None without windows."""
+        if self.sliding_window is None:
+            return None
+        return ["local" if self.window(l) is not None else "global" for l in range(self.n_layers)]
+
+    @property
+    def use_qk_norm(self) -> bool:
+        return self.qk_norm
+
+    @property
+    def use_normalization_before_and_after(self) -> bool:
+        return self.sandwich_norms
 
     @property
     def original_architecture(self) -> str | None:
@@ -318,17 +364,19 @@ class ModelConfig:
         attn   = d_model * (n_heads + 2 * kv_heads) * d_head + n_heads * d_head * d_model
                  (+ (n_heads + 2 * kv_heads) * d_head qkv bias, + d_model out bias)
         mlp    = (3 if gated else 2) * d_model * d_mlp (+ d_mlp * (2 if gated else 1) + d_model biases)
-        norm   = 2 * d_model for LayerNorm, d_model for RMSNorm; two per block (one if attn-only), one final
+        norm   = 2 * d_model for LayerNorm, d_model for RMSNorm; two per block (one if attn-only), one final;
+                 twice that per block with sandwich norms; + 2 * d_head per block with QK-norm
         unembed= d_model * vocab unless tied (+ vocab bias)
         """
         d, h, kv, dh = self.d_model, self.n_heads, self.kv_heads, self.head_dim
         norm = {"layernorm": 2 * d, "rmsnorm": d, None: 0}[self.normalization]
         attn = d * (h + 2 * kv) * dh + h * dh * d
         attn += (h + 2 * kv) * dh * self.qkv_bias + d * self.attn_out_bias
-        block = attn + norm
+        norms = 2 if self.sandwich_norms else 1
+        block = attn + norms * norm + 2 * dh * self.qk_norm
         if not self.attn_only:
             n_in = 2 if self.gated_mlp else 1
-            block += (n_in + 1) * d * self.d_mlp + norm
+            block += (n_in + 1) * d * self.d_mlp + norms * norm
             block += (n_in * self.d_mlp + d) * self.mlp_bias
         total = self.d_vocab * d + self.n_layers * block + norm
         total += self.n_ctx * d * (self.positional == "learned")

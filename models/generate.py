@@ -158,6 +158,9 @@ def generate(
 
     cache = None
     if use_past_kv_cache:
+        if (kv_policy is None and kv_precision is None and not return_kv_cache and not capture_queries
+                and model.cfg.positional != "alibi" and model.window_policy(n + max_new_tokens)):
+            kv_policy = "window"  # sliding-window layers keep only their window (Gemma's local layers)
         cache = model.new_kv_cache(batch, n + max_new_tokens, capture_queries=capture_queries, precision=kv_precision,
                                    policy=kv_policy)
         # Prefill through the blocks, then unembed the last position only (as HF's logits_to_keep=1):

@@ -1,24 +1,33 @@
-"""GGUF files (llama.cpp's format): llama-architecture models, dequantized, with their tokenizer.
+"""GGUF files (llama.cpp's format): llama-architecture models and Gemma 3, dequantized, with their tokenizer.
 
 A GGUF file holds metadata (`llama.block_count`, `tokenizer.ggml.tokens`, ...) and tensors named
 the llama.cpp way (`blk.3.attn_q.weight`), possibly quantized. `load_gguf` reads both with the
 `gguf` package (PyPI, published by llama.cpp), dequantizes every tensor to the requested dtype,
-renames the tensors to Hugging Face's llama names, undoes the row permutation llama.cpp's
-converter applies to Q and K for its RoPE layout, writes a Hugging Face config from the metadata,
-and hands both to the Llama-like family (`families/llamalike.py`): one converter for all.
+renames the tensors to Hugging Face's names, undoes what llama.cpp's converter changed (the row
+permutation of Q and K for its RoPE layout in llama files; the 1 it adds to every Gemma norm weight),
+writes a Hugging Face config from the metadata, and hands both to the family of that `model_type`
+(`families/llamalike.py`, `families/gemma3.py`): the same converter as a Hugging Face folder.
 
-The tokenizer is rebuilt from the file's `tokenizer.ggml.*` fields (a byte-level BPE: vocabulary,
-merges, special tokens, and the pre-tokenizer `tokenizer.ggml.pre` names) with the `tokenizers`
-library; transformers' own GGUF loading is the test oracle for its ids.
+Each architecture declares its layout (`_LAYOUTS`: metadata keys, tensor names, what the converter
+changed); a Gemma 3 metadata key the layout does not know raises, naming the key, instead of loading
+a silently different model. What the metadata leaves out is llama.cpp's (and transformers') fixed
+choice for that architecture: Gemma 3's global layer every 6th, RoPE base 1e4 on local layers, query
+scale d_head ** -0.5.
 
-Supported: architectures llama, mistral, qwen2 (their metadata prefixes); every tensor type the
-`gguf` package can dequantize (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, ...).
+The tokenizer is rebuilt from the file's `tokenizer.ggml.*` fields with the `tokenizers` library: a
+byte-level BPE ("gpt2": vocabulary, merges, special tokens, the pre-tokenizer `tokenizer.ggml.pre`
+names) or Gemma's SentencePiece BPE ("llama" in a Gemma file: byte fallback, merges rebuilt from the
+vocabulary's order); transformers' own GGUF loading is the test oracle for its ids.
+
+Supported: architectures llama, mistral, qwen2, gemma3 (their metadata prefixes); every tensor type
+the `gguf` package can dequantize (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, ...).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,10 +40,8 @@ from .errors import CheckpointError
 from .families import get_family
 from .transformer import HookedTransformer
 
-ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}  # GGUF architecture -> HF model_type
-
 # llama.cpp tensor names -> Hugging Face llama names ({l} is the layer).
-_LAYER_NAMES = {
+_LLAMA_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
@@ -47,6 +54,23 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+# ... and Gemma 3's: QK-norm, and a norm before and after attention and MLP (llama.cpp's ffn_norm is
+# Gemma's pre_feedforward_layernorm here, not a llama post_attention_layernorm).
+_GEMMA3_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
@@ -77,88 +101,186 @@ def _field(reader, key: str, default=None):
     return f.contents()
 
 
-def hf_config(reader, source: str) -> dict:
-    """A Hugging Face config dict from the metadata; raises on what the llama converter cannot represent."""
-    arch = _field(reader, "general.architecture")
-    if arch not in ARCHITECTURES:
-        raise NotImplementedError(
-            f"{source}: GGUF architecture {arch!r} is not supported; interp reads {sorted(ARCHITECTURES)} GGUF files"
-        )
+class _Metadata:
+    """The `{arch}.*` metadata of one file, read with checks: a missing required key, a size that is not
+    an integer >= 1, or a real that is not finite and > 0 raises, naming the key."""
 
-    def need(key: str):
-        value = _field(reader, f"{arch}.{key}")
+    def __init__(self, reader, arch: str, source: str) -> None:
+        self.reader, self.arch, self.source = reader, arch, source
+
+    def get(self, key: str, default=None):
+        return _field(self.reader, f"{self.arch}.{key}", default)
+
+    def has(self, key: str) -> bool:
+        return f"{self.arch}.{key}" in self.reader.fields
+
+    def need(self, key: str):
+        value = self.get(key)
         if value is None:
-            raise CheckpointError(f"{source}: the GGUF metadata has no {arch}.{key}; is the file complete?")
+            raise CheckpointError(f"{self.source}: the GGUF metadata has no {self.arch}.{key}; is the file complete?")
         return value
 
-    def count(key: str, default=None) -> int:
-        """A size from the metadata: an integer >= 1 (a 0 would divide by zero below, a negative
-        build nothing sensible); `default` when absent (None: required)."""
-        value = need(key) if default is None else _field(reader, f"{arch}.{key}", default)
+    def count(self, key: str, default=None) -> int:
+        """A size: an integer >= 1 (a 0 would divide by zero below, a negative build nothing sensible);
+        `default` when absent (None: required)."""
+        value = self.need(key) if default is None else self.get(key, default)
         if isinstance(value, list):
-            raise NotImplementedError(f"{source}: per-layer values of {arch}.{key} are not supported")
+            raise NotImplementedError(f"{self.source}: per-layer values of {self.arch}.{key} are not supported")
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise CheckpointError(f"{source}: the GGUF metadata {arch}.{key} = {value!r} is not a size (an integer >= 1); "
-                                  "the file is corrupt")
+            raise CheckpointError(f"{self.source}: the GGUF metadata {self.arch}.{key} = {value!r} is not a size "
+                                  "(an integer >= 1); the file is corrupt")
         return int(value)
 
-    def real(key: str, default=None) -> float:
-        """A real number from the metadata (a norm epsilon, a RoPE base): finite and > 0."""
-        value = need(key) if default is None else _field(reader, f"{arch}.{key}", default)
+    def real(self, key: str, default=None) -> float:
+        """A real number (a norm epsilon, a RoPE base): finite and > 0."""
+        value = self.need(key) if default is None else self.get(key, default)
         try:
             number = float(value)
         except (TypeError, ValueError):
             number = float("nan")
         if not math.isfinite(number) or number <= 0:
-            raise CheckpointError(f"{source}: the GGUF metadata {arch}.{key} = {value!r} is not a finite number > 0; "
-                                  "the file is corrupt")
+            raise CheckpointError(f"{self.source}: the GGUF metadata {self.arch}.{key} = {value!r} is not a finite "
+                                  "number > 0; the file is corrupt")
         return number
 
-    n_heads = count("attention.head_count")
-    d_model = count("embedding_length")
-    n_kv = count("attention.head_count_kv", n_heads)
-    if _field(reader, f"{arch}.attention.key_length") is not None:
-        head_dim = count("attention.key_length")
+
+def hf_config(reader, source: str) -> dict:
+    """A Hugging Face config dict from the metadata; raises on what the family cannot represent."""
+    arch = _field(reader, "general.architecture")
+    if arch not in _LAYOUTS:
+        raise NotImplementedError(
+            f"{source}: GGUF architecture {arch!r} is not supported; interp reads {sorted(ARCHITECTURES)} GGUF files"
+        )
+    layout, meta = _LAYOUTS[arch], _Metadata(reader, arch, source)
+    if layout.known_keys is not None:
+        prefix = f"{arch}."
+        unknown = sorted(k for k in reader.fields if k.startswith(prefix) and k[len(prefix):] not in layout.known_keys)
+        if unknown:
+            raise NotImplementedError(f"{source}: the GGUF metadata key {unknown[0]} = {_field(reader, unknown[0])!r} "
+                                      f"is not one interp can represent for {arch}; nothing was loaded")
+    names = {t.name for t in reader.tensors}
+    config = _common_config(meta, layout, names)
+    return config | layout.config(meta, config, names)
+
+
+def _common_config(meta: _Metadata, layout: _Layout, names: set[str]) -> dict:
+    source, arch = meta.source, meta.arch
+    n_heads = meta.count("attention.head_count")
+    d_model = meta.count("embedding_length")
+    if meta.get("attention.key_length") is not None:
+        head_dim = meta.count("attention.key_length")
     elif d_model % n_heads:
         raise CheckpointError(f"{source}: embedding_length {d_model} is not a multiple of head_count {n_heads} "
                               "and no attention.key_length is given; the file is corrupt")
     else:
         head_dim = d_model // n_heads
-    rope_dim = count("rope.dimension_count", head_dim)
+    if meta.count("attention.value_length", head_dim) != head_dim:
+        raise NotImplementedError(f"{source}: {arch}.attention.value_length differs from key_length; interp's heads "
+                                  "have one width for keys and values")
+    rope_dim = meta.count("rope.dimension_count", head_dim)
     if rope_dim != head_dim:
         raise NotImplementedError(f"{source}: partial rotary ({rope_dim} of {head_dim} dims) is not supported for GGUF")
-    scaling = _field(reader, f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise NotImplementedError(f"{source}: RoPE scaling {scaling!r} in GGUF metadata is not supported")
-    names = {t.name for t in reader.tensors}
-    if _field(reader, f"{arch}.vocab_size") is not None:
-        vocab = count("vocab_size")
-    elif "tokenizer.ggml.tokens" in reader.fields:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    if meta.get("vocab_size") is not None:
+        vocab = meta.count("vocab_size")
+    elif "tokenizer.ggml.tokens" in meta.reader.fields:
+        vocab = len(meta.reader.fields["tokenizer.ggml.tokens"].data)
     else:
         raise CheckpointError(f"{source}: the GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
-    config = {
-        "model_type": ARCHITECTURES[arch],
-        "num_hidden_layers": count("block_count"),
+    return {
+        "model_type": layout.model_type,
+        "num_hidden_layers": meta.count("block_count"),
         "hidden_size": d_model,
-        "intermediate_size": count("feed_forward_length"),
+        "intermediate_size": meta.count("feed_forward_length"),
         "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv,
+        "num_key_value_heads": meta.count("attention.head_count_kv", n_heads),
         "head_dim": head_dim,
         "vocab_size": int(vocab),
-        "max_position_embeddings": count("context_length", 2048),
-        "rms_norm_eps": real("attention.layer_norm_rms_epsilon"),
-        "rope_theta": real("rope.freq_base", 10000.0),
+        "max_position_embeddings": meta.count("context_length", 2048),
+        "rms_norm_eps": meta.real("attention.layer_norm_rms_epsilon"),
         "tie_word_embeddings": "output.weight" not in names,
+    }
+
+
+def _llama_config(meta: _Metadata, base: dict, names: set[str]) -> dict:
+    scaling = meta.get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise NotImplementedError(f"{meta.source}: RoPE scaling {scaling!r} in GGUF metadata is not supported")
+    config = {
+        "rope_theta": meta.real("rope.freq_base", 10000.0),
         "hidden_act": "silu",
         "attention_bias": "blk.0.attn_q.bias" in names,
         "mlp_bias": False,
     }
-    if config["model_type"] == "qwen2":  # q/k/v biases, no output bias: the family's defaults
+    if base["model_type"] == "qwen2":  # q/k/v biases, no output bias: the family's defaults
         config.pop("attention_bias")
-    if _field(reader, f"{arch}.attention.sliding_window"):
-        config["sliding_window"] = count("attention.sliding_window")
+    if meta.get("attention.sliding_window"):
+        config["sliding_window"] = meta.count("attention.sliding_window")
     return config
+
+
+def _gemma3_config(meta: _Metadata, base: dict, names: set) -> dict:
+    """Gemma 3's keys. llama.cpp fixes what the file leaves out, and so does transformers' Gemma3TextConfig:
+    a global layer every 6th, local RoPE base 1e4 unscaled, query scale d_head ** -0.5 (d_model / n_heads
+    for the 62-layer 27B, as llama.cpp has it), GELU (tanh), no soft-capping."""
+    source, n_layers = meta.source, base["num_hidden_layers"]
+    pattern = meta.get("attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):  # per layer, True for a sliding-window layer (llama.cpp's newer files)
+        if len(pattern) != n_layers or not all(isinstance(p, (bool, np.bool_)) for p in pattern):
+            raise CheckpointError(f"{source}: gemma3.attention.sliding_window_pattern = {pattern!r} is not one flag "
+                                  f"per layer ({n_layers}); the file is corrupt")
+        sliding = [bool(p) for p in pattern]
+    else:
+        period = meta.count("attention.sliding_window_pattern", 6)
+        sliding = [(l + 1) % period != 0 for l in range(n_layers)]
+    full = {"rope_type": "default", "rope_theta": meta.real("rope.freq_base", 1_000_000.0)}
+    scaling = meta.get("rope.scaling.type")
+    if scaling == "linear":  # Gemma 3 4B-27B scale their global layers' RoPE by 8
+        full |= {"rope_type": "linear", "factor": meta.real("rope.scaling.factor")}
+    elif scaling not in (None, "none"):
+        raise NotImplementedError(f"{source}: gemma3.rope.scaling.type = {scaling!r} is not supported (linear is)")
+    window = meta.count("attention.sliding_window")
+    d_model, n_heads = base["hidden_size"], base["num_attention_heads"]
+    return {
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "sliding_window": window,
+        "rope_parameters": {
+            "full_attention": full,
+            "sliding_attention": {"rope_type": "default", "rope_theta": meta.real("rope.freq_base_swa", 10_000.0)},
+        },
+        "query_pre_attn_scalar": d_model // n_heads if n_layers == 62 else base["head_dim"],
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How llama.cpp wrote one architecture: its Hugging Face model_type, the config keys only it has
+    (`config(metadata, common keys, tensor names)`), its per-layer tensor names, whether its converter
+    permuted Q / K rows (llama's RoPE layout), what it added to every norm weight (Gemma's converter
+    stores 1 + w), and the metadata keys it knows (None: not checked)."""
+
+    model_type: str
+    config: Callable[[_Metadata, dict, set], dict]
+    layer_names: dict[str, str]
+    permuted_qk: bool
+    norm_shift: float = 0.0
+    known_keys: frozenset[str] | None = None
+
+
+_GEMMA3_KEYS = frozenset({
+    "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
+    "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
+    "attention.layer_norm_rms_epsilon", "attention.sliding_window", "attention.sliding_window_pattern",
+    "rope.freq_base", "rope.freq_base_swa", "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor",
+})
+_LAYOUTS = {
+    "llama": _Layout("llama", _llama_config, _LLAMA_LAYER_NAMES, permuted_qk=True),
+    "mistral": _Layout("mistral", _llama_config, _LLAMA_LAYER_NAMES, permuted_qk=True),
+    "qwen2": _Layout("qwen2", _llama_config, _LLAMA_LAYER_NAMES, permuted_qk=True),
+    "gemma3": _Layout("gemma3_text", _gemma3_config, _GEMMA3_LAYER_NAMES, permuted_qk=False, norm_shift=1.0,
+                      known_keys=_GEMMA3_KEYS),
+}
+ARCHITECTURES = {arch: layout.model_type for arch, layout in _LAYOUTS.items()}  # GGUF architecture -> HF model_type
 
 
 def unpermute_rope_rows(w: Tensor, n_heads: int) -> Tensor:
@@ -175,23 +297,27 @@ def unpermute_rope_rows(w: Tensor, n_heads: int) -> Tensor:
 class _DequantizedOnRead(Mapping):
     """{Hugging Face name: tensor}, each dequantized when read: the conversion's transposes and
     concatenations then hold the only full-precision copy, so loading peaks near the size of the
-    fp32 weights instead of two or three times it."""
+    fp32 weights instead of two or three times it. Norm weights lose what llama.cpp's converter added
+    to them (Gemma's 1), in float32, before the cast to `dtype`."""
 
-    def __init__(self, reader, config: dict, source: str, dtype: torch.dtype) -> None:
-        self.source, self.dtype = source, dtype
+    def __init__(self, reader, config: dict, layout: _Layout, source: str, dtype: torch.dtype) -> None:
+        self.source, self.dtype, self.layout = source, dtype, layout
         rope_heads = {"attn_q.weight": config["num_attention_heads"], "attn_k.weight": config["num_key_value_heads"]}
+        if not layout.permuted_qk:
+            rope_heads = {}
         self.by_name = {}  # HF name -> (GGUF tensor, heads whose rows llama.cpp permuted, or None)
         for tensor in reader.tensors:
             name = tensor.name
             if name in _IGNORED:
                 continue
-            if name.startswith("blk.") and name.split(".", 2)[2] in _LAYER_NAMES:
+            if name.startswith("blk.") and name.split(".", 2)[2] in layout.layer_names:
                 _, layer, rest = name.split(".", 2)
-                self.by_name[f"model.layers.{layer}.{_LAYER_NAMES[rest]}"] = (tensor, rope_heads.get(rest))
+                self.by_name[f"model.layers.{layer}.{layout.layer_names[rest]}"] = (tensor, rope_heads.get(rest))
             elif name in _GLOBAL_NAMES:
                 self.by_name[_GLOBAL_NAMES[name]] = (tensor, None)
             else:
-                raise CheckpointError(f"{source}: tensor {name!r} has no place in a llama model (unsupported GGUF variant)")
+                raise CheckpointError(f"{source}: tensor {name!r} has no place in a {layout.model_type} model "
+                                      "(unsupported GGUF variant)")
 
     def __len__(self) -> int:
         return len(self.by_name)
@@ -215,7 +341,9 @@ class _DequantizedOnRead(Mapping):
             raise CheckpointError(f"{self.source}: tensor {name!r} is damaged ({e}); the file is truncated or corrupt") from e
         shape = tuple(int(x) for x in reversed(tensor.shape.tolist()))  # GGUF lists dims fastest-first
         array = np.asarray(array, dtype=np.float32)
-        if not array.flags.writeable:  # F32 tensors come back as views of the read-only file map
+        if self.layout.norm_shift and name.endswith("norm.weight"):
+            array = array - np.float32(self.layout.norm_shift)  # a new array: the file map stays untouched
+        elif not array.flags.writeable:  # F32 tensors come back as views of the read-only file map
             array = array.copy()
         t = torch.from_numpy(array).reshape(shape).to(self.dtype)
         return t if rope_heads is None else unpermute_rope_rows(t, rope_heads)
@@ -233,15 +361,15 @@ def load(path: Path, raw=None, *, dtype, device, tokenizer) -> HookedTransformer
 
 
 def load_gguf(path, *, dtype: torch.dtype = torch.float32, device=None, tokenizer=None) -> HookedTransformer:
-    """A llama-architecture GGUF file as a HookedTransformer (weights dequantized to `dtype`),
-    with the tokenizer rebuilt from the file unless `tokenizer` is given."""
+    """A GGUF file (llama, mistral, qwen2, gemma3) as a HookedTransformer (weights dequantized to
+    `dtype`), with the tokenizer rebuilt from the file unless `tokenizer` is given."""
     path = Path(path)
     source = str(path)
     reader = _reader(path)
     config = hf_config(reader, source)
     family = get_family(config["model_type"])
     cfg = family.config(config)
-    tensors = _DequantizedOnRead(reader, config, source, dtype)
+    tensors = _DequantizedOnRead(reader, config, _LAYOUTS[_field(reader, "general.architecture")], source, dtype)
     sd = convert_weights(family, cfg, tensors, source)
     del tensors
     model = build_model(cfg, sd, source, dtype, device, fresh=True)
@@ -259,33 +387,28 @@ _BYTE_LEVEL_PRE = ("gpt2", "default", "smollm", "starcoder", "refact", "smaug-bp
 
 def gguf_tokenizer(reader, source: str = "GGUF file"):
     """A `transformers.PreTrainedTokenizerFast` over a `tokenizers` BPE built from the file's
-    `tokenizer.ggml.*` fields (byte-level BPE, 'gpt2' model), or None when the file has none."""
+    `tokenizer.ggml.*` fields, or None when the file has none: byte-level BPE ("gpt2"), or Gemma's
+    SentencePiece BPE ("llama" in a gemma3 file)."""
     model_kind = _field(reader, "tokenizer.ggml.model")
     if model_kind is None:
         return None
-    if model_kind != "gpt2":
+    arch = _field(reader, "general.architecture")
+    builders = {"gpt2": _byte_level_bpe}
+    if arch == "gemma3":
+        builders["llama"] = _gemma_bpe
+    if model_kind not in builders:
         raise NotImplementedError(
-            f"{source}: GGUF tokenizer model {model_kind!r} is not supported (only byte-level BPE, 'gpt2'); "
-            "pass tokenizer=... to interp.load"
+            f"{source}: GGUF tokenizer model {model_kind!r} is not supported for {arch!r} (byte-level BPE 'gpt2', "
+            "and Gemma's 'llama' SentencePiece BPE, are); pass tokenizer=... to interp.load"
         )
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
 
     tokens = list(_field(reader, "tokenizer.ggml.tokens"))
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
     types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    bpe = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    pre = _field(reader, "tokenizer.ggml.pre", "default")
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=bool(_field(reader, "tokenizer.ggml.add_space_prefix", False)),
-                                          use_regex=True)
-    if pre in _BYTE_LEVEL_PRE:
-        bpe.pre_tokenizer = byte_level
-    else:
-        raise NotImplementedError(f"{source}: GGUF pre-tokenizer {pre!r} is not supported; pass tokenizer=... to interp.load")
-    bpe.decoder = decoders.ByteLevel()
-    special = [AddedToken(tok, special=True, normalized=False) for tok, kind in zip(tokens, types) if kind == 3]
-    bpe.add_special_tokens(special)
+    bpe = builders[model_kind](reader, tokens, types, source)
+    # Control tokens (type 3: <bos>, <|endoftext|>) stay whole and are special.
+    bpe.add_special_tokens([AddedToken(tok, special=True, normalized=False) for tok, kind in zip(tokens, types) if kind == 3])
 
     def tok_at(key: str):
         i = _field(reader, key)
@@ -300,3 +423,49 @@ def gguf_tokenizer(reader, source: str = "GGUF file"):
     if template:
         fast.chat_template = template
     return fast
+
+
+def _byte_level_bpe(reader, tokens: list[str], types: list[int], source: str):
+    """GPT-2's byte-level BPE: the file's vocabulary and merges, split by the pre-tokenizer it names."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    pre = _field(reader, "tokenizer.ggml.pre", "default")
+    if pre not in _BYTE_LEVEL_PRE:
+        raise NotImplementedError(f"{source}: GGUF pre-tokenizer {pre!r} is not supported; pass tokenizer=... to interp.load")
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(
+        add_prefix_space=bool(_field(reader, "tokenizer.ggml.add_space_prefix", False)), use_regex=True)
+    bpe.decoder = decoders.ByteLevel()
+    return bpe
+
+
+def _gemma_bpe(reader, tokens: list[str], types: list[int], source: str):
+    """Gemma's SentencePiece BPE as `tokenizers` runs it (Hugging Face's GemmaTokenizer): spaces become
+    "\u2581", no prefix space, unknown characters fall back to their UTF-8 bytes (<0x41>).
+
+    A Gemma file lists no merges; they are rebuilt from the vocabulary: every split of a token into two
+    tokens, ranked by the token's place in the file (Gemma's scores do not follow its merge order, the
+    order does), longer left part first, as transformers' GGUF loading rebuilds them. A token of two or
+    more blanks is stored with real spaces but looked up as "\u2581"s, so it is renamed first."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    blank = "\u2581"
+    spelled = [blank * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {tok: i for i, tok in enumerate(spelled)}
+    merges = []
+    for tok in sorted(vocab, key=vocab.__getitem__):
+        merges += [(tok[:i], tok[i:]) for i in range(len(tok) - 1, 0, -1) if tok[:i] in vocab and tok[i:] in vocab]
+    unk = _field(reader, "tokenizer.ggml.unknown_token_id")
+    if unk is None or not 0 <= unk < len(tokens):
+        raise CheckpointError(f"{source}: a Gemma tokenizer needs tokenizer.ggml.unknown_token_id; the file has none")
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token=tokens[unk], byte_fallback=True))
+    bpe.normalizer = normalizers.Replace(" ", blank)
+    bpe.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    bpe.decoder = decoders.Sequence([decoders.Replace(blank, " "), decoders.ByteFallback(), decoders.Fuse()])
+    # User-defined tokens (type 4: <start_of_image>, [multimodal], ...) stay whole but are text, as
+    # llama.cpp and transformers treat them.
+    bpe.add_tokens([AddedToken(tok, special=False, normalized=False) for tok, kind in zip(tokens, types)
+                    if kind == 4 and tok in vocab])
+    return bpe

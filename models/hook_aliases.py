@@ -12,6 +12,14 @@ generalized_components/block.py, attention.py, mlp.py and gated_mlp.py of transf
 and every name lookup (`run_with_hooks`, `hooks()`, `add_hook`, `run_with_cache` names and
 filters, `hook_dict[...]`, `ActivationCache[...]`) goes through `canonical`.
 
+Sandwich blocks (Gemma 2 / 3: `ln1_post` and `ln2_post` normalise the attention and MLP outputs): the
+bridge points `hook_attn_out` / `hook_mlp_out` at the post-norms' outputs (`ln1_post.hook_out`,
+`ln2_post.hook_out`), which is where ours fire too, and its `attn.hook_out` / `mlp.hook_out` there are
+the outputs *before* the post-norms: a hook point we do not have (no hook of ours fires on the
+attention or MLP output before ln1_post / ln2_post), so those two names are not aliases on such blocks.
+A block counts as sandwich when the names include a hook of its `ln1_post` (or `ln2_post`), as a
+model's hook points always do.
+
 Left out, on purpose: the bridge's hook points that are not aliases there but hooks of their own,
 with their own effect when patched (`blocks.L.ln1.hook_in`, `blocks.L.attn.hook_in`,
 `blocks.L.mlp.hook_in`, `blocks.L.ln1.hook_out`, `blocks.L.attn.o.hook_out`, `ln_final.hook_in`,
@@ -43,6 +51,10 @@ BLOCK_ALIASES = {
     "attn.hook_z": ("attn.o.hook_in",),
     "mlp.hook_post": ("mlp.out.hook_in",),
 }
+# Sandwich blocks: hook_attn_out / hook_mlp_out are the post-norms' outputs, on the bridge as on ours; the
+# bridge's attn.hook_out / mlp.hook_out are the outputs before them, which we have no hook point for.
+SANDWICH_ATTN_ALIASES = {"hook_attn_out": ("ln1_post.hook_out",)}
+SANDWICH_MLP_ALIASES = {"hook_mlp_out": ("ln2_post.hook_out",)}
 # `mlp.in` is W_in: the pre-activation of a plain MLP, the linear branch of a gated one (SwiGLU),
 # whose activation reads `mlp.gate` instead.
 PLAIN_MLP_ALIASES = {"mlp.hook_pre": ("mlp.in.hook_out",)}
@@ -53,6 +65,8 @@ def hook_aliases(names: Iterable[str]) -> dict[str, str]:
     """{alias: our name} for the hook points `names` (a model's hook points, or a cache's keys):
     only aliases of hook points that exist, so an alias never names something absent."""
     names = set(names)
+    post_norms = {n.rsplit(".", 1)[0] for n in names if n.endswith((".ln1_post.hook_scale", ".ln1_post.hook_normalized",
+                                                                    ".ln2_post.hook_scale", ".ln2_post.hook_normalized"))}
     out: dict[str, str] = {}
     for own in names:
         parts = own.split(".")
@@ -60,6 +74,10 @@ def hook_aliases(names: Iterable[str]) -> dict[str, str]:
             prefix, rel = f"blocks.{parts[1]}.", ".".join(parts[2:])
             mlp = GATED_MLP_ALIASES if f"{prefix}mlp.hook_pre_linear" in names else PLAIN_MLP_ALIASES
             table = {**BLOCK_ALIASES, **mlp}
+            if prefix + "ln1_post" in post_norms:
+                table.update(SANDWICH_ATTN_ALIASES)
+            if prefix + "ln2_post" in post_norms:
+                table.update(SANDWICH_MLP_ALIASES)
         else:
             prefix, rel, table = "", own, MODEL_ALIASES
         for alias in table.get(rel, ()):

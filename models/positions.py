@@ -97,26 +97,46 @@ def _llama3(base: float, dim: int, s: RopeScaling) -> Tensor:
 
 
 class Rotary(nn.Module):
-    """Computes cos/sin once per forward (shared by all layers) and rotates q and k."""
+    """Computes cos/sin once per forward for each RoPE table the model uses and rotates q and k.
+
+    One table (`rotary_base`, with `rope_scaling`), or two when sliding-window layers rotate with their
+    own base (`rotary_base_local`, unscaled: Gemma 3's 1e4 local against 1e6 global layers). Row t of
+    the buffer `inv_freq` [table, rotary_dim / 2] is table t; `table_of_layer[l]` names layer l's."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        inv, self.attention_factor = rope_frequencies(cfg)
-        self.register_buffer("inv_freq", inv, persistent=False)
+        inv, factor = rope_frequencies(cfg)
+        rows, self.attention_factors = [inv], [factor]
+        if cfg.rotary_base_local is not None:
+            rows.append(_inv_freq(cfg.rotary_base_local, cfg.rot_dim))
+            self.attention_factors.append(1.0)
+        # One buffer for every table, so a loader that rebuilds `inv_freq` from a fresh `Rotary(cfg)`
+        # (a model built on the meta device) rebuilds them all.
+        self.register_buffer("inv_freq", torch.stack(rows), persistent=False)
+        self.table_of_layer = tuple(int(cfg.local_rope(l)) for l in range(cfg.n_layers))
         self.dynamic = cfg.rope_scaling is not None and cfg.rope_scaling.kind == "dynamic"
 
-    def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """positions: [batch, pos] -> cos, sin: [batch, pos, 1, rotary_dim] in `dtype`.
+    def cos_sin(self, positions: Tensor, dtype: torch.dtype, layer: int | None = None) -> tuple[Tensor, Tensor]:
+        """positions: [batch, pos] -> cos, sin: [batch, pos, 1, rotary_dim] in `dtype`, for `layer`'s
+        table (None: the full layers' table, the only one of most models).
 
         For "dynamic" scaling the frequencies follow the longest position in the call (stateless;
         Hugging Face keeps the largest length seen so far instead)."""
-        inv = self.inv_freq
-        if self.dynamic:
+        table = 0 if layer is None else self.table_of_layer[layer]
+        inv = self.inv_freq[table]
+        if self.dynamic and table == 0:
             inv = rope_frequencies(self.cfg, int(positions.max()) + 1)[0].to(inv.device)
         freqs = positions[..., None].float() * inv.float()
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
-        return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
+        factor = self.attention_factors[table]
+        return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
+
+    def per_layer(self, positions: Tensor, dtype: torch.dtype) -> list[tuple[Tensor, Tensor]]:
+        """cos, sin of every layer (see `cos_sin`), each table computed once and shared by its layers."""
+        first = {t: self.table_of_layer.index(t) for t in set(self.table_of_layer)}  # a layer of each table
+        tables = {t: self.cos_sin(positions, dtype, layer=l) for t, l in first.items()}
+        return [tables[t] for t in self.table_of_layer]
 
     @staticmethod
     def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -20,6 +20,7 @@ from .cache import ActivationCache, to_tl_cache
 from .kv_cache import KVCache
 from .kv_cache_policy import PolicyKVCache
 from .kv_cache_quant import QuantizedKVCache
+from .kv_policy import Streaming
 from .hooks import HookedRootModule, HookPoint, NamesFilter, caching_hook
 from interp.kernels.attention import BACKEND_CHOICES, AttentionMask
 
@@ -67,8 +68,13 @@ class TransformerBlock(nn.Module):
         self.hook_resid_pre = HookPoint()  # declared first: hook_dict follows the order of computation
         self.ln1 = make_norm(cfg)
         self.attn = Attention(cfg, layer)
+        # Sandwich norms (Gemma 2 / 3): ln1_post and ln2_post normalise the attention and MLP outputs before
+        # they join the residual stream; hook_attn_out and hook_mlp_out read them after these norms, as
+        # TransformerLens's (its names ln1_post / ln2_post).
+        self.ln1_post = make_norm(cfg) if cfg.sandwich_norms else None
         self.mlp = make_mlp(cfg)
         self.ln2 = make_norm(cfg) if self.mlp is not None else None
+        self.ln2_post = make_norm(cfg) if cfg.sandwich_norms and self.mlp is not None else None
         self.parallel = cfg.parallel_attn_mlp and self.mlp is not None
         self.hook_attn_out = HookPoint()
         if self.mlp is not None:
@@ -118,20 +124,27 @@ class TransformerBlock(nn.Module):
         return x, x[:, :, :kv], x[:, :, :kv]
 
     def after_attention(self, resid: Tensor, attn_out: Tensor) -> Tensor:
-        """The rest of the block, given resid_pre and the attention output: -> resid_post.
+        """The rest of the block, given resid_pre and the attention layer's output: -> resid_post.
 
-        Lets an analysis that changes only the attention output resume mid-block (the head-ablation
-        sweep adds one head's change of output to a cached attn_out instead of re-running attention)."""
+        `attn_out` is what `self.attn` returns (the sum over heads of z W_O, plus b_O): `hook_attn_out`
+        in a block without sandwich norms, the input of `ln1_post` in one with them. Lets an analysis
+        that changes only the attention output resume mid-block (the head-ablation sweep adds one head's
+        change of output to the attention output instead of re-running attention)."""
+        if self.ln1_post is not None:
+            attn_out = self.ln1_post(attn_out)
         attn_out = self.hook_attn_out(attn_out)
         if self.mlp is None:
             return self.hook_resid_post(resid + attn_out)
         if self.parallel:
             mlp_in = self.hook_mlp_in(resid.clone()) if self.mlp_in else resid
-            mlp_out = self.hook_mlp_out(self.mlp(self.ln2(mlp_in)))
-            return self.hook_resid_post(resid + attn_out + mlp_out)
+            return self.hook_resid_post(resid + attn_out + self._mlp_out(mlp_in))
         mid = self.hook_resid_mid(resid + attn_out)
         mlp_in = self.hook_mlp_in(mid.clone()) if self.mlp_in else mid
-        return self.hook_resid_post(mid + self.hook_mlp_out(self.mlp(self.ln2(mlp_in))))
+        return self.hook_resid_post(mid + self._mlp_out(mlp_in))
+
+    def _mlp_out(self, mlp_in: Tensor) -> Tensor:
+        out = self.mlp(self.ln2(mlp_in))
+        return self.hook_mlp_out(out if self.ln2_post is None else self.ln2_post(out))
 
 
 class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
@@ -430,9 +443,10 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
                 resid = resid + self.hook_pos_embed(self.pos_embed(positions))
         else:
             resid = input
-        rope = self.rotary.cos_sin(positions, resid.dtype) if self.rotary is not None else None
+        # cos/sin per layer: one table for most models, a second for Gemma 3's local layers
+        ropes = self.rotary.per_layer(positions, resid.dtype) if self.rotary is not None else None
         for block in self.blocks[start_at_layer:stop_at_layer]:
-            resid = block(resid, mask, rope, kv_cache)
+            resid = block(resid, mask, ropes[block.layer] if ropes is not None else None, kv_cache)
         if kv_cache is not None:
             kv_cache.commit(tokens, valid)
         if stop_at_layer is not None:
@@ -515,9 +529,13 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
         `QuantizedKVCache` (`interp.models.kv_cache_quant`); `default` (fp32) for the heads a map leaves out.
         policy: what each KV head keeps ("full", "kivi4", "streaming(4,128)", "h2o(256)", "snapkv(256)",
         a precision, or a {layer: ..., (layer, kv_head): ...} map with `default`, "full", for the rest):
-        a `PolicyKVCache` (`interp.models.kv_cache_policy`; names in `interp.models.kv_policy`)."""
+        a `PolicyKVCache` (`interp.models.kv_cache_policy`; names in `interp.models.kv_policy`).
+        policy="window": each layer holds what it can see: a layer with a sliding window (Gemma's local
+        layers, Mistral) a rolling buffer of its last `window` positions, the others every token."""
         cfg = self.cfg
         args = (cfg.n_layers, batch_size, max_len or cfg.n_ctx, cfg.kv_heads, cfg.head_dim)
+        if isinstance(policy, str) and policy == "window":
+            policy = self.window_policy(args[2])
         kwargs = dict(n_heads=cfg.n_heads, capture_queries=capture_queries, dtype=self.dtype, device=self.device,
                       n_sink=n_sink)
         if precision is not None and policy is not None:
@@ -531,6 +549,12 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
         if precision is None:
             return KVCache(*args, **kwargs)
         return QuantizedKVCache(*args, precision=precision, default=default or "fp32", **kwargs)
+
+    def window_policy(self, max_len: int) -> dict:
+        """{layer: streaming(0, window)} for every layer whose own window is shorter than `max_len`: the
+        cache policy that holds exactly what each layer can see (`new_kv_cache(policy="window")`)."""
+        return {l: Streaming(0, w) for l in range(self.cfg.n_layers)
+                if (w := self.cfg.window(l)) is not None and w < max_len}
 
     def attention_stats(
         self, tokens=None, *, kv_cache: KVCache | None = None, attention_mask: Tensor | None = None,

@@ -146,7 +146,13 @@ class WeightViews:
         `tl_parameters()` (what `SVDInterpreter` and other TransformerLens tools read):
         `blocks.L.attn.W_Q` [head, d_model, d_head], W_K / W_V expanded to one per query head under
         GQA, absent biases as zeros, `blocks.L.ln1.w`, `unembed.W_U`, ... Views of the live
-        weights, not copies."""
+        weights, not copies.
+
+        Gemma 3's extra norms come under the names TransformerLens 4's components have
+        (`blocks.L.ln1_post.w`, `blocks.L.ln2_post.w`, `blocks.L.attn.q_norm.w`, `blocks.L.attn.k_norm.w`),
+        which its bridge's own `tl_parameters()` leaves out. Every norm weight here is the whole multiplier
+        (1 + Hugging Face's stored w for Gemma): our cfg has no `rmsnorm_uses_offset`, so TransformerLens's
+        tools use it as it is, where the bridge reports w and sets `cfg.rmsnorm_uses_offset`."""
         out: dict[str, Tensor] = {"embed.W_E": self.W_E}
         if self.pos_embed is not None:
             out["pos_embed.W_pos"] = self.W_pos
@@ -158,13 +164,17 @@ class WeightViews:
                 pre + "attn.W_O": a.W_O, pre + "attn.b_Q": a.b_Q, pre + "attn.b_K": expand(a.b_K),
                 pre + "attn.b_V": expand(a.b_V), pre + "attn.b_O": a.b_O,
             })
+            for norm in ("q_norm", "k_norm"):  # QK-norm (Gemma 3): one weight of d_head, shared by the heads
+                module = getattr(a, norm, None)
+                for k, v in (module.named_parameters() if module is not None else ()):
+                    out[f"{pre}attn.{norm}.{k}"] = v
             if block.mlp is not None:
                 m = block.mlp
                 out[pre + "mlp.W_in"], out[pre + "mlp.W_out"] = m.W_in, m.W_out
                 out[pre + "mlp.b_in"], out[pre + "mlp.b_out"] = m.b_in, m.b_out
                 if getattr(m, "W_gate", None) is not None:
                     out[pre + "mlp.W_gate"] = m.W_gate
-            for norm in ("ln1", "ln2"):
+            for norm in ("ln1", "ln1_post", "ln2", "ln2_post"):  # the *_post norms: sandwich blocks only
                 module = getattr(block, norm, None)
                 for k, v in (module.named_parameters() if module is not None else ()):
                     out[f"{pre}{norm}.{k}"] = v

@@ -37,6 +37,16 @@ OWN_CONFIGS: dict[str, ModelConfig] = {
     "learned-tied-rms": small(normalization="rmsnorm", tie_embeddings=True, attn_out_bias=False),
 }
 
+# Gemma 3's block: two local layers (window 4, RoPE base 100) then a global one (base 10000), QK-norm,
+# sandwich norms, GeGLU (tanh), scaled and tied embeddings, a query scale that is not 1/sqrt(d_head).
+# In OWN_CONFIGS as "gemma3-like", so every test that iterates them runs on it; tests/test_gemma3.py
+# holds its own checks.
+GEMMA3_LIKE = small(positional="rotary", normalization="rmsnorm", act_fn="gelu_new", gated_mlp=True, n_layers=3,
+                    n_kv_heads=1, sliding_window=4, layer_types=("sliding", "sliding", "full"), rotary_base_local=100.0,
+                    qk_norm=True, sandwich_norms=True, embed_scale=40**0.5, tie_embeddings=True, attn_scale=0.3,
+                    qkv_bias=False, attn_out_bias=False, mlp_bias=False)
+OWN_CONFIGS["gemma3-like"] = GEMMA3_LIKE
+
 
 def build(cfg: ModelConfig, seed: int = 0) -> HookedTransformer:
     model = HookedTransformer(cfg, seed=seed).eval()

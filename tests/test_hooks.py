@@ -12,7 +12,8 @@ from core_models import OWN_CONFIGS, own, tokens
 from interp import ActivationCache
 
 N = 7
-CONFIGS = ["learned-layernorm", "sinusoidal", "rotary-rms-swiglu-gqa", "rotary-partial-parallel", "no-positions-attn-only", "no-norm-mqa-window"]
+CONFIGS = ["learned-layernorm", "sinusoidal", "rotary-rms-swiglu-gqa", "rotary-partial-parallel", "no-positions-attn-only",
+           "no-norm-mqa-window", "gemma3-like"]
 INSTRUMENTED_ONLY = ("hook_attn_scores", "hook_pattern")
 
 
@@ -28,8 +29,15 @@ def expected_hook_names(cfg) -> set[str]:
         names |= {b + f"attn.hook_{x}" for x in ("q", "k", "v", "attn_scores", "pattern", "z", "result")}
         if cfg.positional == "rotary":
             names |= {b + "attn.hook_rot_q", b + "attn.hook_rot_k"}
+        if cfg.qk_norm:  # Gemma 3: RMSNorm of each head's q and k (TransformerLens's q_norm / k_norm, hook_q_normed)
+            names |= {b + "attn.hook_q_normed", b + "attn.hook_k_normed"}
+            names |= {b + f"attn.{n}.hook_{x}" for n in ("q_norm", "k_norm") for x in ("scale", "normalized")}
         if norms:
             names |= {b + "ln1.hook_scale", b + "ln1.hook_normalized"}
+        if cfg.sandwich_norms:  # Gemma 2 / 3: the norms after attention and after the MLP
+            names |= {b + "ln1_post.hook_scale", b + "ln1_post.hook_normalized"}
+            if not cfg.attn_only:
+                names |= {b + "ln2_post.hook_scale", b + "ln2_post.hook_normalized"}
         if not cfg.attn_only:
             names |= {b + "hook_mlp_out", b + "mlp.hook_pre", b + "mlp.hook_post"}
             if cfg.gated_mlp:

@@ -341,3 +341,22 @@ def test_policies_on_smollm2_equal_the_masked_model():
         got = model(toks[:, i : i + 1], kv_cache=cache)[:, 0]
         want = masked_logits(model, toks[:, : i + 1], [s[:, : i + 1, : i + 1] for s in sees])[:, -1]
         assert (got - want).abs().max() < 1e-3 * want.abs().max()
+
+
+def test_a_windowed_model_caches_only_what_each_layer_sees():
+    """policy="window": a layer with its own sliding window holds a rolling buffer of that window,
+    the others every token; logits and greedy generation equal the plain cache's, in less memory."""
+    model = build(small(positional="rotary", sliding_window=6, layer_types=("sliding", "full"), n_ctx=64))
+    toks = tokens(1, 20, seed=5)
+    plain, window = model.new_kv_cache(1, 30), model.new_kv_cache(1, 30, policy="window")
+    assert torch.allclose(model(toks, kv_cache=plain), model(toks, kv_cache=window), atol=1e-5)
+    for i in range(8):  # decoding well past the window
+        step = tokens(1, 1, seed=40 + i)
+        assert torch.allclose(model(step, kv_cache=plain), model(step, kv_cache=window), atol=1e-5)
+    held = window.held_mask(0)[0]
+    assert held.sum(-1).tolist() == [6] * model.cfg.kv_heads and bool(held[:, -6:].all())  # the last 6 slots
+    assert bool(window.held_mask(1).all())  # the full layer keeps everything
+    per_token = 2 * model.cfg.kv_heads * model.cfg.head_dim * 4
+    assert window.nbytes == 28 * per_token + 6 * (per_token + 4 * model.cfg.kv_heads)  # layer 1: 28 tokens; layer 0: 6 + slots
+    out = model.generate(toks, 12, stop_at_eos=False)  # generate uses the window cache by default here
+    assert torch.equal(out, model.generate(toks, 12, stop_at_eos=False, kv_precision="fp32"))

@@ -7,6 +7,6 @@ it cannot represent raises instead of loading a silently different model.
 from .registry import FAMILIES, Family, get_family, register
 
 # Importing the family modules registers them.
-from . import gpt2, llamalike, neox  # noqa: E402,F401
+from . import gemma3, gpt2, llamalike, neox  # noqa: E402,F401
 
 __all__ = ["FAMILIES", "Family", "get_family", "register"]
