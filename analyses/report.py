@@ -142,12 +142,38 @@ def _summary(settings, table, errors, timing, store, views: list[RunView]) -> Se
               .agg(tasks=("seconds", "size"), seconds=("seconds", "sum"), per_task=("seconds", "mean")).round(2))
     for line in _headlines(views, markdown=True):
         s.add(line)
+    for v in views:
+        line = _layer_kinds(v, settings.get("runs", {}).get(v.run, {}).get("layer_windows"))
+        if line:
+            s.add(line)
     missing = [a for a in ANALYSES if a not in settings.get("analyses", []) and ANALYSES[a].section]
     if missing:
         s.add("Not run here (add to --analyses): " + ", ".join(f"`{a}`" for a in missing) + ".")
     s.add(f"Versions: {', '.join(f'{k} {v}' for k, v in settings.get('versions', {}).items())}. "
           f"Report written {time.strftime('%Y-%m-%d %H:%M:%S')}.")
     return s
+
+
+def _layer_kinds(v: RunView, windows: list | None, top: int = 10) -> str | None:
+    """Where a model with local (sliding-window) and global layers keeps its heads: for each headline
+    metric, how many of its top heads sit in each kind of layer."""
+    if not windows:
+        return None
+    local = [l for l, w in enumerate(windows) if w is not None]
+    glob = [l for l, w in enumerate(windows) if w is None]
+    sizes = sorted({w for w in windows if w is not None})
+    parts = []
+    for m in [m.name for m in metrics(lambda m: m.headline)]:
+        best = v.last[(v.last["metric"] == m) & v.last["layer"].notna()].nlargest(top, "value")
+        if best.empty:
+            continue
+        n_local = int(best["layer"].isin(local).sum())
+        parts.append(f"{m} {n_local} local, {len(best) - n_local} global")
+    if not parts:
+        return None
+    return (f"{md_escape(v.run)}: local layers (window {'/'.join(map(str, sizes))}) "
+            f"{', '.join(map(str, local))}; global layers {', '.join(map(str, glob))}. Of the top {top} heads by "
+            f"each score: " + "; ".join(parts) + f" ({len(local)} of {len(windows)} layers are local).")
 
 
 def _headlines(views: list[RunView], markdown: bool = False) -> list[str]:

@@ -23,8 +23,10 @@ refused in one line; interp writes and, with `force`, removes only the files it 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import json
+import os
 import platform
 import time
 import traceback
@@ -210,7 +212,8 @@ def _check_settings(store: ResultStore, settings: SweepSettings, runs: Sequence[
     `force` discards what interp wrote in the folder (only that: `OutputFolder.discard`)."""
     record = {"analyses": list(settings.analyses), **settings.meaning(),
               "data_description": settings.data.describe(),
-              "runs": {r.name: {"source": r.source, "checkpoints": [c.name for c in r.checkpoints]} for r in runs},
+              "runs": {r.name: {"source": r.source, "checkpoints": [c.name for c in r.checkpoints],
+                                **_layer_windows(r)} for r in runs},
               "versions": versions()}
     if force:
         store.folder.discard()
@@ -351,6 +354,32 @@ def summary(result: SweepResult, runs: Sequence[Run]) -> str:
     return "\n".join(lines)
 
 
+def _config_at(path: str):
+    """A checkpoint's config, read once per sweep (a GGUF's metadata takes seconds to parse); a file
+    changed since is read again."""
+    try:
+        stamp = os.stat(path).st_mtime_ns
+    except OSError:
+        stamp = None
+    return _config_cached(path, stamp)
+
+
+@functools.lru_cache(maxsize=64)
+def _config_cached(path: str, stamp):
+    return read_config(path)
+
+
+def _layer_windows(run: Run) -> dict:
+    """{"layer_windows": [window or None per layer]} for a run whose layers differ in attention window
+    (Gemma's local and global layers), so the report can say where heads live; {} otherwise."""
+    try:
+        cfg = _config_at(str(run.checkpoints[-1].path))
+    except (CheckpointError, FileNotFoundError, ValueError, KeyError, ImportError):
+        return {}
+    windows = [cfg.window(l) for l in range(cfg.n_layers)]
+    return {"layer_windows": windows} if len(set(windows)) > 1 else {}
+
+
 def check_up_front(settings: SweepSettings, runs: Sequence[Run]) -> None:
     """Refuse, before anything is loaded or written, settings that would fail on every checkpoint:
     a device this machine does not have, sequences longer than a learned position table, token ids
@@ -363,7 +392,7 @@ def check_up_front(settings: SweepSettings, runs: Sequence[Run]) -> None:
         for ckpt in run.checkpoints:  # code in a checkpoint folder never runs: refused, not skipped
             refuse_code_in(ckpt.path)
         try:
-            cfg = read_config(run.checkpoints[-1].path)
+            cfg = _config_at(str(run.checkpoints[-1].path))
         except (CheckpointError, FileNotFoundError, ValueError, KeyError, ImportError):
             continue
         if cfg.positional in ("learned", "sinusoidal") and spec.seq_len > cfg.n_ctx:

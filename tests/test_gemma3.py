@@ -637,3 +637,42 @@ def test_gemma3_270m_logits_equal_transformers_past_the_window(gemma, gemma_hf):
     err = float((out - ref).abs().max())
     assert err / float(ref.abs().max()) < 1e-5, err  # float32 round-off (4e-5 of a logit scale of ~33)
     assert torch.equal(out.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.slow
+@needs_gemma
+def test_gemma3_270m_generates_as_transformers_past_the_window_from_a_window_cache(gemma, gemma_hf):
+    """Greedy generation past 512 tokens through the cache that keeps only each local layer's window
+    (generate's default here) equals transformers' generate token for token; the local layers hold
+    512 entries, the global ones every token."""
+    model, tok = gemma_hf
+    ids = torch.tensor([tok(_long_text()).input_ids])
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=6, do_sample=False)
+        ours = gemma.generate(ids, max_new_tokens=6, stop_at_eos=False)
+    assert ours[0].tolist() == ref[0].tolist()
+    cache = gemma.new_kv_cache(1, ids.shape[1], policy="window")
+    with torch.no_grad():
+        gemma(ids, kv_cache=cache)
+    held = [int(cache.held_mask(l)[0].sum()) for l in range(6)]
+    assert held == [512] * 5 + [ids.shape[1]]
+    full = gemma.new_kv_cache(1, ids.shape[1])
+    assert cache.nbytes < 0.9 * full.nbytes  # 15 of 18 layers hold 512 of ~640 tokens
+
+
+def test_the_atlas_says_which_kind_of_layer_holds_the_top_heads():
+    """A model with local and global layers: the report counts, per headline score, how many of the top
+    heads sit in local (sliding-window) layers, counted here by hand from the rows."""
+    import pandas as pd
+
+    from interp.analyses.registry import RunView, metrics
+    from interp.analyses.report import _layer_kinds
+
+    windows = [4, 4, None]  # two local layers, one global
+    metric = [m.name for m in metrics(lambda m: m.headline)][0]
+    rows = pd.DataFrame(dict(metric=metric, layer=[0, 0, 1, 2, 2, 2], head=[0, 1, 0, 0, 1, 2],
+                             value=[0.9, 0.1, 0.8, 0.7, 0.6, 0.5], step=0))
+    view = RunView(run="m", table=rows, last=rows, settings={}, prefix="", slug="m", where="the last checkpoint")
+    line = _layer_kinds(view, windows, top=4)  # top 4: L0H0, L1H0 (local), L2H0, L2H1 (global)
+    assert f"{metric} 2 local, 2 global" in line and "local layers (window 4) 0, 1; global layers 2" in line
+    assert _layer_kinds(view, None) is None

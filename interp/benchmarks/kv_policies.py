@@ -14,10 +14,10 @@ write past it), the others from a copy made before the timing (their held set ch
 A streaming head reads its sinks and window (260 keys) instead of the whole context, H2O and SnapKV
 their budget; but on this CPU a decode step at 2k-4k tokens is dominated by the weight matmuls (MLP,
 projections, unembedding: every parameter is read once per token), not by attention, so the ratio
-to the full cache is modest. Streaming and H2O also choose what to keep after every step (a top-k
-and a gather per layer; H2O first sums the attention each key received), which at 2k tokens costs
-about as much as the shorter attention saves; SnapKV chooses once, after the prompt, and then only
-appends. KIVI dequantizes its codes in torch at every step (no fused dequantizing attention kernel),
+to the full cache is modest. H2O also chooses what to keep after every step (it sums the attention
+each key received, then a top-k and a gather per layer), which at 2k tokens costs about as much as
+the shorter attention saves; streaming keeps its sinks and window by slicing, and SnapKV chooses
+once, after the prompt, and then only appends. KIVI dequantizes its codes in torch at every step (no fused dequantizing attention kernel),
 so it is slower than the fp32 cache here. Bytes: `cache.bytes_per_token()` with the context held
 (codes, scales, residuals, kept keys and values, their slots and H2O's scores), against
 `theory_bytes_per_token` from each policy's definition.
