@@ -205,3 +205,50 @@ def test_bad_selection_settings_are_one_line_before_the_model_loads(tmp_path, ca
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
     assert not out.exists()
+
+
+def test_the_atlas_retrieval_analysis_gives_the_retrieval_column(zoo):
+    """`--analyses ...,retrieval`: the registry adapter's rows are the retrieval scores of each head, here
+    on a model made (by hooks) to copy the key with L0H2 looking at the needle token it copies."""
+    from interp.analyses.registry import ANALYSES, Context
+    from interp.analyses.registry.retrieval import PARAMS
+
+    entry = ANALYSES["retrieval"]
+    assert [m.name for m in entry.metrics] == ["retrieval"] and entry.metrics[0].heatmap and entry.expensive
+    length = min(PARAMS["length"], zoo.cfg.n_ctx - PARAMS["max_new_tokens"])
+    prompts = interp.analyses.tasks.retrieval_prompts(zoo, [length], list(PARAMS["depths"]), PARAMS["per_depth"],
+                                                      PARAMS["seed"])
+    state = {"prompt": 0, "step": 0}
+    spans = [(p.key_span, p.tokens[0, p.key_span[0]:p.key_span[1]].tolist()) for p in prompts]
+
+    def force_attention(scores, hook):
+        if scores.shape[2] != 1:
+            return scores
+        (a, _), ids = spans[state["prompt"]]
+        s = scores.clone()
+        s[0, 2, 0] = float("-inf")
+        s[0, 2, 0, a + min(state["step"], len(ids) - 1)] = 0.0
+        return s
+
+    def force_answer(resid, hook):
+        if resid.shape[1] != 1:
+            state["step"] = 0
+            return resid
+        (_, _), ids = spans[state["prompt"]]
+        i = state["step"]
+        state["step"] += 1
+        if state["step"] == PARAMS["max_new_tokens"]:
+            state["prompt"] += 1
+        tok = ids[min(i, len(ids) - 1)] if i < len(ids) else 0  # the key, then a non-digit
+        return resid + 1e4 * zoo.W_U[:, tok] / zoo.W_U[:, tok].norm()
+
+    handles = [zoo.add_hook("blocks.0.attn.hook_attn_scores", force_attention),
+               zoo.add_hook(f"blocks.{zoo.cfg.n_layers - 1}.hook_resid_post", force_answer)]
+    try:
+        rows = entry.run(Context(model=zoo, tokens=tokens(1, 16, vocab=200), data=None))
+    finally:
+        for h in handles:
+            h.remove()
+    score = rows.set_index(["layer", "head"])["value"]
+    assert set(rows["metric"]) == {"retrieval"} and len(rows) == zoo.cfg.n_layers * zoo.cfg.n_heads
+    assert score[(0, 2)] == 1.0 and (score <= 1).all()

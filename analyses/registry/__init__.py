@@ -31,7 +31,7 @@ from .base import (
 )
 
 # registration order is the report's section order
-from . import detection, induction, sinks, viewer, streaming, composition, ablation, pruning, importance, loss  # noqa: E402,F401  isort: skip
+from . import detection, induction, sinks, viewer, streaming, composition, ablation, pruning, importance, loss, retrieval  # noqa: E402,F401  isort: skip
 from .pruning import parse_pruning_metric, pruning_metric  # noqa: E402
 
 

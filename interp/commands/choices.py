@@ -8,7 +8,7 @@ change one there and that test says what to update here.
 """
 
 ANALYSES = ("ablation", "composition", "duplicate_token", "importance", "induction", "loss", "previous_token",
-            "pruning", "sinks", "streaming", "viewer")  # interp.analyses.registry.ANALYSES, sorted
+            "pruning", "retrieval", "sinks", "streaming", "viewer")  # interp.analyses.registry.ANALYSES, sorted
 DEFAULT_ANALYSES = ("induction", "previous_token", "duplicate_token", "sinks", "viewer", "streaming", "composition",
                     "ablation", "pruning", "importance")  # interp.analyses.sweep.DEFAULT_ANALYSES
 ATLAS_ANALYSES = ("induction", "previous_token", "duplicate_token", "sinks", "viewer", "streaming", "composition",
