@@ -214,6 +214,25 @@ def cell_table(answers: pd.DataFrame, perplexity: Mapping[str, tuple[float, floa
 
 
 # ---- the study ----------------------------------------------------------------------------------
+def measure_runs(model, runs: Sequence[PolicyRun], prompts: Sequence[RetrievalPrompt], text_tokens: torch.Tensor, *,
+                 max_new_tokens: int = 8, chunk: int = 32, progress_bar: bool | None = None, log=print,
+                 timings: dict | None = None) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """Every run's passkey answers and perplexity: (answers, cells as kv_policies.parquet, one summary row
+    per run: policy, selection, budget, perplexity, bytes_per_token). Stage times go into `timings`."""
+    timings = {} if timings is None else timings
+    start = time.perf_counter()
+    log(f"kv: passkey over {len(prompts)} prompts x {len(runs)} caches ...")
+    answers = passkey_table(model, prompts, runs, max_new_tokens=max_new_tokens, progress_bar=progress_bar)
+    timings["passkey"] = time.perf_counter() - start
+    start = time.perf_counter()
+    log(f"kv: perplexity over {text_tokens.shape[1]} tokens ...")
+    ppl = policy_perplexity(model, text_tokens, runs, chunk=chunk, progress_bar=progress_bar)
+    timings["perplexity"] = time.perf_counter() - start
+    summary = pd.DataFrame([dict(policy=r.label, selection=r.selection, budget=r.budget, perplexity=ppl[r.label][0],
+                                 bytes_per_token=ppl[r.label][1]) for r in runs])
+    return answers, cell_table(answers, ppl), summary
+
+
 def run_policy_study(model, out, *, runs: Sequence[PolicyRun], prompts: Sequence[RetrievalPrompt],
                      text_tokens: torch.Tensor, name: str = "model", data_description: str = "",
                      max_new_tokens: int = 8, chunk: int = 32, progress_bar: bool | None = None,
@@ -224,17 +243,8 @@ def run_policy_study(model, out, *, runs: Sequence[PolicyRun], prompts: Sequence
     folder = OutputFolder(out)
     folder.check()  # before any heavy work
     timings = {}
-    start = time.perf_counter()
-    log(f"kv: passkey over {len(prompts)} prompts x {len(runs)} policies ...")
-    answers = passkey_table(model, prompts, runs, max_new_tokens=max_new_tokens, progress_bar=progress_bar)
-    timings["passkey"] = time.perf_counter() - start
-    start = time.perf_counter()
-    log(f"kv: perplexity over {text_tokens.shape[1]} tokens ...")
-    ppl = policy_perplexity(model, text_tokens, runs, chunk=chunk, progress_bar=progress_bar)
-    timings["perplexity"] = time.perf_counter() - start
-    cells = cell_table(answers, ppl)
-    summary = pd.DataFrame([dict(policy=r.label, selection=r.selection, budget=r.budget, perplexity=ppl[r.label][0],
-                                 bytes_per_token=ppl[r.label][1]) for r in runs])
+    answers, cells, summary = measure_runs(model, runs, prompts, text_tokens, max_new_tokens=max_new_tokens,
+                                           chunk=chunk, progress_bar=progress_bar, log=log, timings=timings)
     settings = dict(model=name, data=data_description, policies=[r.label for r in runs],
                     prompts=len(prompts), prompts_per_cell=max(1, len(prompts) // max(1, len(
                         {(p.length, p.depth) for p in prompts}))), lengths=sorted({p.length for p in prompts}),

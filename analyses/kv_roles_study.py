@@ -36,7 +36,7 @@ from .head_roles import (
     selection_runs,
     share_above,
 )
-from .kv_policies import PolicyRun, cell_table, passkey_table, policy_perplexity, policy_sections
+from .kv_policies import PolicyRun, measure_runs, policy_sections
 from .sinks import attention_sinks
 from .store import OutputFolder, atomic_write_text
 from .tasks import RetrievalPrompt, accuracy_label, retrieval_prompts
@@ -127,17 +127,8 @@ def run_roles_study(model, out, *, prompts: Sequence[RetrievalPrompt], text_toke
     if equal_bytes:
         runs += equal_bytes_runs(fractions, sorted({p.length for p in prompts}), sinks=sinks, window=window,
                                  method=equal_bytes)
-    start = time.perf_counter()
-    log(f"kv: passkey over {len(prompts)} prompts x {len(runs)} caches ...")
-    answers = passkey_table(model, prompts, runs, max_new_tokens=max_new_tokens, progress_bar=progress_bar)
-    timings["passkey"] = time.perf_counter() - start
-    start = time.perf_counter()
-    log(f"kv: perplexity over {text_tokens.shape[1]} tokens ...")
-    ppl = policy_perplexity(model, text_tokens, runs, progress_bar=progress_bar)
-    timings["perplexity"] = time.perf_counter() - start
-    cells = cell_table(answers, ppl)
-    summary = pd.DataFrame([dict(policy=r.label, selection=r.selection, budget=r.budget, perplexity=ppl[r.label][0],
-                                 bytes_per_token=ppl[r.label][1]) for r in runs])
+    answers, cells, summary = measure_runs(model, runs, prompts, text_tokens, max_new_tokens=max_new_tokens,
+                                           progress_bar=progress_bar, log=log, timings=timings)
     head_table = query.merge(roles.drop(columns=[c for c in roles.columns if c.endswith("_mean")] +
                                         [c for c in ("retrieval", "echo", "induction", "razor") if c in roles.columns]),
                              on=["layer", "kv_head"], how="left")
