@@ -56,9 +56,11 @@ def gated_gradients(
         nll = model(tokens, return_type="loss", loss_per_token=True, attention_mask=attention_mask)
         pairs = pair_mask(valid).to(nll.dtype)
         per_seq = nll.sum(1) / pairs.sum(1).clamp(min=1)
-        (grad_xi,) = torch.autograd.grad(per_seq.sum(), xi, retain_graph=True)
-        grad_z = torch.autograd.grad(nll.sum() / pairs.sum(), zs)
-    return grad_xi, [z.detach() for z in zs], list(grad_z)
+        # One backward serves both: sequences do not interact, so the gradient of the dataset mean at
+        # sequence b's z is that of its own mean scaled by its share of the pairs.
+        grad_xi, *grad_z = torch.autograd.grad(per_seq.sum(), [xi, *zs])
+        share = (pairs.sum(1).clamp(min=1) / pairs.sum()).to(grad_z[0].dtype)[:, None, None, None]
+    return grad_xi, [z.detach() for z in zs], [g * share for g in grad_z]
 
 
 def michel_importance(grad_xi: Tensor, normalize: bool = True) -> Tensor:

@@ -126,9 +126,10 @@ def _evaluate(model, tokens, values, pruned, attention_mask, metric_fn) -> tuple
         return z
 
     hooks = [(f"blocks.{l}.attn.hook_z", replace) for l in by_layer]
+    if metric_fn is None:  # the loss alone never holds the whole [batch, pos, vocab] logits
+        return float(model.run_with_hooks(tokens, fwd_hooks=hooks, return_type="loss", attention_mask=attention_mask)), None
     logits, loss = model.run_with_hooks(tokens, fwd_hooks=hooks, return_type="both", attention_mask=attention_mask)
-    metric = None if metric_fn is None else float(metric_fn(logits, tokens))
-    return float(loss), metric
+    return float(loss), float(metric_fn(logits, tokens))
 
 
 def pruning_study(

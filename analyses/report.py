@@ -143,9 +143,10 @@ def _summary(settings, table, errors, timing, store, views: list[RunView]) -> Se
     for line in _headlines(views, markdown=True):
         s.add(line)
     for v in views:
-        line = _layer_kinds(v, settings.get("runs", {}).get(v.run, {}).get("layer_windows"))
+        windows = settings.get("runs", {}).get(v.run, {}).get("layer_windows")
+        line = _layer_kinds(v, windows)
         if line:
-            s.add(line)
+            s.add(line, _layer_kind_table(v, windows))
     missing = [a for a in ANALYSES if a not in settings.get("analyses", []) and ANALYSES[a].section]
     if missing:
         s.add("Not run here (add to --analyses): " + ", ".join(f"`{a}`" for a in missing) + ".")
@@ -174,6 +175,29 @@ def _layer_kinds(v: RunView, windows: list | None, top: int = 10) -> str | None:
     return (f"{md_escape(v.run)}: local layers (window {'/'.join(map(str, sizes))}) "
             f"{', '.join(map(str, local))}; global layers {', '.join(map(str, glob))}. Of the top {top} heads by "
             f"each score: " + "; ".join(parts) + f" ({len(local)} of {len(windows)} layers are local).")
+
+
+def _layer_kind_table(v: RunView, windows: list, top: int = 10) -> pd.DataFrame | None:
+    """Per headline score (and attention to the sink token), per kind of layer: how many of the top
+    heads it holds, its best head and the mean score of its heads."""
+    kinds = {l: ("local" if w is not None else "global") for l, w in enumerate(windows)}
+    names = [m.name for m in metrics(lambda m: m.headline and m.per == "head")] + ["sink_alpha"]
+    rows = []
+    for m in names:
+        part = v.last[(v.last["metric"] == m) & v.last["layer"].notna() & v.last["head"].notna()]
+        if part.empty:
+            continue
+        part = part.assign(kind=[kinds.get(int(l), "?") for l in part["layer"]])
+        best = set(part.nlargest(top, "value").index)
+        for kind in ("local", "global"):
+            k = part[part["kind"] == kind]
+            if k.empty:
+                continue
+            b = k.loc[k["value"].idxmax()]
+            rows.append({"score": m, "layers": kind, "heads": len(k), f"in the top {top}": len(best & set(k.index)),
+                         "best head": f"L{int(b['layer'])}H{int(b['head'])} ({b['value']:.3f})",
+                         "mean": round(float(k["value"].mean()), 4)})
+    return pd.DataFrame(rows) if rows else None
 
 
 def _headlines(views: list[RunView], markdown: bool = False) -> list[str]:

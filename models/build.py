@@ -20,7 +20,8 @@ from .transformer import HookedTransformer
 def build_model(cfg: ModelConfig, sd: dict[str, Tensor], source: str, dtype, device, *,
                 fresh: bool = False) -> HookedTransformer:
     """A model holding the state dict `sd` (checked against the config's shapes). With `fresh` (the
-    tensors belong to no one else, e.g. just read from a file), the model adopts them without a copy."""
+    tensors belong to no one else, e.g. just read from a file), the model adopts them without a copy
+    and `sd` is emptied as it goes."""
     check_finite(sd, source)
     with torch.device("meta"):
         model = HookedTransformer(cfg, seed=None)
@@ -35,9 +36,13 @@ def build_model(cfg: ModelConfig, sd: dict[str, Tensor], source: str, dtype, dev
         if tuple(sd[k].shape) != tuple(shape):
             raise CheckpointError(f"tensor {k!r} in {source} has shape {tuple(sd[k].shape)}, the config implies {tuple(shape)}")
     if fresh:
-        target = torch.device(device or "cpu")
-        owned = {k: (v.to(device=target, dtype=dtype) if v.is_floating_point() else v.to(target)).contiguous()
-                 for k, v in sd.items()}
+        # Taken out of `sd` one at a time, so a tensor that needs a copy (a transposed view, another
+        # dtype) frees its source as it goes: loading peaks near one copy of the weights, not two.
+        target, owned = torch.device(device or "cpu"), {}
+        for k in list(sd):
+            v = sd.pop(k)
+            owned[k] = (v.to(device=target, dtype=dtype) if v.is_floating_point() else v.to(target)).contiguous()
+            del v
         model.load_state_dict(owned, strict=True, assign=True)
     else:
         model = model.to_empty(device=device or "cpu")
@@ -55,7 +60,9 @@ def check_finite(sd: dict[str, Tensor], source: str) -> None:
     step, a damaged file): refused on load, naming the tensors, so no analysis ever reports them."""
     bad = []
     for name, t in sd.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        # In slabs: isfinite over a whole tensor makes several tensor-sized temporaries (+1 GiB at
+        # Gemma's embedding, the load's peak).
+        if t.is_floating_point() and not all(bool(torch.isfinite(s).all()) for s in t.reshape(-1).split(1 << 22)):
             bad.append(f"{name} ({int((~torch.isfinite(t)).sum())} of {t.numel()})")
     if bad:
         raise CheckpointError(f"{source} holds non-finite weights (NaN or inf) in {', '.join(bad[:4])}"

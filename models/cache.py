@@ -149,7 +149,9 @@ class ActivationCache:
                            pos_slice=None, apply_ln: bool = False):
         """[layers * heads (+1), batch, pos, d_model]: each head's write to the residual stream (z_h W_O[h],
         without b_O) for the blocks before `layer`, labelled "L{l}H{h}"; `incl_remainder` adds
-        resid_post - their sum."""
+        resid_post - their sum. With sandwich norms (Gemma 2/3) these are, as in TransformerLens, the
+        inputs of ln1_post, not residual writes: the norm in between is not linear, so the heads do
+        not add up to the residual stream and the remainder holds the difference."""
         n = self._n(layer)
         parts, labels = [], []
         for l in range(n):

@@ -627,13 +627,19 @@ def test_gemma3_270m_tokens_equal_transformers(gemma, gemma_hf):
 
 @pytest.mark.slow
 @needs_gemma
-def test_gemma3_270m_logits_equal_transformers_past_the_window(gemma, gemma_hf):
+@pytest.mark.parametrize("backend", ["fused", "instrumented"])
+def test_gemma3_270m_logits_equal_transformers_past_the_window(gemma, gemma_hf, backend):
+    """~1,500 tokens: every local layer's 512-token window slides across most of the sequence."""
+    import pydoc_data.topics
+
     model, tok = gemma_hf
-    ids = torch.tensor([tok(_long_text()).input_ids])
-    assert 600 < ids.shape[1] < 700
+    text = pydoc_data.topics.topics["assignment"] + pydoc_data.topics.topics["class"]
+    ids = torch.tensor([tok(text).input_ids[:1500]])
+    assert ids.shape[1] == 1500
     with torch.no_grad():
         ref = model(ids).logits
-        out = gemma(ids)
+        with gemma.attention(backend):
+            out = gemma(ids)
     err = float((out - ref).abs().max())
     assert err / float(ref.abs().max()) < 1e-5, err  # float32 round-off (4e-5 of a logit scale of ~33)
     assert torch.equal(out.argmax(-1), ref.argmax(-1))
@@ -666,7 +672,7 @@ def test_the_atlas_says_which_kind_of_layer_holds_the_top_heads():
     import pandas as pd
 
     from interp.analyses.registry import RunView, metrics
-    from interp.analyses.report import _layer_kinds
+    from interp.analyses.report import _layer_kind_table, _layer_kinds
 
     windows = [4, 4, None]  # two local layers, one global
     metric = [m.name for m in metrics(lambda m: m.headline)][0]
@@ -676,3 +682,8 @@ def test_the_atlas_says_which_kind_of_layer_holds_the_top_heads():
     line = _layer_kinds(view, windows, top=4)  # top 4: L0H0, L1H0 (local), L2H0, L2H1 (global)
     assert f"{metric} 2 local, 2 global" in line and "local layers (window 4) 0, 1; global layers 2" in line
     assert _layer_kinds(view, None) is None
+    table = _layer_kind_table(view, windows, top=4).set_index("layers")
+    assert table.loc["local", "heads"] == 3 and table.loc["global", "heads"] == 3
+    assert table.loc["local", "in the top 4"] == 2 and table.loc["global", "in the top 4"] == 2
+    assert table.loc["local", "best head"] == "L0H0 (0.900)" and table.loc["global", "best head"] == "L2H0 (0.700)"
+    assert table.loc["local", "mean"] == 0.6 and table.loc["global", "mean"] == 0.6  # (0.9+0.1+0.8)/3, (0.7+0.6+0.5)/3

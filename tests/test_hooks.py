@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from core_models import OWN_CONFIGS, own, tokens
+from core_models import OWN_CONFIGS, left_mask, own, tokens
 from interp import ActivationCache
 
 N = 7
@@ -413,3 +413,31 @@ def test_return_types_and_loss_against_torch_cross_entropy():
     with torch.no_grad():
         plain = model(toks, return_type="loss")
     torch.testing.assert_close(plain, torch.nn.functional.cross_entropy(model(toks)[:, :-1].transpose(1, 2), toks[:, 1:]))
+
+
+@pytest.mark.parametrize("name", ["learned-tied-rms", "alibi-window-untied-bias"])
+def test_the_loss_made_a_slab_of_logits_at_a_time_equals_the_loss_of_the_logits(name, monkeypatch):
+    """return_type="loss" never builds [batch, pos, vocab] (Gemma's 262k vocabulary): slabs of 5 rows
+    here, checkpointed under autograd. Its loss, per-token loss (with padding) and gradients equal
+    lm_loss on the whole logits."""
+    import interp.models.transformer as transformer_module
+    from interp.models.transformer import lm_loss
+
+    model = own(name)
+    monkeypatch.setattr(transformer_module, "_NLL_SLAB", 5 * model.cfg.d_vocab)
+    monkeypatch.setattr(transformer_module, "_NLL_GRAD_WHOLE", 5 * model.cfg.d_vocab)  # checkpointed slabs
+    toks, mask = tokens(3, 9), left_mask(3, 9)
+    with torch.no_grad():
+        logits = model(toks, attention_mask=mask)
+        assert torch.equal(model(toks, return_type="loss"), lm_loss(model(toks), toks))
+        per = model(toks, return_type="loss", loss_per_token=True, attention_mask=mask)
+        torch.testing.assert_close(per, lm_loss(logits, toks, mask.bool(), per_token=True), rtol=0, atol=1e-6)
+        assert (per[0] > 0).all() and (per[2, :4] == 0).all()  # row 2's first 5 tokens are padding
+    grads = []
+    for loss_of in (lambda: model(toks, return_type="loss"), lambda: lm_loss(model(toks), toks)):
+        model.zero_grad(set_to_none=True)
+        loss_of().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    model.zero_grad(set_to_none=True)
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], msg=n)

@@ -1,9 +1,10 @@
-"""A real pretrained model: SmolLM2-135M-Instruct from its GGUF file, ours vs transformers.
+"""Real pretrained models from their GGUF files, ours vs transformers: SmolLM2-135M-Instruct
+(`real_model`) and Gemma 3 270M (`gemma3`: 262k vocabulary, local and global layers).
 
-    python -m interp.benchmarks.real_model                   # load + forward at 1x1024 and 4x256
-    interp bench --sections real_model
+    python -m interp.benchmarks.real_model                   # SmolLM2: load + forward at 1x1024 and 4x256
+    interp bench --sections real_model,gemma3
 
-Loading: each loader runs in a fresh process (`interp.load("smollm2-135m")`; transformers'
+Loading: each loader runs in a fresh process (`interp.load(name)`; transformers'
 `from_pretrained(folder, gguf_file=...)` with dtype float32), which reports its wall time and the
 growth of its peak resident set over the process after imports (`ru_maxrss`, high-water mark
 reset first), beside the size of the fp32 weights. Forward: both models in this process, same
@@ -25,15 +26,15 @@ from .timing import compare_times, fmt_bytes, format_table
 _LOAD_SCRIPT = """
 import json, resource, sys, time
 import torch
-which = sys.argv[1]
+which, name = sys.argv[1], sys.argv[2]
 if which == "ours":
     import interp
     from interp.loading import real_model_file
-    f = real_model_file("smollm2-135m")
+    f = real_model_file(name)
 else:
     from transformers import AutoModelForCausalLM
     import interp.loading
-    f = interp.loading.real_model_file("smollm2-135m")
+    f = interp.loading.real_model_file(name)
 try:
     open("/proc/self/clear_refs", "w").write("5")  # reset the high-water mark (Linux)
 except OSError:
@@ -41,7 +42,7 @@ except OSError:
 base = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
 start = time.perf_counter()
 if which == "ours":
-    model = interp.load("smollm2-135m")
+    model = interp.load(name)
 else:
     model = AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name, dtype=torch.float32)
 seconds = time.perf_counter() - start
@@ -51,20 +52,20 @@ print(json.dumps({"seconds": seconds, "peak": peak, "weights": params * 4}))
 """
 
 
-def load_cell(which: str) -> dict:
-    proc = subprocess.run([sys.executable, "-c", _LOAD_SCRIPT, which], capture_output=True, text=True, timeout=900)
+def load_cell(which: str, name: str = "smollm2-135m") -> dict:
+    proc = subprocess.run([sys.executable, "-c", _LOAD_SCRIPT, which, name], capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"loading with {which} failed: {proc.stderr.strip().splitlines()[-1:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def forward_rows(opts: Options, shapes=((1, 1024), (4, 256))) -> tuple[list[list], list[str]]:
+def forward_rows(opts: Options, shapes=((1, 1024), (4, 256)), name: str = "smollm2-135m") -> tuple[list[list], list[str]]:
     import interp
     from interp.loading import real_model_file
     from transformers import AutoModelForCausalLM
 
-    f = real_model_file("smollm2-135m")
-    ours = interp.load("smollm2-135m")
+    f = real_model_file(name)
+    ours = interp.load(name)
     hf = AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name, dtype=torch.float32, attn_implementation="sdpa").eval()
     gen = torch.Generator().manual_seed(0)
     rows, notes = [], []
@@ -79,20 +80,21 @@ def forward_rows(opts: Options, shapes=((1, 1024), (4, 256))) -> tuple[list[list
     return rows, notes
 
 
-def section(opts: Options) -> Section:
+def _section(opts: Options, key: str, name: str, title: str, label: str) -> Section:
     from interp.loading import ModelNotFound, real_model_file
 
     try:
-        real_model_file("smollm2-135m")
+        real_model_file(name)
     except ModelNotFound as e:
-        return Section("real_model", "A real model: SmolLM2-135M from GGUF", skipped=str(e))
-    loads = {w: load_cell(w) for w in ("ours", "transformers")}
+        return Section(key, title, skipped=str(e))
+    loads = {w: load_cell(w, name) for w in ("ours", "transformers")}
     load_rows = [[w, r["seconds"], fmt_bytes(r["peak"]), fmt_bytes(r["weights"]), r["peak"] / r["weights"]]
                  for w, r in loads.items()]
     shapes = ((1, 64), (2, 32)) if opts.quick else ((1, 1024), (4, 256))
-    fwd, notes = forward_rows(opts, shapes)
+    fwd, notes = forward_rows(opts, shapes, name)
+    speedup = loads["transformers"]["seconds"] / loads["ours"]["seconds"]
     s = Section(
-        "real_model", "A real model: SmolLM2-135M-Instruct (Q4_1 GGUF), ours vs transformers",
+        key, title,
         intro=__doc__.split("\n\n", 2)[2].strip(),
         tables=[
             Table("Loading the GGUF file (fresh process each)", ["loader", "seconds", "peak RSS growth", "fp32 weights",
@@ -101,9 +103,23 @@ def section(opts: Options) -> Section:
         ],
         notes=notes,
     )
-    s.headline = [f"SmolLM2-135M: loads in {loads['ours']['seconds']:.1f} s (transformers {loads['transformers']['seconds']:.1f} s); "
-                  f"forward ours/HF = " + ", ".join(f"{r[3]:.2f} at {r[0]}" for r in fwd)]
+    s.headline = [f"{label}: loads in {loads['ours']['seconds']:.1f} s ({speedup:.1f}x faster than transformers' "
+                  f"{loads['transformers']['seconds']:.1f} s), peak {loads['ours']['peak'] / loads['ours']['weights']:.2f}x "
+                  "the fp32 weights; forward ours/HF = " + ", ".join(f"{r[3]:.2f} at {r[0]}" for r in fwd)]
     return s
+
+
+def section(opts: Options) -> Section:
+    return _section(opts, "real_model", "smollm2-135m", "A real model: SmolLM2-135M-Instruct (Q4_1 GGUF), ours vs transformers",
+                    "SmolLM2-135M")
+
+
+def gemma3_section(opts: Options) -> Section:
+    title = "Gemma 3 270M (Q4_K_M GGUF), ours vs transformers"
+    if opts.quick:  # the same code as real_model's, which --quick runs; transformers' load of this file takes minutes
+        return Section("gemma3", title, skipped="--quick leaves it out (transformers loads this file in minutes; "
+                                                "`real_model` runs the same code on SmolLM2)")
+    return _section(opts, "gemma3", "gemma3-270m", title, "Gemma 3 270M")
 
 
 def main(argv=None) -> int:
@@ -114,4 +130,4 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-__all__ = ["format_table", "load_cell", "section"]
+__all__ = ["format_table", "gemma3_section", "load_cell", "section"]

@@ -34,6 +34,7 @@ SECTIONS: dict[str, Callable[[Options], Section]] = {
     "generation": generation.section,
     "patching": patching.section,
     "real_model": real_model.section,
+    "gemma3": real_model.gemma3_section,
     "head_scan": head_scan.section,
     "kv_cache": kv_cache.section,
     "kv_policies": kv_policies.section,

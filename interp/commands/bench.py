@@ -13,6 +13,7 @@ EPILOG = """sections (in page order):
   generation    tokens/s, our KV cache vs HF generate (greedy), batch 1 and 8
   patching      TransformerLens's patching sweep on our model vs on its bridge
   real_model    SmolLM2-135M from GGUF: load time and peak memory, forward vs transformers
+  gemma3        Gemma 3 270M from GGUF: the same
   head_scan     head-type scores: the streaming kernel vs materialised patterns, by sequence length
   kv_cache      quantized KV caches (int8, fp8, int4): bytes per token vs theory, decode time vs fp32
   kv_policies   per-head cache policies (KIVI, streaming, H2O, SnapKV) at 2k / 4k: decode time vs full, bytes
