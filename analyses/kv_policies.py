@@ -36,7 +36,8 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from interp.models.kv_policy import Policy, PolicyMap, parse_policies, resolve_policies
+from interp.models.errors import BadValue
+from interp.models.kv_policy import WINDOW, Policy, PolicyMap, parse_policies, resolve_policies, split_policies
 
 from . import plots
 from ._common import progress
@@ -68,9 +69,13 @@ class PolicyRun:
         return self.lengths is None or prompt.length in self.lengths
 
     def grid(self, model, max_len: int) -> list[list[Policy]]:
-        cfg = model.cfg
+        return self.grid_for(model.cfg, max_len)
+
+    def grid_for(self, cfg, max_len: int) -> list[list[Policy]]:
+        """The policy of every (layer, KV head) for a model of config `cfg` (checked: the CLI calls it
+        before loading the model)."""
         return resolve_policies(self.policy, cfg.n_layers, cfg.kv_heads, default=self.default, max_len=max_len,
-                                d_head=cfg.head_dim)
+                                d_head=cfg.head_dim, windows=cfg.windows())
 
     def shares_prefill(self, model, max_len: int) -> bool:
         return all(p.shares_prefill for row in self.grid(model, max_len) for p in row)
@@ -83,9 +88,21 @@ class PolicyRun:
 
 
 def policy_runs(policies: str | Sequence[Policy]) -> list[PolicyRun]:
-    """One run per policy, every head alike: from "full,kivi4,streaming(4,128)" or Policy objects."""
-    parsed = parse_policies(policies) if isinstance(policies, str) else list(policies)
-    return [PolicyRun(p.name, p, budget=p.budget) for p in parsed]
+    """One run per policy, every head alike: from "full,kivi4,streaming(4,128)" or Policy objects.
+    "window" is the cache each layer's own window asks for (`WINDOW`: Gemma's local layers keep their
+    last 512 positions, the global ones every token)."""
+    if not isinstance(policies, str):
+        return [PolicyRun(p.name, p, budget=p.budget) for p in policies]
+    names = split_policies(policies)
+    windows = [n for n in names if n.strip().lower() == WINDOW]
+    if len(windows) > 1:
+        raise BadValue("KV-cache policy listed twice: window")
+    rest = [n for n in names if n.strip().lower() != WINDOW]
+    parsed = parse_policies(",".join(rest)) if rest or not windows else []
+    runs = [PolicyRun(p.name, p, budget=p.budget) for p in parsed]
+    if windows:
+        runs.insert(names.index(windows[0]), PolicyRun(WINDOW, WINDOW))
+    return runs
 
 
 def check_runs(model, runs: Sequence[PolicyRun], max_len: int) -> None:

@@ -376,7 +376,7 @@ def _layer_windows(run: Run) -> dict:
         cfg = _config_at(str(run.checkpoints[-1].path))
     except (CheckpointError, FileNotFoundError, ValueError, KeyError, ImportError):
         return {}
-    windows = [cfg.window(l) for l in range(cfg.n_layers)]
+    windows = cfg.windows()
     return {"layer_windows": windows} if len(set(windows)) > 1 else {}
 
 

@@ -219,6 +219,10 @@ class ModelConfig:
             return self.sliding_window
         return None
 
+    def windows(self) -> list[int | None]:
+        """`window(layer)` of every layer, in order."""
+        return [self.window(l) for l in range(self.n_layers)]
+
     def local_rope(self, layer: int) -> bool:
         """Whether `layer` rotates with `rotary_base_local` (a sliding-window layer of a model that has one)."""
         return self.rotary_base_local is not None and self.window(layer) is not None

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import ClassVar, Mapping, Union
+from typing import ClassVar, Mapping, Sequence, Union
 
 from .errors import BadValue
 
@@ -243,13 +243,27 @@ def parse_policies(text: str) -> list[Policy]:
 
 PolicyMap = Union[PolicyLike, Mapping]
 
+# Each layer holds what it can see: a layer with its own sliding window (Gemma's local layers, Mistral)
+# a rolling buffer of its last `window` positions, the others every token.
+WINDOW = "window"
+
+
+def window_policy(windows: Sequence[int | None], max_len: int) -> dict:
+    """{layer: streaming(0, window)} for every layer whose own window (`cfg.window(l)` per layer) is
+    shorter than `max_len`: the map that `WINDOW` stands for."""
+    return {l: Streaming(0, w) for l, w in enumerate(windows) if w is not None and w < max_len}
+
 
 def resolve_policies(policy: PolicyMap, n_layers: int, n_kv_heads: int, *, default: PolicyLike = "full",
-                     max_len: int, d_head: int) -> list[list[Policy]]:
+                     max_len: int, d_head: int, windows: Sequence[int | None] | None = None) -> list[list[Policy]]:
     """[layer][kv head] -> Policy from one policy for every head, or a map keyed by layer (every KV
-    head of it) or (layer, kv_head) (that head; wins over its layer's entry), the rest `default`.
-    Every policy is checked against the cache's size and d_head; a layer or head the model lacks is
-    an error."""
+    head of it) or (layer, kv_head) (that head; wins over its layer's entry), the rest `default`;
+    `WINDOW` ("window") is the map of the layers' own `windows`. Every policy is checked against the
+    cache's size and d_head; a layer or head the model lacks is an error."""
+    if isinstance(policy, str) and policy.strip().lower() == WINDOW:
+        if windows is None:
+            raise BadValue("the 'window' policy needs the model's per-layer windows")
+        policy = window_policy(windows, max_len)
     base = parse_policy(default)
     grid = [[base] * n_kv_heads for _ in range(n_layers)]
     if isinstance(policy, (str, Policy)):

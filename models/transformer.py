@@ -21,7 +21,7 @@ from .cache import ActivationCache, to_tl_cache
 from .kv_cache import KVCache
 from .kv_cache_policy import PolicyKVCache
 from .kv_cache_quant import QuantizedKVCache
-from .kv_policy import Streaming
+from .kv_policy import window_policy
 from .hooks import HookedRootModule, HookPoint, NamesFilter, caching_hook
 from interp.kernels.attention import BACKEND_CHOICES, AttentionMask
 
@@ -559,8 +559,7 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
     def window_policy(self, max_len: int) -> dict:
         """{layer: streaming(0, window)} for every layer whose own window is shorter than `max_len`: the
         cache policy that holds exactly what each layer can see (`new_kv_cache(policy="window")`)."""
-        return {l: Streaming(0, w) for l in range(self.cfg.n_layers)
-                if (w := self.cfg.window(l)) is not None and w < max_len}
+        return window_policy(self.cfg.windows(), max_len)
 
     def attention_stats(
         self, tokens=None, *, kv_cache: KVCache | None = None, attention_mask: Tensor | None = None,

@@ -340,3 +340,26 @@ def test_perplexity_on_smollm2_is_the_written_out_loss():
     assert got["full"][0] == pytest.approx(fed_perplexity(model(toks), toks, 40), rel=1e-4)
     masked = masked_forward(model, toks, streaming_rows(80, 4, 24))
     assert got["streaming(4,24)"][0] == pytest.approx(fed_perplexity(masked, toks, 40), rel=1e-4)
+
+
+@torch.no_grad()
+def test_the_window_policy_is_the_model_itself_in_fewer_bytes():
+    """On a model with local layers (Gemma 3's shape: windows 4, 4, global), "window" keeps only each
+    local layer's window: the perplexity is the plain model's and the bytes are counted by hand."""
+    from core_models import GEMMA3_LIKE
+
+    model = build(GEMMA3_LIKE)
+    n, p = 40, 20
+    toks = tokens(1, n, seed=3)
+    runs = policy_runs("full,window")
+    assert [r.label for r in runs] == ["full", "window"]
+    got = policy_perplexity(model, toks, runs, prefix=p, chunk=7, progress_bar=False)
+    assert got["window"][0] == pytest.approx(fed_perplexity(model(toks), toks, p), rel=1e-5)
+    assert got["window"][0] == pytest.approx(got["full"][0], rel=1e-5)
+    d, kv, w = model.cfg.head_dim, model.cfg.kv_heads, 4
+    # two local layers hold 4 keys and values (+ an int32 slot each), the global one all 40
+    assert got["window"][1] == pytest.approx((2 * kv * w * (2 * d * 4 + 4) + kv * n * 2 * d * 4) / n)
+    assert got["full"][1] == pytest.approx(3 * kv * 2 * d * 4)
+    with pytest.raises(ValueError, match="listed twice: window"):
+        policy_runs("window,kivi4,window")
+    assert [r.label for r in policy_runs("kivi4,window,full")] == ["kivi4", "window", "full"]

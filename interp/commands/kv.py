@@ -40,7 +40,9 @@ def add_arguments(p) -> None:
 
     p.add_argument("--task", default="precisions", choices=KV_TASKS,
                    help="precisions: the quantization study (default); passkey / needle: cache policies on retrieval")
-    p.add_argument("--policies", default=KV_POLICIES, help=f"with --task passkey/needle: comma-separated (default {KV_POLICIES})")
+    p.add_argument("--policies", default=KV_POLICIES,
+                   help=f"with --task passkey/needle: comma-separated (default {KV_POLICIES}, plus 'window' on a "
+                        "model with sliding-window layers: each layer keeps only its own window)")
     p.add_argument("--lengths", default=None,
                    help="with --task: prompt lengths in tokens (default 1024,2048; with --select 1024)")
     p.add_argument("--depths", default="0.1,0.3,0.5,0.7", help="with --task: needle depths in [0, 1] (default 0.1,0.3,0.5,0.7)")
@@ -145,13 +147,14 @@ def _run_policies(args) -> int:
     from interp.models.errors import as_user_errors
 
     with as_user_errors(ValueError, FileNotFoundError):
-        from interp.analyses.kv_policies import policy_runs
+        from interp.analyses.kv_policies import PolicyRun, policy_runs
+        from .choices import KV_POLICIES
+        from interp.models.kv_policy import WINDOW
         from interp.analyses.sweep_data import DataSpec, check_data
         from interp.analyses.store import OutputFolder
         from interp.loading import resolve
         from interp.models.checkpoint import read_config
         from interp.models.errors import check_int
-        from interp.models.kv_policy import resolve_policies
 
         runs = policy_runs(args.policies)
         lengths = _numbers(args.lengths or ("1024" if args.select else "1024,2048"), int, "--lengths")
@@ -164,7 +167,6 @@ def _run_policies(args) -> int:
             check_int("--selection-seeds", args.selection_seeds, minimum=1)
             check_int("--scoring-prompts", args.scoring_prompts, minimum=1)
             check_selection(selections, fractions, 10**9)  # names and (0, 1]; k checked with the model's heads
-            from interp.analyses.kv_policies import PolicyRun
             from interp.models.kv_policy import Streaming
 
             runs = [PolicyRun("streaming", Streaming(args.sinks, args.window))]  # checked against the lengths below
@@ -197,9 +199,11 @@ def _run_policies(args) -> int:
         if ids is not None and int(ids[:1].max()) >= cfg.d_vocab:
             raise ValueError(f"{args.data_file} holds token id {int(ids[:1].max())}, outside the vocabulary "
                              f"[0, {cfg.d_vocab})")
+        if args.policies == KV_POLICIES and not args.select and any(w is not None for w in cfg.windows()):
+            runs.insert(1, PolicyRun(WINDOW, WINDOW))  # a windowed model (Gemma): the cache its layers ask for
         for run in runs:  # a window or budget beyond the shortest prompt or the text is refused here
             for max_len in (min(lengths) + args.new_tokens, n_text):
-                resolve_policies(run.policy, cfg.n_layers, cfg.kv_heads, max_len=max_len, d_head=cfg.head_dim)
+                run.grid_for(cfg, max_len)
         OutputFolder(args.out).check()
 
     import time
