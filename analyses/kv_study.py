@@ -28,22 +28,31 @@ from .document import Section, head_name, png, write_document
 from .heads import detect_heads
 from .kv import head_table, kv_sensitivity, mixed_precision, precision_table, recovered_gap
 from .sinks import attention_sinks
+from .store import OutputFolder, atomic_write_text
 
 KEEP_FRACTIONS = (0.1, 0.2, 0.5)
 
 
-def _write(frame: pd.DataFrame, path: Path) -> None:
+def _write(frame: pd.DataFrame, folder: OutputFolder, name: str) -> None:
+    """`name`.parquet (or .csv without a parquet engine), claimed in `folder` before it is written."""
     try:
-        frame.to_parquet(path, index=False)
+        import pyarrow  # noqa: F401 - the parquet engine pandas uses here
     except ImportError:
-        frame.to_csv(path.with_suffix(".csv"), index=False)
+        folder.claim(f"{name}.csv")
+        frame.to_csv(folder.path / f"{name}.csv", index=False)
+        return
+    folder.claim(f"{name}.parquet")
+    frame.to_parquet(folder.path / f"{name}.parquet", index=False)
 
 
 def run_study(model, tokens, out, *, precisions: Sequence[str] = ("fp32", "int8", "fp8", "int4"),
               name: str = "model", data_description: str = "", seeds=(0, 1, 2), sensitivity_tokens: int = 1024,
               progress_bar: bool | None = None, log=print) -> Path:
+    """The precision study into the folder `out`, written through `OutputFolder` (checked before any
+    work; only files interp wrote there are ever replaced). Returns the report's path."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    folder = OutputFolder(out)
+    folder.check()
     timings = {}
 
     def stage(label, fn):
@@ -67,14 +76,15 @@ def run_study(model, tokens, out, *, precisions: Sequence[str] = ("fp32", "int8"
     uniform = table.assign(k=[n_kv if p == "fp32" else 0 for p in table["precision"]], selection="uniform", seed=-1)
     mixed = pd.concat([uniform[mixed.columns], mixed], ignore_index=True)
     roles = stage("head roles", lambda: _roles(model, tokens))
-    for frame, file in ((table, "kv"), (heads, "kv_heads"), (mixed, "kv_mixed"), (sens, "kv_sensitivity")):
-        _write(frame, out / f"{file}.parquet")
-    (out / "settings.json").write_text(json.dumps(dict(model=name, data=data_description, precisions=list(precisions),
-                                                       tokens=list(tokens.shape), seeds=list(seeds),
-                                                       sensitivity_tokens=int(sens_tokens.shape[1]), ks=ks,
-                                                       seconds=timings), indent=2))
     sections = _sections(name, table, heads, mixed, sens, roles, ks, n_kv, data_description, timings)
-    return write_document(out, f"KV-cache compression: {name}", sections)
+    with folder.writing():
+        for frame, file in ((table, "kv"), (heads, "kv_heads"), (mixed, "kv_mixed"), (sens, "kv_sensitivity")):
+            _write(frame, folder, file)
+        folder.claim("settings.json")
+        atomic_write_text(out / "settings.json", json.dumps(dict(
+            model=name, data=data_description, precisions=list(precisions), tokens=list(tokens.shape),
+            seeds=list(seeds), sensitivity_tokens=int(sens_tokens.shape[1]), ks=ks, seconds=timings), indent=2))
+        return write_document(out, f"KV-cache compression: {name}", sections, folder=folder)
 
 
 def _roles(model, tokens) -> dict:

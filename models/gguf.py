@@ -105,14 +105,15 @@ def _dequantize(data: np.ndarray, qtype) -> np.ndarray:
     (the package's own entry applies them 16 rows per call: 16k calls for Gemma's embedding)."""
     import gguf
 
-    kind = gguf.quants._type_traits.get(qtype)
-    if kind is None or data.ndim < 2:
+    kind = getattr(gguf.quants, "_type_traits", {}).get(qtype)  # private: older or newer packages may lack it
+    if kind is None or data.ndim < 2 or not hasattr(kind, "dequantize_rows"):
         return gguf.quants.dequantize(data, qtype)
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
     rows = data.reshape(-1, data.shape[-1])
     per_row = rows.shape[1] // type_size * block
     out = np.empty((rows.shape[0], per_row), np.float32)
-    kind.init_grid()
+    if hasattr(kind, "init_grid"):
+        kind.init_grid()
     step = max(1, (1 << 22) // per_row)
     for i in range(0, rows.shape[0], step):
         out[i:i + step] = kind.dequantize_rows(rows[i:i + step]).reshape(-1, per_row)

@@ -204,3 +204,25 @@ def test_interp_kv_on_the_zoo(tmp_path):
     assert set(mixed["selection"]) == {"uniform", "loss", "kl", "gradient", "random"}
     text = (out / "report.md").read_text()
     assert "of the int4 -> fp32 loss gap" in text and "How the atlas's heads fare" in text
+    # written through OutputFolder: every file listed as interp's, so a second run replaces them
+    import json
+
+    listed = set(json.loads((out / ".interp-manifest.json").read_text())["paths"])
+    assert {"kv.parquet", "kv_heads.parquet", "kv_mixed.parquet", "kv_sensitivity.parquet", "settings.json",
+            "report.html", "report.md"} <= listed
+
+
+def test_interp_kv_refuses_a_folder_holding_a_users_file_before_loading(tmp_path, capsys, monkeypatch):
+    from interp.cli import main as cli
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the folder was checked")
+
+    monkeypatch.setattr(interp, "load", refuse)
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "kv.parquet").write_text("my own table")
+    assert cli(["kv", "attn-only-2l", "--out", str(out), "--seq-len", "96", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "already holds files interp did not write (kv.parquet)" in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in out.iterdir()) == ["kv.parquet"] and (out / "kv.parquet").read_text() == "my own table"

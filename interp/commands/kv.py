@@ -116,6 +116,9 @@ def run(args) -> int:
             code_shape(p, cfg.head_dim)  # int4 with an odd d_head fails here, as the cache would
         if ids is not None and int(ids.max()) >= cfg.d_vocab:
             raise ValueError(f"{args.data_file} holds token id {int(ids.max())}, outside the vocabulary [0, {cfg.d_vocab})")
+        from interp.analyses.store import OutputFolder
+
+        OutputFolder(args.out).check()  # a folder holding files interp did not write: refused before loading
     except (ValueError, FileNotFoundError) as e:  # the settings: printed by interp.cli, as every user error
         from interp.models.errors import UserError
 
