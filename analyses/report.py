@@ -157,19 +157,16 @@ def _summary(settings, table, errors, timing, store, views: list[RunView]) -> Se
 
 def _layer_kinds(v: RunView, windows: list | None, top: int = 10) -> str | None:
     """Where a model with local (sliding-window) and global layers keeps its heads: for each headline
-    metric, how many of its top heads sit in each kind of layer."""
-    if not windows:
+    metric, how many of its top heads sit in each kind of layer (read off `_layer_kind_table`)."""
+    table = _layer_kind_table(v, windows, top) if windows else None
+    if table is None:
         return None
     local = [l for l, w in enumerate(windows) if w is not None]
     glob = [l for l, w in enumerate(windows) if w is None]
     sizes = sorted({w for w in windows if w is not None})
-    parts = []
-    for m in [m.name for m in metrics(lambda m: m.headline)]:
-        best = v.last[(v.last["metric"] == m) & v.last["layer"].notna()].nlargest(top, "value")
-        if best.empty:
-            continue
-        n_local = int(best["layer"].isin(local).sum())
-        parts.append(f"{m} {n_local} local, {len(best) - n_local} global")
+    counts = {(r.score, r.layers): r.count for r in table.rename(columns={f"in the top {top}": "count"}).itertuples()}
+    parts = [f"{m} {counts.get((m, 'local'), 0)} local, {counts.get((m, 'global'), 0)} global"
+             for m in dict.fromkeys(table["score"]) if m != "sink_alpha"]
     if not parts:
         return None
     return (f"{md_escape(v.run)}: local layers (window {'/'.join(map(str, sizes))}) "

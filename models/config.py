@@ -270,7 +270,7 @@ class ModelConfig:
         """Per layer "local" (a sliding window) or "global", as TransformerLens lists them; None without windows."""
         if self.sliding_window is None:
             return None
-        return ["local" if self.window(l) is not None else "global" for l in range(self.n_layers)]
+        return ["local" if w is not None else "global" for w in self.windows()]
 
     @property
     def use_qk_norm(self) -> bool:

@@ -2,8 +2,8 @@
 
 A GGUF file holds metadata (`llama.block_count`, `tokenizer.ggml.tokens`, ...) and tensors named
 the llama.cpp way (`blk.3.attn_q.weight`), possibly quantized. `load_gguf` reads both with our
-container reader (`gguf_file.py`) and the `gguf` package's dequantizers (PyPI, published by llama.cpp), dequantizes every tensor to the requested dtype,
-renames the tensors to Hugging Face's names, undoes what llama.cpp's converter changed (the row
+container reader (`gguf_file.py`), dequantizes every tensor to the requested dtype with the `gguf`
+package's dequantizers (PyPI, published by llama.cpp), renames the tensors to Hugging Face's names, undoes what llama.cpp's converter changed (the row
 permutation of Q and K for its RoPE layout in llama files; the 1 it adds to every Gemma norm weight),
 writes a Hugging Face config from the metadata, and hands both to the family of that `model_type`
 (`families/llamalike.py`, `families/gemma3.py`): the same converter as a Hugging Face folder.

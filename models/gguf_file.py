@@ -53,8 +53,7 @@ class GGUFFile:
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             except ValueError as e:  # an empty file cannot be mapped
                 raise ValueError("the file is empty") from e
-        buf = self._map
-        self._buf, self._pos = buf, 0
+        buf, self._pos = self._map, 0
         if buf[:4] != _MAGIC:
             raise ValueError(f"it does not start with the GGUF magic bytes (found {bytes(buf[:4])!r})")
         self._pos = 4
@@ -102,24 +101,23 @@ class GGUFFile:
             else:  # rows of quantized blocks, bytes last (what gguf.quants.dequantize takes)
                 data = np.frombuffer(buf, np.uint8, n_bytes, at).reshape(*shape[:-1], dims[0] // block * type_size)
             self.tensors.append(GGUFTensor(name, dims, qtype, data))
-        del self._buf
 
     # ---- reading, each step checked against the end of the file ----
     def _need(self, n: int) -> None:
-        if self._pos + n > len(self._buf):
-            raise ValueError(f"the file ends at byte {len(self._buf)} while reading its header")
+        if self._pos + n > len(self._map):
+            raise ValueError(f"the file ends at byte {len(self._map)} while reading its header")
 
     def _scalar(self, fmt: str):
         size = struct.calcsize(fmt)
         self._need(size)
-        (value,) = struct.unpack_from(fmt, self._buf, self._pos)
+        (value,) = struct.unpack_from(fmt, self._map, self._pos)
         self._pos += size
         return value
 
     def _string(self) -> str:
         n = self._scalar("<Q")
         self._need(n)
-        raw = self._buf[self._pos:self._pos + n]
+        raw = self._map[self._pos:self._pos + n]
         self._pos += n
         return raw.decode("utf-8", errors="replace")
 
@@ -135,7 +133,7 @@ class GGUFFile:
             if item in _SCALARS:
                 dtype = np.dtype(_SCALARS[item][1]).newbyteorder("<")
                 self._need(n * dtype.itemsize)
-                values = np.frombuffer(self._buf, dtype, n, self._pos)
+                values = np.frombuffer(self._map, dtype, n, self._pos)
                 self._pos += n * dtype.itemsize
                 return values.tolist()
             return [self._value(item) for _ in range(n)]  # arrays of arrays

@@ -454,16 +454,13 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
             return resid
         if return_type is None:
             return None
+        if return_type != "logits" and tokens is None:
+            raise ValueError("a loss needs the token ids: pass tokens=... along with a residual-stream input")
         if return_type == "loss":  # no [batch, pos, vocab] tensor (2.5 GiB at Gemma's 262k vocabulary x 2,560 tokens)
-            if tokens is None:
-                raise ValueError("a loss needs the token ids: pass tokens=... along with a residual-stream input")
-            nll = unembed_nll(self.unembed, self.ln_final(resid), tokens)
-            return masked_nll(nll, valid, loss_per_token)
+            return masked_nll(unembed_nll(self.unembed, self.ln_final(resid), tokens), valid, loss_per_token)
         logits = self.unembed(self.ln_final(resid))
         if return_type == "logits":
             return logits
-        if tokens is None:
-            raise ValueError("a loss needs the token ids: pass tokens=... along with a residual-stream input")
         loss = lm_loss(logits, tokens, valid, per_token=loss_per_token)
         return loss if return_type == "loss" else (logits, loss)
 

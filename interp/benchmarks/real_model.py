@@ -27,14 +27,11 @@ _LOAD_SCRIPT = """
 import json, resource, sys, time
 import torch
 which, name = sys.argv[1], sys.argv[2]
-if which == "ours":
-    import interp
-    from interp.loading import real_model_file
-    f = real_model_file(name)
-else:
+import interp
+from interp.loading import real_model_file
+f = real_model_file(name)
+if which != "ours":
     from transformers import AutoModelForCausalLM
-    import interp.loading
-    f = interp.loading.real_model_file(name)
 try:
     open("/proc/self/clear_refs", "w").write("5")  # reset the high-water mark (Linux)
 except OSError:
