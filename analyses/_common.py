@@ -9,9 +9,12 @@ import contextlib
 import warnings
 from typing import Iterable, Iterator, Sequence
 
+import numpy as np
 import pandas as pd
 import torch
 from torch import Tensor
+
+from interp.models.device import to_numpy
 
 HeadList = Sequence[tuple[int, int]]
 
@@ -71,9 +74,9 @@ def head_frame(values: Tensor, value_name: str, **columns) -> pd.DataFrame:
     n_layers, n_heads = values.shape
     frame = pd.DataFrame(
         {
-            "layer": torch.arange(n_layers).repeat_interleave(n_heads).numpy(),
-            "head": torch.arange(n_heads).repeat(n_layers).numpy(),
-            value_name: values.detach().float().cpu().reshape(-1).numpy(),
+            "layer": np.repeat(np.arange(n_layers), n_heads),
+            "head": np.tile(np.arange(n_heads), n_layers),
+            value_name: to_numpy(values.float().reshape(-1)),
         }
     )
     for name, value in columns.items():
@@ -125,5 +128,5 @@ def pearson(x: Tensor, y: Tensor) -> float:
 
 def spearman(x: Tensor, y: Tensor) -> float:
     """Spearman's rho: Pearson on average ranks (ties share their mean rank)."""
-    rank = lambda t: torch.tensor(pd.Series(t.double().cpu().numpy()).rank(method="average").to_numpy(dtype=float))
+    rank = lambda t: torch.tensor(pd.Series(to_numpy(t.double())).rank(method="average").to_numpy(dtype=float))
     return pearson(rank(x), rank(y))

@@ -27,6 +27,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
+from interp.models.device import to_numpy
 from interp.models.factored import FactoredMatrix
 from interp.models.factored import composition_scores as _scores
 
@@ -67,11 +68,10 @@ def composition_scores(
     frames = []
     for kind in ([kinds] if isinstance(kinds, str) else kinds):
         m = composition_matrix(model, kind)
-        idx = (~m.isnan()).nonzero()
-        raw = m[~m.isnan()].numpy()
+        idx = to_numpy((~m.isnan()).nonzero())
+        raw = to_numpy(m[~m.isnan()])
         frames.append(pd.DataFrame({
-            "layer_a": idx[:, 0].numpy(), "head_a": idx[:, 1].numpy(), "layer_b": idx[:, 2].numpy(),
-            "head_b": idx[:, 3].numpy(), "kind": kind, "score": raw - baseline if subtract_baseline else raw,
+            "layer_a": idx[:, 0], "head_a": idx[:, 1], "layer_b": idx[:, 2], "head_b": idx[:, 3], "kind": kind, "score": raw - baseline if subtract_baseline else raw,
             "raw_score": raw, "baseline": baseline, "subtract_baseline": subtract_baseline,
         }))
     return pd.concat(frames, ignore_index=True)

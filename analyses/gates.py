@@ -72,12 +72,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
+import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from interp.kernels.visibility import visible
+from interp.models.device import to_numpy
 from interp.models.errors import BadValue, check_int, check_real
 
 from ._common import frozen_params, kv_group, progress, token_batch
@@ -255,7 +257,7 @@ def _fingerprint(model, samples: Sequence[_Sample], settings: dict) -> str:
     with torch.no_grad():
         h.update(repr([round(float(p.double().sum()), 6) for p in model.parameters()]).encode())
     for s in samples:
-        h.update(s.tokens.cpu().numpy().tobytes())
+        h.update(to_numpy(s.tokens).tobytes())
         h.update(str(s.start).encode())
     return h.hexdigest()
 
@@ -363,11 +365,9 @@ def _train(model, samples: list[_Sample], settings: dict, progress_bar, path: Pa
 def gate_table(result: GateResult | Tensor) -> pd.DataFrame:
     """One row per KV head: layer, kv_head, gate (from a GateResult or a gates tensor)."""
     gates = result.gates if isinstance(result, GateResult) else result
-    gates = gates.detach().float().cpu()
     n_layers, kv = gates.shape
-    return pd.DataFrame({"layer": torch.arange(n_layers).repeat_interleave(kv).numpy(),
-                         "kv_head": torch.arange(kv).repeat(n_layers).numpy(),
-                         "gate": gates.reshape(-1).numpy()})
+    return pd.DataFrame({"layer": np.repeat(np.arange(n_layers), kv), "kv_head": np.tile(np.arange(kv), n_layers),
+                         "gate": to_numpy(gates.float().reshape(-1))})
 
 
 def save_gates(result: GateResult, path: str | Path) -> Path:

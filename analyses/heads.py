@@ -90,7 +90,7 @@ def detect_heads(
     exclude_current_token: bool = False,
     error_measure: ErrorMeasure = "mul",
     attention_mask: Tensor | None = None,
-    backend: str = "torch",
+    backend: str = "auto",
 ) -> pd.DataFrame:
     """TransformerLens `detect_head` scores of every head for several kinds, over a batch.
 
@@ -99,7 +99,7 @@ def detect_heads(
     method: "streaming" (no pattern; long context), "pattern" (materialised, one layer at a time), or
     "auto": the faster of the two where memory allows (see the module docstring); the frame's
     `method` column says which ran.
-    backend: the kernel backend for "streaming" ("torch", "triton", "auto").
+    backend: the kernel backend for "streaming": "auto" (Triton on CUDA when installed, else torch), "torch", "triton".
 
     Returns a DataFrame: layer, head, kind, score, method, exclude_bos, exclude_current_token,
     error_measure, n_sequences, seq_len."""

@@ -114,6 +114,14 @@ def build_sections(out, log_steps: bool = False) -> tuple[str, list[Section]]:
     return f"{'head atlas' if single else 'interp sweep'}: {', '.join(runs)}", sections
 
 
+def _compute_line(compute: dict | None) -> str:
+    """Where the results were computed and with which statistics kernel (settings.json's `compute`)."""
+    if not compute:
+        return ""
+    return (f" Computed on {md_escape(compute['device'])} ({md_escape(compute.get('device_name', ''))}, "
+            f"{compute.get('threads')} threads); streaming statistics kernel: {compute.get('stats_backend')}.")
+
+
 def _summary(settings, table, errors, timing, store, views: list[RunView]) -> Section:
     s = Section("summary", "Summary")
     run_rows = []
@@ -132,7 +140,7 @@ def _summary(settings, table, errors, timing, store, views: list[RunView]) -> Se
     s.add(f"Analyses: {', '.join(settings.get('analyses', []))}. Data: {md_escape(settings.get('data_description', ''))}."
           + (f" {', '.join(expensive).capitalize()} ran on "
              f"{'every checkpoint' if settings.get('expensive_on') == 'all' else 'the last checkpoint of each run'}."
-             if expensive else ""),
+             if expensive else "") + _compute_line(settings.get("compute")),
           pd.DataFrame(run_rows),
           f"Errors: {len(errors)}" + (f"; checkpoints skipped (could not be loaded): {', '.join(skipped)}" if skipped else "")
           + f". Time taken: {wall:.1f} s wall over {len(timing.get('invocations', []))} sweep invocation(s), "

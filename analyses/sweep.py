@@ -44,6 +44,7 @@ from .registry import ANALYSES, Context, as_output, resolve_analyses
 from .report import write_report
 from interp.models import checkpoint  # checkpoint.load_checkpoint looked up at call time: tests monkeypatch it
 from interp.models.checkpoint import CheckpointError, read_config
+from interp.models.device import compute_record, resolve_device
 from interp.models.folder import refuse_code_in
 from interp.models.names import resolve_run
 from interp.models.runs import Checkpoint, Run
@@ -142,7 +143,7 @@ class SweepResult:
 def run_checkpoint(task: CheckpointTask) -> Iterator[PartEvent | ErrorEvent]:
     """Load one checkpoint, run each pending analysis on it, yield one event per analysis."""
     ckpt = task.checkpoint
-    device = task.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = str(resolve_device(task.device))
     try:
         model = checkpoint.load_checkpoint(ckpt.path, device=device)
         tokens = build_tokens(task.data, model, task.tokens).to(model.device)
@@ -214,7 +215,7 @@ def _check_settings(store: ResultStore, settings: SweepSettings, runs: Sequence[
               "data_description": settings.data.describe(),
               "runs": {r.name: {"source": r.source, "checkpoints": [c.name for c in r.checkpoints],
                                 **_layer_windows(r)} for r in runs},
-              "versions": versions()}
+              "versions": versions(), "compute": compute_record(settings.device)}
     if force:
         store.folder.discard()
         return record
@@ -385,7 +386,7 @@ def check_up_front(settings: SweepSettings, runs: Sequence[Run]) -> None:
     a device this machine does not have, sequences longer than a learned position table, token ids
     outside the vocabulary. Configs are read without weights; an unreadable one is left to the
     sweep, which reports that checkpoint and goes on."""
-    _check_device(settings.device)
+    resolve_device(settings.device)
     spec = settings.data
     file_tokens = int(prebuild_tokens(spec).max()) if spec.kind == "file" else None
     for run in runs:
@@ -401,22 +402,6 @@ def check_up_front(settings: SweepSettings, runs: Sequence[Run]) -> None:
         if file_tokens is not None and file_tokens >= cfg.d_vocab:
             raise ValueError(f"{spec.path} holds token id {file_tokens}, outside {run.name}'s vocabulary "
                              f"[0, {cfg.d_vocab})")
-
-
-def _check_device(device: str | None) -> None:
-    if device is None or device == "cpu":
-        return
-    try:
-        dev = torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"--device {device}: {e}") from None
-    if dev.type == "cuda":
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n == 0 or (dev.index or 0) >= n:
-            have = "no CUDA device" if n == 0 else f"{n} CUDA device(s): cuda:0..cuda:{n - 1}"
-            raise ValueError(f"--device {device} is not available: this machine has {have}; use --device cpu")
-    elif dev.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"--device {device} is not available on this machine; use --device cpu")
 
 
 def _resolve_data(settings: SweepSettings, runs: Sequence[Run]) -> SweepSettings:

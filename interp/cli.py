@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "report": "interp.commands.report",
     "kv": "interp.commands.kv",
     "bench": "interp.commands.bench",
+    "doctor": "interp.commands.doctor",
 }
 
 
@@ -52,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        return int(args._run(args) or 0)
+        with _host_copy_guard():
+            return int(args._run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -66,6 +68,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         raise
+
+
+def _host_copy_guard():
+    """With INTERP_REFUSE_HOST_COPIES=1 (the test suite sets it), the command runs as if its tensors were on a
+    GPU: a tensor taken to the host other than by `interp.models.device.to_numpy` raises (see that module)."""
+    import contextlib
+    import os
+
+    if os.environ.get("INTERP_REFUSE_HOST_COPIES") != "1":
+        return contextlib.nullcontext()
+    from interp.models.device import refuse_host_copies  # start-up time: imports torch
+
+    return refuse_host_copies()
 
 
 if __name__ == "__main__":

@@ -1,2 +1,2 @@
 
-from .stats import AttentionStats, attention_stats
+from .stats import AttentionStats, attention_stats, resolve_backend

@@ -40,6 +40,7 @@ materialised pattern to float32 round-off (``tests/test_attention_stats.py``).
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Literal
 
 import torch
@@ -48,7 +49,7 @@ from torch import Tensor
 from .stats_common import LOG2E, STAT_NAMES, AttentionStats, validate
 from .visibility import visible
 
-__all__ = ["AttentionStats", "attention_stats", "STAT_NAMES"]
+__all__ = ["AttentionStats", "attention_stats", "resolve_backend", "STAT_NAMES"]
 
 Backend = Literal["torch", "triton", "auto"]
 BACKENDS = ("torch", "triton", "auto")
@@ -77,7 +78,7 @@ def attention_stats(
     scale: float | None = None,
     key_padding_mask: Tensor | None = None,
     alibi_slopes: Tensor | None = None,
-    backend: Backend = "torch",
+    backend: Backend = "auto",
     block_q: int | None = None,
     block_k: int | None = None,
 ) -> AttentionStats:
@@ -101,9 +102,10 @@ def attention_stats(
         key_padding_mask: bool ``[batch, n_k]``, True for a real token; None for all real.
         alibi_slopes: float ``[heads]``; adds ``-slope[h] * |p - j|`` to every score (the
             model's ALiBi; the absolute value only matters for future keys when ``causal=False``).
-        backend: ``"torch"`` (tiled, any device), ``"triton"`` (CUDA tensors, or CPU tensors
-            with ``TRITON_INTERPRET=1`` set before the first Triton call), or ``"auto"``
-            (Triton for CUDA inputs when Triton is installed, else torch).
+        backend: ``"auto"`` (the default: Triton for CUDA inputs when Triton is installed, else
+            torch; :func:`resolve_backend` says which), ``"torch"`` (tiled, any device), or
+            ``"triton"`` (CUDA tensors, or CPU tensors with ``TRITON_INTERPRET=1`` set before the
+            first Triton call).
         block_q, block_k: tile sizes; None picks the backend's default (torch 256 x 512, with
             block_q shrunk for large ``batch * heads``; Triton 64 x 32, or 64 x 16 for float32
             with ``d > 64``: no register spills on sm_80 / sm_90). Triton needs powers of two
@@ -138,13 +140,8 @@ def attention_stats(
         ValueError / TypeError: on malformed inputs (messages name the offending shapes).
         ImportError: ``backend="triton"`` without Triton installed.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(map(repr, BACKENDS))}")
+    backend = resolve_backend(backend, q.device)
     args = validate(q, k, tokens, n_sink, window, scale, key_padding_mask, alibi_slopes)
-    if backend == "auto":
-        backend = "triton" if q.is_cuda and _triton_available() else "torch"
-    if backend == "triton" and not _triton_available():
-        raise ImportError("backend='triton' needs the `triton` package (pip install 'interp[triton]')")
     if backend == "triton":
         # Imported here because it imports triton, an optional third-party package (GPU path).
         from .stats_triton import attention_stats_triton
@@ -157,6 +154,28 @@ def attention_stats(
             raise ValueError(f"block sizes must be positive, got block_q={block_q}, block_k={block_k}")
         stacked = _attention_stats_torch(q, k, causal=causal, block_q=block_q, block_k=block_k, **args)
     return AttentionStats.from_stacked(stacked)
+
+
+def resolve_backend(backend: str = "auto", device: torch.device | str = "cpu") -> str:
+    """The statistics kernel that `backend` runs on tensors on `device`: ``"triton"`` or ``"torch"``.
+
+    ``"auto"`` is Triton for CUDA devices when the `triton` package is installed, the torch tiles
+    otherwise (the CPU, MPS, a GPU machine without Triton). An explicit backend the machine cannot
+    run is refused here, before any work, in one line naming what can: ``"triton"`` without Triton,
+    or on a non-CUDA device (unless ``TRITON_INTERPRET=1``, Triton's CPU interpreter, for tests)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(map(repr, BACKENDS))}")
+    device = torch.device(device)
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and _triton_available() else "torch"
+    if backend == "triton":
+        if not _triton_available():
+            raise ImportError("backend='triton' needs the `triton` package (pip install 'interp[triton]'); "
+                              "backend='torch' runs anywhere")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"backend='triton' needs CUDA tensors (these are on {device}); use backend='auto' or "
+                             "'torch' here, or set TRITON_INTERPRET=1 before the first Triton call to test it on the CPU")
+    return backend
 
 
 def _torch_blocks(batch_heads: int) -> tuple[int, int]:

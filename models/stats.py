@@ -23,10 +23,13 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+import numpy as np
 import pandas as pd
 
 from interp.kernels import AttentionStats, attention_stats
 from interp.kernels.visibility import visible
+
+from .device import to_numpy
 
 LayerFn = Callable[[int, Tensor, Tensor, Tensor], None]
 
@@ -77,7 +80,7 @@ def for_each_layer_qk(model, tokens, fn: LayerFn, *, attention_mask: Tensor | No
 
 
 def model_attention_stats(
-    model, tokens, *, attention_mask: Tensor | None = None, layers=None, n_sink: int = 1, backend: str = "torch"
+    model, tokens, *, attention_mask: Tensor | None = None, layers=None, n_sink: int = 1, backend: str = "auto"
 ) -> dict[int, AttentionStats]:
     """Streaming statistics (sink, previous, duplicate, induction, entropy, max, distance) of every
     requested layer, float32 [batch, head, pos] each, from one fused forward. Memory O(layers * pos)
@@ -98,7 +101,7 @@ def model_attention_stats(
     return out
 
 
-def kv_cache_attention_stats(model, cache, *, layers=None, n_sink: int = 1, backend: str = "torch") -> dict[int, AttentionStats]:
+def kv_cache_attention_stats(model, cache, *, layers=None, n_sink: int = 1, backend: str = "auto") -> dict[int, AttentionStats]:
     """Streaming statistics of every cached layer from a `KVCache` that kept the queries
     (`model.new_kv_cache(batch, max_len, capture_queries=True)`), after any number of forwards or a
     generation through it. Queries are all cached positions: float32 [batch, head, cache.length].
@@ -210,12 +213,12 @@ def stats_frame(stats: dict[int, AttentionStats], query_mask: Tensor | None = No
         cols = st.to_dict()
         first = next(iter(cols.values()))
         b, h, n = first.shape
-        idx = torch.stack(torch.meshgrid(torch.arange(b), torch.arange(h), torch.arange(n), indexing="ij"), -1).reshape(-1, 3)
-        frame = pd.DataFrame({"layer": layer, "batch": idx[:, 0].numpy(), "head": idx[:, 1].numpy(), "query": idx[:, 2].numpy()})
+        bi, hi, qi = (a.reshape(-1) for a in np.meshgrid(np.arange(b), np.arange(h), np.arange(n), indexing="ij"))
+        frame = pd.DataFrame({"layer": layer, "batch": bi, "head": hi, "query": qi})
         for name, value in cols.items():
-            frame[name] = value.detach().float().cpu().reshape(-1).numpy()
+            frame[name] = to_numpy(value.float().reshape(-1))
         if query_mask is not None:
-            keep = query_mask.cpu()[:, None, :].expand(b, h, n).reshape(-1).numpy()
+            keep = to_numpy(query_mask[:, None, :].expand(b, h, n).reshape(-1))
             frame = frame[keep]
         frames.append(frame.dropna())
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()

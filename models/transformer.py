@@ -560,7 +560,7 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
 
     def attention_stats(
         self, tokens=None, *, kv_cache: KVCache | None = None, attention_mask: Tensor | None = None,
-        layers: Sequence[int] | None = None, n_sink: int = 1, backend: str = "torch",
+        layers: Sequence[int] | None = None, n_sink: int = 1, backend: str = "auto",
     ) -> dict:
         """Exact per-query head statistics of every layer without materialising a pattern:
         {layer: AttentionStats} with float32 [batch, head, pos] fields sink, previous, duplicate,

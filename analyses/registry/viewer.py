@@ -11,6 +11,8 @@ from types import MappingProxyType
 import numpy as np
 import torch
 
+from interp.models.device import to_numpy
+
 from ..document import Html, inline_json
 from ..store import NonFiniteResult
 from .base import Analysis, Context, Metric, Output, ReportSection, RunView, metrics, per_model, register
@@ -61,7 +63,7 @@ def run(ctx: Context) -> Output:
     return Output(per_model("viewer_tokens", n), extra={
         "tokens": _str_tokens(ctx.model, sample[0].tolist()), "n_layers": int(patterns.shape[0]),
         "n_heads": int(patterns.shape[1]), "n": n,
-        "patterns_u8": base64.b64encode(codes.numpy().tobytes()).decode(),  # A * 255, rounded; [layer, head, q, k]
+        "patterns_u8": base64.b64encode(to_numpy(codes).tobytes()).decode(),  # A * 255, rounded; [layer, head, q, k]
     })
 
 

@@ -126,15 +126,13 @@ def run(args) -> int:
 
     import time
 
-    import torch
-
     import interp
     from interp.analyses.kv_study import run_study
+    from interp.models.device import resolve_device
     from interp.analyses.sweep_data import build_tokens
 
     start = time.perf_counter()
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = interp.load(args.model, device=device)
+    model = interp.load(args.model, device=resolve_device(args.device))  # an unknown device: one line, before loading
     tokens = (ids if ids is not None else build_tokens(spec, model)).to(model.device)
     description = (f"{tokens.shape[0]} x {tokens.shape[1]} tokens from {args.data_file}" if ids is not None
                    else spec.describe())
@@ -211,16 +209,14 @@ def _run_policies(args) -> int:
 
     import time
 
-    import torch
-
     import interp
     from interp.analyses.kv_policies import run_policy_study
+    from interp.models.device import resolve_device
     from interp.analyses.sweep_data import build_tokens
     from interp.analyses.tasks import retrieval_prompts
 
     start = time.perf_counter()
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = interp.load(args.model, device=device)
+    model = interp.load(args.model, device=resolve_device(args.device))  # an unknown device: one line, before loading
     with as_user_errors(ValueError):
         prompts = retrieval_prompts(model, lengths, depths, args.prompts, args.seed, variant=args.task)
     tokens = (ids[:1] if ids is not None else build_tokens(spec, model)).to(model.device)
