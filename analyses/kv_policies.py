@@ -43,6 +43,7 @@ from . import plots
 from ._common import progress
 from .document import Section, png, write_document
 from .store import OutputFolder, atomic_write_text
+from .sweep_data import source_line
 from .tasks import RetrievalPrompt, accuracy_label, is_correct
 
 DEFAULT_POLICIES = "full,kivi4,kivi2,streaming(4,128),h2o(132),snapkv(132)"
@@ -253,22 +254,25 @@ def measure_runs(model, runs: Sequence[PolicyRun], prompts: Sequence[RetrievalPr
 def run_policy_study(model, out, *, runs: Sequence[PolicyRun], prompts: Sequence[RetrievalPrompt],
                      text_tokens: torch.Tensor, name: str = "model", data_description: str = "",
                      max_new_tokens: int = 8, chunk: int = 32, progress_bar: bool | None = None,
-                     log=print) -> Path:
+                     log=print, data_source: dict | None = None) -> Path:
     """Passkey (or needle) accuracy and perplexity for every run; writes kv_policies.parquet,
     kv_passkey_answers.parquet, settings.json, report.html / report.md and figures/ into `out` (an
-    `OutputFolder`: only files interp wrote there are ever replaced). Returns the report's path."""
+    `OutputFolder`: only files interp wrote there are ever replaced). Returns the report's path.
+    `data_source` (`sweep_data.data_source`) names the perplexity text by sha256 (settings.json, report)."""
     folder = OutputFolder(out)
     folder.check()  # before any heavy work
     timings = {}
     answers, cells, summary = measure_runs(model, runs, prompts, text_tokens, max_new_tokens=max_new_tokens,
                                            chunk=chunk, progress_bar=progress_bar, log=log, timings=timings)
-    settings = dict(model=name, data=data_description, policies=[r.label for r in runs],
+    settings = dict(model=name, data=data_description, data_source=data_source, policies=[r.label for r in runs],
                     prompts=len(prompts), prompts_per_cell=max(1, len(prompts) // max(1, len(
                         {(p.length, p.depth) for p in prompts}))), lengths=sorted({p.length for p in prompts}),
                     depths=sorted({p.depth for p in prompts}), seeds=sorted({p.seed for p in prompts if p.seed is not None}),
                     variant=sorted({p.variant for p in prompts}), max_new_tokens=max_new_tokens,
                     perplexity_tokens=int(text_tokens.shape[1]), chunk=chunk, seconds=timings)
     sections = policy_sections(name, cells, summary, answers, data_description, timings)
+    if data_source is not None:
+        sections[0].add(source_line(data_source))
     with folder.writing():
         folder.claim("kv_policies.parquet", "kv_passkey_answers.parquet", "settings.json")
         cells.to_parquet(Path(out) / "kv_policies.parquet", index=False)

@@ -29,6 +29,7 @@ from .heads import detect_heads
 from .kv import head_table, kv_sensitivity, mixed_precision, precision_table, recovered_gap
 from .sinks import attention_sinks
 from .store import OutputFolder, atomic_write_text
+from .sweep_data import source_line
 
 KEEP_FRACTIONS = (0.1, 0.2, 0.5)
 
@@ -47,9 +48,10 @@ def _write(frame: pd.DataFrame, folder: OutputFolder, name: str) -> None:
 
 def run_study(model, tokens, out, *, precisions: Sequence[str] = ("fp32", "int8", "fp8", "int4"),
               name: str = "model", data_description: str = "", seeds=(0, 1, 2), sensitivity_tokens: int = 1024,
-              progress_bar: bool | None = None, log=print) -> Path:
+              progress_bar: bool | None = None, log=print, data_source: dict | None = None) -> Path:
     """The precision study into the folder `out`, written through `OutputFolder` (checked before any
-    work; only files interp wrote there are ever replaced). Returns the report's path."""
+    work; only files interp wrote there are ever replaced). Returns the report's path. `data_source`
+    (`sweep_data.data_source`) names the text by sha256 in settings.json and the report."""
     out = Path(out)
     folder = OutputFolder(out)
     folder.check()
@@ -77,12 +79,14 @@ def run_study(model, tokens, out, *, precisions: Sequence[str] = ("fp32", "int8"
     mixed = pd.concat([uniform[mixed.columns], mixed], ignore_index=True)
     roles = stage("head roles", lambda: _roles(model, tokens))
     sections = _sections(name, table, heads, mixed, sens, roles, ks, n_kv, data_description, timings)
+    if data_source is not None:
+        sections[0].add(source_line(data_source))
     with folder.writing():
         for frame, file in ((table, "kv"), (heads, "kv_heads"), (mixed, "kv_mixed"), (sens, "kv_sensitivity")):
             _write(frame, folder, file)
         folder.claim("settings.json")
         atomic_write_text(out / "settings.json", json.dumps(dict(
-            model=name, data=data_description, precisions=list(precisions), tokens=list(tokens.shape),
+            model=name, data=data_description, data_source=data_source, precisions=list(precisions), tokens=list(tokens.shape),
             seeds=list(seeds), sensitivity_tokens=int(sens_tokens.shape[1]), ks=ks, seconds=timings), indent=2))
         return write_document(out, f"KV-cache compression: {name}", sections, folder=folder)
 

@@ -30,6 +30,7 @@ from .document import Section, head_name, md_escape, write_document
 from .registry import ANALYSES, RunView, metrics
 from .registry.induction import phase_change  # noqa: F401 - public here since the report first computed it
 from .store import ResultStore, _slug, load_results
+from .sweep_data import source_line
 
 _FIXED_HEAD = (("summary", "Summary"), ("errors", "Errors and skipped checkpoints"))
 _HEATMAPS = ("heatmaps", "Head scores at the last checkpoint")
@@ -122,6 +123,13 @@ def _compute_line(compute: dict | None) -> str:
             f"{compute.get('threads')} threads); streaming statistics kernel: {compute.get('stats_backend')}.")
 
 
+def _data_line(settings: dict) -> str:
+    """The data every number here was computed on, by name and sha256 (settings.json's `data_source`)."""
+    if "data_source" not in settings:
+        return "Data source: not recorded (a folder from before interp named its data by sha256). "
+    return md_escape(source_line(settings["data_source"])) + " "
+
+
 def _summary(settings, table, errors, timing, store, views: list[RunView]) -> Section:
     s = Section("summary", "Summary")
     run_rows = []
@@ -158,7 +166,7 @@ def _summary(settings, table, errors, timing, store, views: list[RunView]) -> Se
     missing = [a for a in ANALYSES if a not in settings.get("analyses", []) and ANALYSES[a].section]
     if missing:
         s.add("Not run here (add to --analyses): " + ", ".join(f"`{a}`" for a in missing) + ".")
-    s.add(f"Versions: {', '.join(f'{k} {v}' for k, v in settings.get('versions', {}).items())}. "
+    s.add(_data_line(settings) + f"Versions: {', '.join(f'{k} {v}' for k, v in settings.get('versions', {}).items())}. "
           f"Report written {time.strftime('%Y-%m-%d %H:%M:%S')}.")
     return s
 

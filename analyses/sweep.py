@@ -49,7 +49,7 @@ from interp.models.folder import refuse_code_in
 from interp.models.names import resolve_run
 from interp.models.runs import Checkpoint, Run
 from .store import LOAD, NonFiniteResult, OutputError, ResultStore, read_json_file
-from .sweep_data import DataSpec, build_tokens, check_data, prebuild_tokens, resolve_kind
+from .sweep_data import DataSpec, build_tokens, check_data, data_clash, data_source, prebuild_tokens, resolve_kind
 
 DEFAULT_ANALYSES = ("induction", "previous_token", "duplicate_token", "sinks", "viewer", "streaming", "composition",
                     "ablation", "pruning", "importance")
@@ -212,7 +212,7 @@ def _check_settings(store: ResultStore, settings: SweepSettings, runs: Sequence[
     """Compare with the folder's settings.json; return the settings to write (runs and analyses accumulate).
     `force` discards what interp wrote in the folder (only that: `OutputFolder.discard`)."""
     record = {"analyses": list(settings.analyses), **settings.meaning(),
-              "data_description": settings.data.describe(),
+              "data_description": settings.data.describe(), "data_source": data_source(settings.data),
               "runs": {r.name: {"source": r.source, "checkpoints": [c.name for c in r.checkpoints],
                                 **_layer_windows(r)} for r in runs},
               "versions": versions(), "compute": compute_record(settings.device)}
@@ -225,6 +225,9 @@ def _check_settings(store: ResultStore, settings: SweepSettings, runs: Sequence[
         return record
     if not isinstance(old, dict):
         raise OutputError(f"{store.out / 'settings.json'} is not interp's settings (a JSON object): {fix}")
+    if clash := data_clash(old, record["data_source"]):  # never rows of two data sources in one table
+        raise SettingsMismatch(f"{store.out} {clash}: use another --out folder, or pass --force to discard the old "
+                               "results")
     old_meaning = {k: old.get(k) for k in ("data", "expensive_on")}
     new_meaning = {k: record[k] for k in ("data", "expensive_on")}
     clash = [a for a in settings.analyses if a in old.get("params", {}) and old["params"][a] != record["params"][a]]

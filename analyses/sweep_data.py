@@ -8,13 +8,15 @@ kinds:
   auto             "corpus" when every checkpoint of the sweep is a byte-level zoo model, "text"
                    when every checkpoint has a real (subword) tokenizer, else "repeated_random";
                    settled (`resolve_kind`) before settings.json is written.
-  text             real English prose: by default the Python Language Reference that ships with
-                   the standard library (`pydoc_data.topics`, ~465 KB: every topic, sorted by name,
-                   joined by blank lines), or the UTF-8 file at `path` (`--text-file`). Cut into
-                   consecutive `seq_len`-token windows of the model's tokenizer (BOS first when the
+  text             real English prose: by default the Python Language Reference as interp ships it
+                   (`interp.models.evaldata`, "python-language-reference": CPython 3.11.7's
+                   `pydoc_data.topics`, ~466 KB, every topic sorted by name, joined by blank lines;
+                   the same bytes whatever Python runs), or the UTF-8 file at `path` (`--text-file`).
+                   Cut into consecutive `seq_len`-token windows of the model's tokenizer (BOS first when the
                    tokenizer has one); `n_seqs` of the first `TEXT_POOL * n_seqs` windows are drawn
                    with `seed`. The text is read and tokenized only as far as those windows reach
-                   (in line-aligned pieces), so a 50 MB file costs what 128 tokens of it cost.
+                   (in line-aligned pieces), so a 50 MB file costs what 128 tokens of it cost (and
+                   one streamed sha256 of its bytes, which names it: `data_source`).
   repeated_random  `n_seqs` rows of `seq_len` tokens: a random half (uniform over the vocabulary,
                    from `seed`) followed by the same half again. Previous-token, duplicate-token
                    and induction behaviour all show on it (Olsson et al. 2022), and it needs no
@@ -22,11 +24,15 @@ kinds:
   corpus           held-out windows (`<bos>` + bytes) of the zoo's training corpus, the Python
                    standard library's sources (`interp.models.training.eval_windows`, files never
                    trained on), drawn with `seed`: natural text, so losses, ablations and ICL
-                   scores mean something. Byte-level (ByteTokenizer) models only. The files are
-                   this machine's standard library: the same for every checkpoint of a sweep, and
-                   across machines only for the same Python version.
+                   scores mean something. Byte-level (ByteTokenizer) models only. The files are the
+                   90 held-out files interp ships ("python-stdlib-heldout", taken from CPython
+                   3.11.7, the zoo's training Python), never the running Python's.
   file             token ids saved at `path` (`.pt` tensor or `.npy` array, [n_seqs, seq_len] or
                    flat); the first `n_seqs` rows of `seq_len` are used.
+
+Every kind but repeated_random reads a data source, named by sha256 (`data_source`): the shipped file's
+pinned hash, or the hash of the user's file. settings.json and the report record it, and a sweep folder
+holding results of another source is refused.
 """
 
 from __future__ import annotations
@@ -39,13 +45,13 @@ from typing import Literal
 
 import numpy as np
 import torch
-from pydoc_data.topics import topics
 from torch import Tensor
 
+from interp.models import evaldata
 from interp.models.errors import BadValue, check_int
 from interp.models.probes import repeated_random_tokens
 from interp.models.tokenizer import ByteTokenizer, load_tokenizer
-from interp.models.training import eval_windows, load_corpus
+from interp.models.training import eval_windows
 
 DataKind = Literal["auto", "repeated_random", "corpus", "file", "text"]
 DATA_KINDS = ("auto", "repeated_random", "corpus", "file", "text")
@@ -57,7 +63,7 @@ class DataSpec:
     n_seqs: int = 16
     seq_len: int = 256  # the zoo's context; a model with a shorter one is refused by build_tokens
     seed: int = 0
-    path: str | None = None  # token file (kind="file"), or a UTF-8 text file (kind="text"; None: pydoc_data.topics)
+    path: str | None = None  # token file (kind="file"), or a UTF-8 text file (kind="text"; None: the shipped Language Reference)
 
     def __post_init__(self) -> None:
         if self.kind not in DATA_KINDS:
@@ -82,10 +88,12 @@ class DataSpec:
             "repeated_random": "random tokens repeated once (first half uniform over the vocabulary, second half a copy)",
             "corpus": "held-out windows of the zoo training corpus",
             "file": f"token ids from {self.path}",
-            "text": f"consecutive windows of {self.path or 'the Python Language Reference (pydoc_data.topics)'}",
+            "text": f"consecutive windows of {self.path or 'the Python Language Reference (shipped)'}",
             "auto": "chosen per sweep",
         }[self.kind]
-        return f"{self.n_seqs} sequences x {self.seq_len} tokens, {what}, seed {self.seed}"
+        source = data_source(self) if self.kind != "auto" else None
+        named = f" ({source['name']}, sha256 {source['sha256'][:12]})" if source else ""
+        return f"{self.n_seqs} sequences x {self.seq_len} tokens, {what}, seed {self.seed}{named}"
 
 
 def resolve_kind(kind: str, checkpoint_paths: list[str]) -> str:
@@ -115,8 +123,45 @@ TEXT_POOL = 4  # kind "text" draws its n_seqs windows from the first TEXT_POOL *
 _PIECE_CHARS = 1 << 16  # the text is read and tokenized in pieces of about this many characters
 
 
+def data_source(spec: DataSpec) -> dict | None:
+    """The data `spec` reads, named by sha256: {name, sha256} (plus licence and source for the shipped
+    files); None for repeated_random, which reads nothing. A user's file is hashed whole, in pieces."""
+    if spec.kind == "auto":
+        raise ValueError("settle data kind 'auto' with resolve_kind() first")
+    if spec.kind == "repeated_random":
+        return None
+    if spec.path is None:
+        return evaldata.source(evaldata.HELDOUT if spec.kind == "corpus" else evaldata.LANGUAGE_REFERENCE)
+    try:  # hashed on every call, never cached: a file rewritten in place between two calls is other data
+        return {"name": str(spec.path), "sha256": evaldata.sha256_file(spec.path)}
+    except FileNotFoundError:
+        raise FileNotFoundError(f"data file {spec.path} does not exist") from None
+
+
+def source_line(source: dict | None) -> str:
+    """One sentence naming a `data_source`: what a report says its numbers were computed on."""
+    if source is None:
+        return "Data source: none read (tokens generated from the seed)."
+    licence = f"; licence: {source['licence']}" if source.get("licence") else ""
+    return f"Data source: {source['name']}, sha256 {source['sha256']}{licence}."
+
+
+def data_clash(recorded: dict, source: dict | None) -> str | None:
+    """Why results recorded with `recorded` (an old settings.json) cannot sit beside results computed on
+    `source` (`data_source`), in words naming both hashes; None when they are the same data. A folder
+    from before data was named by hash counts as other data, unless neither reads any (repeated_random)."""
+    was = recorded.get("data_source", "unrecorded")
+    was_sha = was.get("sha256") if isinstance(was, dict) else was
+    now_sha = source["sha256"] if source else None
+    if was_sha == now_sha or (was_sha == "unrecorded" and now_sha is None):
+        return None
+    name = lambda s: f" ({s['name']})" if isinstance(s, dict) else ""  # noqa: E731
+    return (f"holds results computed on data sha256 {was_sha}{name(was)}, and this run's data is sha256 "
+            f"{now_sha}{name(source)}")
+
+
 def read_text(path: str | None = None) -> str:
-    """The whole text of kind "text": the file at `path`, or the Python Language Reference (stdlib).
+    """The whole text of kind "text": the file at `path`, or the Python Language Reference (shipped).
     The sweep itself reads only what it uses (`_text_pieces`)."""
     return "".join(_text_pieces(path))
 
@@ -125,7 +170,7 @@ def _text_pieces(path: str | None = None, limit: int | None = None):
     """The text in pieces of about `_PIECE_CHARS` characters, each ending at a line end where there is
     one (so a piece boundary never splits a word), until `limit` characters have been given (None: all)."""
     if path is None:
-        source = iter(["\n\n".join(topics[k] for k in sorted(topics))])
+        source = iter([evaldata.language_reference()])
     else:
         source = _file_chunks(path)
     given, carry = 0, ""
@@ -159,6 +204,8 @@ def check_data(spec: DataSpec) -> None:
     that the windows can possibly fit (a token is at least one character: only that many are read)."""
     if spec.path is not None and not Path(spec.path).is_file():
         raise FileNotFoundError(f"data file {spec.path} does not exist")
+    if spec.kind != "auto":
+        data_source(spec)  # a shipped file that fails its sha256 (a broken install): said now, in one line
     if spec.kind == "file":
         prebuild_tokens(spec)  # reads it (once: cached): wrong dtype, shape or length fail here, before any model
     if spec.kind == "text":
@@ -207,7 +254,7 @@ def _repeated_random(spec: DataSpec, d_vocab: int) -> Tensor:
 
 
 def _corpus(spec: DataSpec, d_vocab: int | None) -> Tensor:
-    return eval_windows(load_corpus(), spec.seq_len, spec.n_seqs, seed=spec.seed)
+    return eval_windows(evaldata.heldout_docs(), spec.seq_len, spec.n_seqs, seed=spec.seed)
 
 
 def read_token_file(path) -> Tensor:

@@ -41,7 +41,7 @@ import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal, NamedTuple
+from typing import Callable, Literal, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -250,9 +250,11 @@ def copy_span(row: np.ndarray, rng: np.random.Generator, lo: int, hi: int,
     return src, dst, length
 
 
-def eval_windows(corpus: Corpus, n_ctx: int, n: int, seed: int = EVAL_SEED) -> Tensor:
-    """`n` held-out windows `<bos> + doc[o : o + n_ctx - 1]`, each inside one file (no copied spans)."""
-    docs = [d for d in corpus.eval_docs if d.size >= n_ctx - 1]
+def eval_windows(corpus: Corpus | Sequence[np.ndarray], n_ctx: int, n: int, seed: int = EVAL_SEED) -> Tensor:
+    """`n` held-out windows `<bos> + doc[o : o + n_ctx - 1]`, each inside one file (no copied spans), of a
+    corpus's held-out files or of the given byte-id arrays (the shipped ones: `evaldata.heldout_docs()`)."""
+    held = corpus.eval_docs if isinstance(corpus, Corpus) else corpus
+    docs = [d for d in held if d.size >= n_ctx - 1]
     if not docs:
         raise ValueError(f"no held-out file has {n_ctx - 1} tokens")
     sizes = np.array([d.size - (n_ctx - 1) + 1 for d in docs], dtype=np.float64)

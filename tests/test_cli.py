@@ -36,6 +36,9 @@ def test_the_help_names_are_the_librarys():
     from interp.analyses.tasks import VARIANTS
 
     assert choices.KV_POLICIES == DEFAULT_POLICIES and choices.KV_TASKS[1:] == tuple(VARIANTS)
+    from interp.analyses.kv_roles_study import GATE_STEPS
+
+    assert choices.GATE_STEPS == GATE_STEPS
 
 
 @pytest.mark.parametrize("args", [[], ["sweep"], ["analyze"], ["bench"], ["info"], ["report"], ["train"], ["kv"]])

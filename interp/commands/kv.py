@@ -29,7 +29,8 @@ def add_arguments(p) -> None:
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--precisions", default="fp32,int8,fp8,int4",
                    help=f"comma-separated, from {','.join(KV_PRECISIONS)} (default fp32,int8,fp8,int4)")
-    p.add_argument("--text-file", default=None, help="UTF-8 text (default: the Python Language Reference, pydoc_data.topics)")
+    p.add_argument("--text-file", default=None,
+                   help="UTF-8 text (default: the Python Language Reference as interp ships it, pinned by sha256)")
     p.add_argument("--data-file", default=None, help="token ids (.npy or .pt), each row one sequence, no BOS added")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence of the default text (default 2048)")
     p.add_argument("--n-seqs", type=int, default=1, help="sequences of the default text (default 1)")
@@ -58,10 +59,23 @@ def add_arguments(p) -> None:
     p.add_argument("--selection-seeds", type=int, default=3, help="with --select: random selections per budget (default 3)")
     p.add_argument("--scoring-prompts", type=int, default=6,
                    help="with --select: prompts that score retrieval heads (keys from another seed; default 6)")
-    p.add_argument("--gate-seconds", type=float, default=150.0,
-                   help="with --select gates: seconds of DuoAttention gate training (default 150)")
+    from .choices import GATE_STEPS
+
+    p.add_argument("--gate-steps", type=int, default=GATE_STEPS,
+                   help=f"with --select gates: seeded steps of DuoAttention gate training, the same gates on any "
+                        f"machine (default {GATE_STEPS}: about 2 minutes for SmolLM2-135M on 2 CPU cores)")
+    p.add_argument("--gate-seconds", type=float, default=None,
+                   help="with --select gates: a time cap on gate training (default none); when it stops training "
+                        "early the report says so, and the gates then depend on the machine's speed")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _source(spec, data_file: str | None) -> dict | None:
+    """The study's data named by sha256: the text `spec` reads, or the token file."""
+    from interp.analyses.sweep_data import DataSpec, data_source
+
+    return data_source(spec if spec is not None else DataSpec(kind="file", path=data_file))
 
 
 def _data_file(path: str):
@@ -104,6 +118,7 @@ def run(args) -> int:
                                                      path=args.text_file)
         if spec is not None:
             check_data(spec)
+        source = _source(spec, args.data_file)
         from interp.loading import resolve
         from interp.models.checkpoint import read_config
 
@@ -138,7 +153,7 @@ def run(args) -> int:
                    else spec.describe())
     path = run_study(model, tokens, args.out, precisions=precisions, name=args.model, data_description=description,
                      seeds=tuple(range(args.seeds)), sensitivity_tokens=args.sensitivity_tokens,
-                     progress_bar=False if args.no_progress else None)
+                     progress_bar=False if args.no_progress else None, data_source=source)
     print(f"done in {time.perf_counter() - start:.0f} s; report: {path} (and report.md, kv*.parquet)")
     return 0
 
@@ -167,6 +182,11 @@ def _run_policies(args) -> int:
             fractions = _numbers(args.fractions, float, "--fractions")
             check_int("--selection-seeds", args.selection_seeds, minimum=1)
             check_int("--scoring-prompts", args.scoring_prompts, minimum=1)
+            check_int("--gate-steps", args.gate_steps, minimum=1)
+            if args.gate_seconds is not None:
+                from interp.models.errors import check_real
+
+                check_real("--gate-seconds", args.gate_seconds, minimum=0.0, strict=True)
             check_selection(selections, fractions, 10**9)  # names and (0, 1]; k checked with the model's heads
             from interp.models.kv_policy import Streaming
 
@@ -185,6 +205,7 @@ def _run_policies(args) -> int:
         spec = None if ids is not None else DataSpec(kind="text", n_seqs=1, seq_len=args.seq_len, path=args.text_file)
         if spec is not None:
             check_data(spec)
+        source = _source(spec, args.data_file)
         cfg = read_config(resolve(args.model))
         if selections:
             check_selection(selections, fractions, cfg.n_layers * cfg.kv_heads)
@@ -227,13 +248,14 @@ def _run_policies(args) -> int:
         path = run_roles_study(model, args.out, prompts=prompts, text_tokens=tokens, selections=selections,
                                fractions=fractions, seeds=tuple(range(args.selection_seeds)), sinks=args.sinks,
                                window=args.window, n_scoring=args.scoring_prompts, seed=args.seed,
-                               gate_seconds=args.gate_seconds, name=args.model, data_description=description,
-                               max_new_tokens=args.new_tokens, progress_bar=False if args.no_progress else None)
+                               gate_seconds=args.gate_seconds, gate_steps=args.gate_steps, name=args.model,
+                               data_description=description, max_new_tokens=args.new_tokens,
+                               progress_bar=False if args.no_progress else None, data_source=source)
         print(f"done in {time.perf_counter() - start:.0f} s; report: {path} (and report.md, kv_policies.parquet, "
               "kv_head_roles.parquet)")
         return 0
     path = run_policy_study(model, args.out, runs=runs, prompts=prompts, text_tokens=tokens, name=args.model,
                             data_description=description, max_new_tokens=args.new_tokens,
-                            progress_bar=False if args.no_progress else None)
+                            progress_bar=False if args.no_progress else None, data_source=source)
     print(f"done in {time.perf_counter() - start:.0f} s; report: {path} (and report.md, kv_policies.parquet)")
     return 0
