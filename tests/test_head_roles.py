@@ -252,3 +252,33 @@ def test_the_atlas_retrieval_analysis_gives_the_retrieval_column(zoo):
     score = rows.set_index(["layer", "head"])["value"]
     assert set(rows["metric"]) == {"retrieval"} and len(rows) == zoo.cfg.n_layers * zoo.cfg.n_heads
     assert score[(0, 2)] == 1.0 and (score <= 1).all()
+
+
+def test_gates_train_a_count_of_steps_and_a_time_cap_that_cuts_is_said(tmp_path, capsys, monkeypatch):
+    """Issue 36: `--gate-steps` runs exactly that many seeded steps (the same gates on any machine); a
+    `--gate-seconds` cap that stops training early is named in the report and settings.json."""
+    import json
+
+    from interp.cli import main as cli
+    from interp.models import evaldata
+
+    base = ["kv", "attn-only-2l", "--task", "passkey", "--select", "gates,random", "--lengths", "248", "--depths",
+            "0.5", "--prompts", "1", "--window", "32", "--fractions", "0.5", "--seq-len", "200",
+            "--scoring-prompts", "1", "--selection-seeds", "1", "--no-progress"]
+    runs = {}
+    for label, extra in (("count", ["--gate-steps", "3"]), ("again", ["--gate-steps", "3"]),
+                         ("capped", ["--gate-steps", "50", "--gate-seconds", "1e-6"])):
+        out = tmp_path / label
+        monkeypatch.setenv("INTERP_CACHE", str(tmp_path / f"cache-{label}"))  # trained anew each time
+        assert cli([*base, *extra, "--out", str(out)]) == 0, capsys.readouterr().err
+        runs[label] = (json.loads((out / "settings.json").read_text()), pd.read_parquet(out / "kv_head_roles.parquet"),
+                       (out / "report.md").read_text())
+    settings, heads, report = runs["count"]
+    assert settings["gate_steps"] == 3 and settings["gate_steps_done"] == 3 and settings["gate_seconds"] is None
+    assert "time cap" not in report and "gate" in heads.columns and heads["gate"].between(0, 1).all()
+    assert settings["data_source"]["sha256"] == evaldata.manifest()[evaldata.LANGUAGE_REFERENCE]["sha256"]
+    pd.testing.assert_frame_equal(runs["again"][1], heads)  # seeded: trained again, the same gates
+    capped, _, capped_report = runs["capped"]
+    assert capped["gate_steps"] == 50 and 1 <= capped["gate_steps_done"] < 50
+    assert (f"The time cap of 1e-06 s stopped DuoAttention's gate training after {capped['gate_steps_done']} of its "
+            "50 steps") in capped_report
