@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from core_models import build, small, tokens
+from near_ties import argmax_loop, assert_greedy_agrees
 from smol import needs_smol
 
 import interp
@@ -152,9 +153,15 @@ def test_h2o_keeps_the_recent_window_and_the_heaviest_hitters_by_hand(gqa):
         mass = acts[f"blocks.{layer}.attn.hook_pattern"][0].sum(1)  # [heads, keys]: attention received
         mass = mass.view(N_KV, N_HEADS // N_KV, -1).sum(1)
         for h in range(N_KV):
-            want = {17, 18, 19} | set(mass[h, :17].topk(5).indices.tolist())
+            # the cache sums the same attention in another order: a key within round-off of the 5th heaviest
+            # may be kept in its place, on another CPU (issue 36); every clearly heavier key must be kept
             got = set(cache.held_mask(layer)[0, h].nonzero().flatten().tolist())
-            assert got == want
+            older = mass[h, :17].double()
+            fifth = float(older.topk(5).values[-1])
+            clear = set((older > fifth + 1e-5).nonzero().flatten().tolist())
+            tied = set((older - fifth).abs().le(1e-5).nonzero().flatten().tolist())
+            assert len(got) == 8 and {17, 18, 19} <= got and clear <= got and got - {17, 18, 19} <= clear | tied
+            assert len(clear) >= 3  # mostly decided by clear margins: not a vacuous check
 
 
 def _kivi_by_hand(x, bits, group, axis):
@@ -359,4 +366,6 @@ def test_a_windowed_model_caches_only_what_each_layer_sees():
     per_token = 2 * model.cfg.kv_heads * model.cfg.head_dim * 4
     assert window.nbytes == 28 * per_token + 6 * (per_token + 4 * model.cfg.kv_heads)  # layer 1: 28 tokens; layer 0: 6 + slots
     out = model.generate(toks, 12, stop_at_eos=False)  # generate uses the window cache by default here
-    assert torch.equal(out, model.generate(toks, 12, stop_at_eos=False, kv_precision="fp32"))
+    seq, scores = argmax_loop(model, toks, 12)  # full forwards under the model's own window masks
+    assert_greedy_agrees(out, seq, scores, start=20)  # the caches and the forwards round differently
+    assert_greedy_agrees(model.generate(toks, 12, stop_at_eos=False, kv_precision="fp32"), seq, scores, start=20)

@@ -17,6 +17,7 @@ import interp.analyses  # noqa: E402
 from hf_cases import build_hf  # noqa: E402
 from interp.interop import bridge_from_hf  # noqa: E402
 from tl_pairs import CASES, CLEAN, TEXT, close, pair, tokenizer  # noqa: E402
+from near_ties import assert_greedy_agrees  # noqa: E402
 from transformer_lens.head_detector import detect_head  # noqa: E402
 
 
@@ -374,8 +375,9 @@ def test_smollm2_generate_matches_transformers_and_the_bridge():
     for p in prompts:
         toks = ours.to_tokens(p)
         theirs = hf.generate(toks, attention_mask=torch.ones_like(toks), max_new_tokens=16, do_sample=False,
-                             eos_token_id=eos, pad_token_id=eos)
-        assert ours.generate(toks, max_new_tokens=16).tolist() == theirs.tolist(), p
+                             eos_token_id=eos, pad_token_id=eos, output_scores=True, return_dict_in_generate=True)
+        got = ours.generate(toks, max_new_tokens=16)
+        assert_greedy_agrees(got, theirs.sequences, torch.stack(theirs.scores, 1), start=toks.shape[1])
     chat = ours.generate(prompts[1], max_new_tokens=16, return_type="tokens")
     assert chat[0, -1] == eos and chat.shape[1] < ours.to_tokens(prompts[1]).shape[1] + 16  # stopped at <|im_end|>
     bridge = bridge_from_hf(hf, tokenizer=hf_tok, copy_model=False)
