@@ -192,6 +192,8 @@ def _file_chunks(path: str):
     try:
         with open(path, encoding="utf-8") as f:
             while chunk := f.read(_PIECE_CHARS):
+                if "\x00" in chunk:  # valid UTF-8, but no text holds NUL: a binary file (an image, a tensor ...)
+                    raise ValueError(f"--text-file {path} holds NUL bytes: a binary file, not UTF-8 text")
                 yield chunk
     except FileNotFoundError:
         raise FileNotFoundError(f"--text-file {path}: no such file") from None

@@ -206,3 +206,27 @@ def test_a_damaged_data_file_is_one_line_before_any_model_loads(damaged, tmp_pat
     evaldata.read_bytes.cache_clear()
     with pytest.raises(evaldata.BrokenInstall, match="cannot be read"):
         evaldata.heldout_docs.__wrapped__()
+
+
+# ---- bad --text-file: one line, before any model loads ----------------------------------------------------
+@pytest.mark.parametrize("content, message", [
+    (b"", "too short"),
+    (b"\x00" * 20_000, "binary file"),
+    (b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 40, "not UTF-8"),
+    ("caf\u00e9 ".encode("latin-1") * 4000, "not UTF-8"),
+    (b"short text " * 10, "too short"),
+])
+@pytest.mark.parametrize("command", [["analyze", "attn-only-2l"], ["kv", "attn-only-2l", "--seq-len", "200"],
+                                     ["kv", "attn-only-2l", "--task", "passkey", "--lengths", "248", "--seq-len", "200"]])
+def test_a_bad_text_file_is_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch, content, message, command):
+    import interp
+
+    monkeypatch.setattr(interp, "load", lambda *a, **k: pytest.fail("the model must not load"))
+    monkeypatch.setattr("interp.models.checkpoint.load_checkpoint", lambda *a, **k: pytest.fail("no checkpoint loads"))
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(content)
+    out = tmp_path / "out"
+    assert cli([*command, "--out", str(out), "--text-file", str(bad), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not out.exists()
