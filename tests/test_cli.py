@@ -77,7 +77,7 @@ def test_settings_are_checked_before_any_checkpoint_is_loaded(run_dir, tmp_path,
     base = ["sweep", str(run_dir), "--out", str(out), "--no-progress"]
     _refused(capsys, base + ["--seq-len", str(CFG.n_ctx * 4)], f"pass --seq-len {CFG.n_ctx} or less", out)
     if not torch.cuda.is_available():
-        _refused(capsys, base + ["--device", "cuda:7"], "--device cuda:7 is not available", out)
+        _refused(capsys, base + ["--device", "cuda:7"], "device 'cuda:7' is not available: this machine has cpu", out)
     _refused(capsys, base + ["--analyses", "induction,nope"], "unknown analyses ['nope']", out)
     _refused(capsys, base + ["--data-file", str(tmp_path / "none.npy")], "does not exist", out)
     floats = tmp_path / "floats.npy"

@@ -25,6 +25,7 @@ from interp.analyses.head_roles import (
     selection_runs,
 )
 from interp.analyses.tasks import passkey_prompt
+from interp.models.device import simulated_gpu
 from interp.models.errors import BadValue
 
 
@@ -245,7 +246,8 @@ def test_the_atlas_retrieval_analysis_gives_the_retrieval_column(zoo):
     handles = [zoo.add_hook("blocks.0.attn.hook_attn_scores", force_attention),
                zoo.add_hook(f"blocks.{zoo.cfg.n_layers - 1}.hook_resid_post", force_answer)]
     try:
-        rows = entry.run(Context(model=zoo, tokens=tokens(1, 16, vocab=200), data=None))
+        with simulated_gpu():  # as on a GPU: no host tensor meets the model's (tests/test_device.py)
+            rows = entry.run(Context(model=zoo, tokens=tokens(1, 16, vocab=200).to(zoo.device), data=None))
     finally:
         for h in handles:
             h.remove()
