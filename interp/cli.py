@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "report": "interp.commands.report",
     "kv": "interp.commands.kv",
     "bench": "interp.commands.bench",
+    "generate": "interp.commands.generate",
     "doctor": "interp.commands.doctor",
 }
 

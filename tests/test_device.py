@@ -166,6 +166,7 @@ def test_the_default_device_and_the_compute_record():
 @pytest.mark.parametrize("argv", [
     ["analyze", "attn-only-2l"], ["sweep", "attn-only-2l"], ["kv", "attn-only-2l", "--seq-len", "128"],
     ["kv", "attn-only-2l", "--task", "passkey", "--lengths", "200", "--seq-len", "200"], ["demo"], ["doctor"],
+    ["generate", "attn-only-2l", "def f(x):"],
 ])
 def test_every_command_refuses_a_missing_gpu_in_one_line_before_loading(argv, tmp_path, monkeypatch, capsys):
     from interp.cli import main as cli
@@ -247,6 +248,8 @@ SIMULATED = [  # every command, tiny: what a --device cuda run does, on the CPU 
      "--depths", "0.5", "--prompts", "1", "--window", "32", "--fractions", "0.5", "--seq-len", "200",
      "--scoring-prompts", "1", "--selection-seeds", "1"],
     ["demo", "--seq", "32"],
+    ["generate", "attn-only-2l", "def f(x):", "--max-new-tokens", "8", "--kv-policy", "streaming(4,8)"],
+    ["generate", "attn-only-2l", "def f(x):", "--max-new-tokens", "8", "--sample", "--top-p", "0.9"],
 ]
 
 
@@ -280,3 +283,34 @@ def test_a_host_tensor_among_device_ones_fails_on_the_simulated_gpu(monkeypatch)
         monkeypatch.setattr(heads, "earlier_occurrences", lambda t: counts(t.cpu()))
         with pytest.raises(DeviceMixError, match="mixes tensors on the device with host tensor"):
             heads.detect_heads(model, tokens, method="streaming")
+
+
+# ---- interp generate -----------------------------------------------------------------------------------
+def test_generate_prints_what_model_generate_gives(capsys):
+    from interp.cli import main as cli
+
+    model = interp.load("attn-only-2l")
+    for extra, kwargs in (([], {}), (["--sample", "--temperature", "0.7", "--seed", "3"],
+                                     dict(do_sample=True, temperature=0.7, seed=3)),
+                          (["--kv-policy", "streaming(4,8)"], dict(kv_policy="streaming(4,8)"))):
+        assert cli(["generate", "attn-only-2l", "def f(x):", "--max-new-tokens", "12", *extra]) == 0
+        out = capsys.readouterr().out
+        tokens = model.to_tokens("def f(x):")
+        want = model.generate(tokens, 12, **kwargs)[0, tokens.shape[1]:]
+        assert out.startswith("def f(x):" + model.to_string(want) + "\n"), (extra, out)
+        assert "12 new tokens in" in out
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+    (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--temperature", "0"], "temperature must be > 0.0"),
+    (["--kv-policy", "lru(3)"], "unknown KV-cache policy 'lru(3)'"),
+    (["--max-new-tokens", "1000"], "longer than this model's context (n_ctx=256)"),
+])
+def test_generate_bad_settings_are_one_line(extra, message, capsys):
+    from interp.cli import main as cli
+
+    assert cli(["generate", "attn-only-2l", "def f(x):", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
