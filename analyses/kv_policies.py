@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from interp.models.errors import BadValue
-from interp.models.kv_policy import WINDOW, Policy, PolicyMap, parse_policies, resolve_policies, split_policies
+from interp.models.kv_policy import WINDOW, Policy, PolicyMap, is_window, parse_policies, resolve_policies, split_policies
 
 from . import plots
 from ._common import progress
@@ -82,7 +82,7 @@ class PolicyRun:
         return all(p.shares_prefill for row in self.grid(model, max_len) for p in row)
 
     def needs_queries(self, model, max_len: int) -> bool:
-        return any(p.kind in ("h2o", "snapkv") for row in self.grid(model, max_len) for p in row)
+        return any(p.reads_queries for row in self.grid(model, max_len) for p in row)
 
     def cache(self, model, max_len: int):
         return model.new_kv_cache(1, max_len, policy=self.policy, default=self.default)
@@ -95,10 +95,10 @@ def policy_runs(policies: str | Sequence[Policy]) -> list[PolicyRun]:
     if not isinstance(policies, str):
         return [PolicyRun(p.name, p, budget=p.budget) for p in policies]
     names = split_policies(policies)
-    windows = [n for n in names if n.strip().lower() == WINDOW]
+    windows = [n for n in names if is_window(n)]
     if len(windows) > 1:
         raise BadValue("KV-cache policy listed twice: window")
-    rest = [n for n in names if n.strip().lower() != WINDOW]
+    rest = [n for n in names if not is_window(n)]
     parsed = parse_policies(",".join(rest)) if rest or not windows else []
     runs = [PolicyRun(p.name, p, budget=p.budget) for p in parsed]
     if windows:

@@ -1,7 +1,7 @@
 """`KVCache` (generation and analysis): per layer, the keys (after RoPE) and values of every token seen
 so far, for the kv-heads only (GQA/MQA), preallocated to `max_len`; optionally the queries too, so
 that analyses can compute any head statistic or pattern slice after a fast fused forward or a
-generation without re-running the model. Quantized codes: `kv_cache_quant.QuantizedKVCache`.
+generation without re-running the model. Per-head policies and precisions: `kv_cache_policy.PolicyKVCache`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ class KVCache:
     n_sink       : keys j < n_sink stay visible past a sliding window in forwards through this
                    cache (StreamingLLM's attention sinks, Xiao et al. 2023); 0 for a plain window
 
-    Memory: 2 * n_layers * kv_heads * d_head * max_len * batch * dtype_bytes (`nbytes`).
+    Memory: 2 * n_layers * kv_heads * d_head * max_len * batch * dtype_bytes (`allocated_nbytes`); what the
+    tokens so far hold: `held_nbytes` (= `nbytes`), per token `bytes_per_token()`.
     """
 
     def __init__(
@@ -55,14 +56,29 @@ class KVCache:
         self.batch_size, self.max_len = batch_size, max_len
 
     def _allocate(self, shape: tuple, dtype: torch.dtype, device) -> None:
-        """Key and value storage; `QuantizedKVCache` stores codes and scales instead."""
+        """Key and value storage; `PolicyKVCache` stores each head's policy instead."""
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
 
     @property
-    def nbytes(self) -> int:
-        """Bytes held by keys and values (queries, if captured, are `query_nbytes`)."""
+    def held_nbytes(self) -> int:
+        """Bytes of keys and values held for the tokens cached so far (queries, if captured: `query_nbytes`)."""
+        n_layers, b, kv, _, d = self.keys.shape
+        return 2 * n_layers * b * kv * self.length * d * self.keys.element_size()
+
+    @property
+    def allocated_nbytes(self) -> int:
+        """Bytes the key and value storage occupies (preallocated for `max_len`)."""
         return self.keys.numel() * self.keys.element_size() * 2
+
+    @property
+    def nbytes(self) -> int:
+        """`held_nbytes`: what is held for the tokens so far (the same on every cache class)."""
+        return self.held_nbytes
+
+    def bytes_per_token(self) -> float:
+        """Held bytes per cached token of one sequence (all layers, keys and values)."""
+        return self.held_nbytes / (max(self.length, 1) * self.batch_size)
 
     @property
     def query_nbytes(self) -> int:
@@ -73,7 +89,7 @@ class KVCache:
         q = f", queries {self.query_nbytes / 2**20:.2f} MiB" if self.queries is not None else ""
         return (
             f"KVCache(layers={n_layers}, batch={b}, kv_heads={kv}, d_head={dh}, length={self.length}/{max_len}, "
-            f"{self.keys.dtype}, {self.nbytes / 2**20:.2f} MiB{q})"
+            f"{self.keys.dtype}, {self.allocated_nbytes / 2**20:.2f} MiB{q})"
         )
 
     def reserve(self, n_new: int, batch: int) -> None:

@@ -26,20 +26,23 @@ streaming heads; then each head keeps what its policy says (KIVI quantizes every
 R tokens, H2O its budget by attention received from every prompt query, SnapKV by the votes of the
 last W prompt queries). Calls with several new tokens evict once per call.
 
-`nbytes` counts what is held now: codes, scales and zero points, full-precision residuals, kept keys
-and values, their slots and scores; `allocated_nbytes` what the storage occupies (dense and KIVI
-storage is preallocated for `max_len`).
+`held_nbytes` (also `nbytes`) counts what is held now: codes, scales and zero points, full-precision
+residuals, kept keys and values, their slots and scores; `allocated_nbytes` what the storage occupies
+(dense and KIVI storage is preallocated for `max_len`). Both mean the same on every cache (`KVCache`).
+`precision=` (a quantized cache) is a spelling of `policy=`: a precision is the policy `Dense(name)`.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from interp.kernels.attention import AttentionMask
 from interp.kernels.kv_quant import (
-    bytes_per_vector,
+    code_dtype,
+    code_shape,
+    dequantize,
+    quantize,
     kivi_dequantize_keys,
     kivi_dequantize_values,
     kivi_quantize_keys,
@@ -49,10 +52,36 @@ from interp.kernels.visibility import visible
 
 from .errors import BadValue, UserError
 from .kv_cache import KVCache
-from .kv_cache_quant import PrecisionStore
-from .kv_policy import H2O, Dense, Kivi, Policy, SnapKV, Streaming, resolve_policies
+from .kv_policy import CacheView, Dense, Kivi, Policy, SubsetPolicy, resolve_policies, theory_bytes_per_token
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+class PrecisionStore:
+    """Codes (and scales) of a group of KV heads of one layer that share a precision."""
+
+    def __init__(self, precision: str, heads: list[int], batch: int, max_len: int, d_head: int, device) -> None:
+        self.precision, self.heads = precision, heads
+        self.index = torch.tensor(heads, device=device)
+        shape = (batch, len(heads), max_len)
+        self.codes = [torch.zeros(*shape, code_shape(precision, d_head), dtype=code_dtype(precision), device=device)
+                      for _ in range(2)]  # keys, values
+        self.scales = [None if precision in ("fp32", "fp16", "bf16") else torch.zeros(shape, device=device)
+                       for _ in range(2)]
+
+    def write(self, which: int, x: Tensor, start: int) -> None:
+        codes, scale = quantize(x[:, self.index], self.precision)
+        self.codes[which][:, :, start : start + x.shape[2]] = codes
+        if scale is not None:
+            self.scales[which][:, :, start : start + x.shape[2]] = scale
+
+    def read(self, which: int, end: int, dtype: torch.dtype) -> Tensor:
+        scale = None if self.scales[which] is None else self.scales[which][:, :, :end]
+        return dequantize(self.codes[which][:, :, :end], scale, self.precision, dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.codes, *self.scales) if t is not None)
 
 
 def _nbytes(*tensors) -> int:
@@ -105,7 +134,7 @@ class _Group:
 
 
 class _DenseGroup(_Group):
-    """Every token in a precision (`kv_cache_quant.PrecisionStore`)."""
+    """Every token in a precision (`PrecisionStore`)."""
 
     def __init__(self, policy: Dense, *args) -> None:
         super().__init__(policy, *args)
@@ -204,10 +233,11 @@ class _SubsetGroup(_Group):
 
     contiguous = False
 
-    def __init__(self, policy: Policy, *args) -> None:
+    def __init__(self, policy: SubsetPolicy, *args) -> None:
         super().__init__(policy, *args)
-        self.k = self.v = self.slots = self.score = None
-        self.compressed = False  # SnapKV: done once, after the prompt
+        self.k = self.v = self.slots = None
+        self.state: dict = {}  # the policy's own, across calls (SnapKV's "done")
+        self.entries: dict[str, Tensor] = {}  # per held entry, beside it (H2O's scores)
 
     def keys(self, k, v, start, valid):
         k, v = self.mine(k), self.mine(v)
@@ -222,14 +252,7 @@ class _SubsetGroup(_Group):
     def visible(self, S, start, n, window, own_window):
         q_slots = torch.arange(start, start + n, device=S.device)[:, None]
         rel = q_slots - S[:, :, None, :]  # [b, g, n, m]: p - j
-        sink = None
-        if isinstance(self.policy, Streaming):
-            w = self.policy.window if window is None else min(self.policy.window, window)
-            sink = (S < self.policy.sinks)[:, :, None, :]
-            if own_window is not None:  # sinks never beyond the layer's own window
-                sink = sink & (rel < own_window)
-        else:
-            w = window
+        w, sink = self.policy.visibility(rel, S, window, own_window)
         ok = visible(rel, causal=True, window=w, sink_key=sink) & (S >= 0)[:, :, None, :]
         # A query that sees no key (a padding query) is given its own, as `AttentionMask` does.
         empty = ~ok.any(-1, keepdim=True)
@@ -247,62 +270,19 @@ class _SubsetGroup(_Group):
             return ok[:, :1]
         return ok.repeat_interleave(self.n_rep, dim=1)
 
-    def _mass(self, q: Tensor, K: Tensor, ok: Tensor, scale: float) -> Tensor:
-        """[b, g, m]: attention each held key receives from the queries q [b, g * rep, nq, d] (softmax
-        over the visible keys `ok` [b, g, nq, m]), summed over the queries and the group's query heads."""
-        b, hq, nq, _ = q.shape
-        g, m = K.shape[1], K.shape[2]
-        Kx = K.repeat_interleave(self.n_rep, dim=1)
-        total = torch.zeros(b, g, m, device=q.device)
-        hidden = ~self.per_query_head(ok)  # [b, 1 or hq, nq, m]
-        step = max(1, (1 << 24) // max(1, b * hq * m))
-        for a in range(0, nq, step):
-            s = torch.matmul(q[:, :, a : a + step], Kx.transpose(-1, -2)).float().mul_(scale)
-            s.masked_fill_(hidden[:, :, a : a + step], float("-inf"))
-            total += torch.softmax(s, dim=-1).sum(2).view(b, g, self.n_rep, m).sum(2)
-        return total
-
     def after(self, q, K, V, S, ok, scale, start, n):
-        p, last, valid = self.policy, start + n - 1, S >= 0
-        inf = torch.tensor(float("inf"), device=S.device)
-        score = None
-        if isinstance(p, Streaming):
-            m = S.shape[-1]
-            if m > p.budget and bool(valid.all()):  # no padding: entries are in slot order, so the sinks are
-                # the first `sinks` entries and the window the last `window`: slices, no top-k or gather
-                cut = lambda x: torch.cat([x[:, :, : p.sinks], x[:, :, m - p.window :]], dim=2)  # noqa: E731
-                self.k, self.v, self.slots = cut(K), cut(V), cut(S[..., None])[..., 0].to(torch.int32)
-                return
-            keep = valid & ((S < p.sinks) | (S > last - p.window))
-            prio, cap = torch.where(keep, inf, -inf), p.budget
-        elif isinstance(p, H2O):
-            mass = self._mass(q, K, ok, scale)
-            old = self.score if self.score is not None else mass.new_zeros(*mass.shape[:2], 0)
-            score = torch.cat([old, mass.new_zeros(*mass.shape[:2], n)], dim=2) + mass
-            recent = valid & (S > last - p.n_recent)
-            prio, cap = torch.where(recent, inf, torch.where(valid, score, -inf)), p.size
-        else:  # SnapKV
-            if self.compressed or K.shape[2] <= p.size:
-                self.compressed = True
-                self.k, self.v, self.slots = K, V, S.to(torch.int32)
-                return
-            w = min(p.window, n)
-            votes = self._mass(q[:, :, -w:], K, ok[:, :, -w:], scale)
-            pooled = F.avg_pool1d(votes.flatten(0, 1)[:, None], p.kernel, stride=1, padding=p.kernel // 2,
-                                  count_include_pad=False)[:, 0].view_as(votes)
-            window = valid & (S > last - w)
-            prio, cap = torch.where(window, inf, torch.where(valid, pooled, -inf)), p.size
-            self.compressed = True
-        self._keep(K, V, S, score, prio, cap)
-
-    def _keep(self, K, V, S, score, prio, cap) -> None:
-        c = min(cap, prio.shape[-1])
-        idx = prio.topk(c, dim=-1).indices.sort(dim=-1).values  # slot order
-        chosen = prio.gather(-1, idx)
-        take = lambda x: x.gather(2, idx[..., None].expand(-1, -1, -1, x.shape[-1]))
+        view = CacheView(K, V, S, q, ok, scale, start, n, self.n_rep, self.state, self.entries)
+        chosen = self.policy.evict(view)
+        if chosen is None:  # every entry stays
+            self.k, self.v, self.slots = K, V, S.to(torch.int32)
+            self.entries = dict(view.entries)
+            return
+        idx, kept = chosen
+        take = lambda x: x.gather(2, idx[..., None].expand(-1, -1, -1, x.shape[-1]))  # noqa: E731
         self.k, self.v = take(K), take(V)
-        self.slots = S.gather(-1, idx).masked_fill(chosen == float("-inf"), -1).to(torch.int32)
-        self.score = None if score is None else score.gather(-1, idx)
+        slots = S.gather(-1, idx)
+        self.slots = (slots if kept is None else slots.masked_fill(~kept, -1)).to(torch.int32)
+        self.entries = {name: x.gather(-1, idx) for name, x in view.entries.items()}
 
     def read(self, which, length):
         out = torch.zeros(self.batch, len(self.heads), length, self.d_head, dtype=self.dtype, device=self.device)
@@ -321,15 +301,14 @@ class _SubsetGroup(_Group):
     def nbytes(self, length):
         if self.k is None:
             return 0
-        per_entry = 2 * self.d_head * self.k.element_size() + 4 + (4 if self.score is not None else 0)
+        per_entry = 2 * self.d_head * self.k.element_size() + 4 + sum(x.element_size() for x in self.entries.values())
         return int((self.slots >= 0).sum()) * per_entry
 
     def allocated_nbytes(self):
-        return _nbytes(self.k, self.v, self.slots, self.score)
+        return _nbytes(self.k, self.v, self.slots, *self.entries.values())
 
 
-_GROUPS = {"dense": _DenseGroup, "kivi": _KiviGroup, "streaming": _SubsetGroup, "h2o": _SubsetGroup,
-           "snapkv": _SubsetGroup}
+_STORES = {"dense": _DenseGroup, "kivi": _KiviGroup, "subset": _SubsetGroup}  # by `Policy.layout`
 
 
 class PolicyKVCache(KVCache):
@@ -354,7 +333,7 @@ class PolicyKVCache(KVCache):
             by_policy: dict[Policy, list[int]] = {}
             for head, p in enumerate(row):
                 by_policy.setdefault(p, []).append(head)
-            self.groups.append([_GROUPS[p.kind](p, heads, n_rep, kv, batch, max_len, d_head, dtype, device)
+            self.groups.append([_STORES[p.layout](p, heads, n_rep, kv, batch, max_len, d_head, dtype, device)
                                 for p, heads in by_policy.items()])
 
     # ---- attention ------------------------------------------------------------------------------
@@ -374,6 +353,16 @@ class PolicyKVCache(KVCache):
             K, V, _ = g.keys(k, v, start, valid)
             z = run(q, K, V, mask)
             g.after(q, K, V, None, None, scale, start, n)
+            return z
+        if all(g.contiguous for g in groups):  # precisions per head: still one pattern, one call (hooks too)
+            parts = [(g, *g.keys(k, v, start, valid)[:2]) for g in groups]
+            K = k.new_empty(*k.shape[:2], parts[0][1].shape[2], k.shape[3])
+            V = torch.empty_like(K)
+            for g, Kg, Vg in parts:
+                K[:, g.index], V[:, g.index] = Kg, Vg
+            z = run(q, K, V, mask)
+            for g, Kg, Vg in parts:
+                g.after(q[:, g.q_index], Kg, Vg, None, None, scale, start, n)
             return z
         if hooked:
             raise UserError(f"layer {layer}'s KV heads hold different tokens ({self.describe(layer)}), so no single "
@@ -412,10 +401,10 @@ class PolicyKVCache(KVCache):
         if differ:
             raise BadValue(f"absorb(): the prefill of {', '.join(differ)} is not the full model's (it attends through "
                            "its window or reads its own codes): run its own, model(prompt, kv_cache=cache)")
-        stats = any(isinstance(p, (H2O, SnapKV)) for row in self.policies for p in row)
-        if stats and full.queries is None:
-            raise BadValue("absorb(): H2O and SnapKV choose tokens by the prompt's attention; make the prefill cache "
-                           "with model.new_kv_cache(..., capture_queries=True)")
+        readers = sorted({p.name for row in self.policies for p in row if p.reads_queries})
+        if readers and full.queries is None:
+            raise BadValue(f"absorb(): {', '.join(readers)} choose tokens by the prompt's attention; make the prefill "
+                           "cache with model.new_kv_cache(..., capture_queries=True)")
         valid = full.valid()
         for layer, groups in enumerate(self.groups):
             attn = model.blocks[layer].attn
@@ -454,17 +443,14 @@ class PolicyKVCache(KVCache):
         return self._gather(layer, lambda g: g.held(self.length))
 
     @property
-    def nbytes(self) -> int:
+    def held_nbytes(self) -> int:
         """Bytes held now (module docstring): every layer, keys and values, codes, scales, slots, scores."""
         return sum(g.nbytes(self.length) for row in self.groups for g in row)
 
     @property
     def allocated_nbytes(self) -> int:
+        """Bytes the storage occupies (dense and KIVI storage is preallocated for `max_len`)."""
         return sum(g.allocated_nbytes() for row in self.groups for g in row)
-
-    def bytes_per_token(self) -> float:
-        """Held bytes per cached token of one sequence (all layers, keys and values)."""
-        return self.nbytes / (max(self.length, 1) * self.batch_size)
 
     def describe(self, layer: int | None = None) -> str:
         rows = self.policies if layer is None else [self.policies[layer]]
@@ -474,28 +460,11 @@ class PolicyKVCache(KVCache):
     def __repr__(self) -> str:
         return (f"PolicyKVCache(layers={self.shape[0]}, batch={self.batch_size}, kv_heads={self.shape[2]}, "
                 f"d_head={self.shape[4]}, length={self.length}/{self.max_len}, policies {self.describe()}, "
-                f"{self.nbytes / 2**20:.2f} MiB held)")
+                f"{self.held_nbytes / 2**20:.2f} MiB held)")
 
     def reset(self) -> None:
         super().reset()
         self._allocate(self.shape, self.dtype, self.device)
 
 
-def theory_bytes_per_token(policy: Policy, *, n_layers: int, n_kv_heads: int, d_head: int, length: int,
-                           dtype_bytes: int = 4) -> float:
-    """What `policy` on every head should hold per token of a `length`-token sequence, from its
-    definition (the benchmark prints it beside the measured `bytes_per_token`)."""
-    heads = n_layers * n_kv_heads
-    if isinstance(policy, Dense):
-        name = policy.precision if policy.precision != "full" else {4: "fp32", 2: "fp16"}[dtype_bytes]
-        return heads * 2 * bytes_per_vector(name, d_head)
-    if isinstance(policy, Kivi):
-        nq = length // policy.residual * policy.residual
-        per_q = 2 * d_head * policy.bits / 8 + 2 * 2 * d_head / policy.group + 2 * 2 * d_head / policy.group
-        return heads * (nq * per_q + (length - nq) * 2 * d_head * dtype_bytes) / length
-    held = min(policy.budget, length)
-    per = 2 * d_head * dtype_bytes + 4 + (4 if isinstance(policy, H2O) else 0)
-    if isinstance(policy, SnapKV):
-        held = length if length <= policy.size else policy.size  # after a prompt of `length` tokens
-    return heads * held * per / length
-
+__all__ = ["PolicyKVCache", "theory_bytes_per_token"]

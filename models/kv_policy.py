@@ -1,4 +1,4 @@
-"""KV-cache policies: what one KV head keeps of the context, by name or as an object.
+"""KV-cache policies: what one KV head keeps of the context. One class per policy.
 
     full               every token, in the model's dtype (the unmodified model)
     fp32 fp16 bf16     every token, stored in that precision
@@ -12,6 +12,25 @@
     snapkv(B) snapkv(B,W,K)  SnapKV (Li et al. 2024): after the prompt, B tokens: the last W prompt
                        tokens (default 32) and the prefix tokens most attended by those W queries,
                        votes average-pooled over K neighbours (default 7); later tokens all kept
+    knorm(B)           KNorm (Devoto et al. 2024, kvpress's KnormPress): after the prompt, the B keys
+                       of smallest L2 norm; later tokens all kept
+    tova(B)            TOVA (Oren et al. 2024): B tokens; after every call, the entries the call's last
+                       query attends to least (mean over the KV head's query heads) are evicted
+
+A policy is one class: its names and arguments (`names`, `from_args`), what it needs (`reads_queries`),
+where its entries live (`layout`: every token in slot order, "dense" or "kivi", or a chosen "subset"),
+how it chooses (a subset policy's `priority(view)`: a score per entry, kept by the shared top-k step
+`keep_top`), and its byte theory (`theory_bytes`). Defining a subclass registers its names: a policy
+written outside the package (a test file) parses, runs in `PolicyKVCache`, `absorb`, the studies and the
+benchmark with no other file touched:
+
+    @dataclass(frozen=True)
+    class Oldest(SubsetPolicy):          # keep the B oldest tokens
+        size: int = 64
+        names: ClassVar[tuple[str, ...]] = ("oldest",)
+
+        def priority(self, view):
+            return -view.slots.float()      # earlier slots first; padding is dropped by the shared step
 
 Names parse with `parse_policy("streaming(4,128)")` (or "streaming:4:128"); a map gives each
 (layer, KV head) its own: `resolve_policies({3: "streaming(4,128)", (5, 1): "kivi4"}, ...)`.
@@ -21,46 +40,93 @@ before it, so a streaming head holds S + W entries.
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from dataclasses import dataclass
-from typing import ClassVar, Mapping, Sequence, Union
+from dataclasses import dataclass, field
+from typing import ClassVar, Mapping, NamedTuple, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from interp.kernels.kv_quant import bytes_per_vector
 
 from .errors import BadValue
 
-DENSE = ("full", "fp32", "fp16", "bf16", "int8", "fp8", "int4")
+_REGISTRY: dict[str, type["Policy"]] = {}
 
 
 @dataclass(frozen=True)
 class Policy:
-    """One KV head's cache policy. `holds_all`: keeps every token (codes may be lossy);
-    `shares_prefill`: its prefill computes exactly what the full model computes (so one full prefill
-    serves it, `PolicyKVCache.absorb`); `budget`: tokens held per head, None when unbounded."""
+    """One KV head's cache policy (frozen: a policy is a value, equal policies share storage).
 
-    kind: ClassVar[str] = ""
-    holds_all: ClassVar[bool] = True
+    Class attributes a policy declares:
+      names           the names it parses from ("streaming"; "kivi4", "kivi2"; every precision)
+      form            how to write it, for help and errors ("streaming(S,W)")
+      layout          "dense" / "kivi": every token in slot order (the model's own mask applies);
+                      "subset": held entries with their slots (`PolicyKVCache`)
+      holds_all       keeps every token (its codes may be lossy)
+      reads_queries   chooses by the queries' attention: a prefill it absorbs must keep the queries
+      shares_prefill  its prefill computes what the full model's does, so one full prefill serves it
+    """
+
+    names: ClassVar[tuple[str, ...]] = ()
+    form: ClassVar[str] = ""
+    layout: ClassVar[str] = "subset"
+    holds_all: ClassVar[bool] = False
+    reads_queries: ClassVar[bool] = False
     shares_prefill: ClassVar[bool] = True
+    arity: ClassVar[tuple[int, int]] = (0, 0)  # how many whole-number arguments its name takes
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in cls.__dict__.get("names", ()):
+            other = _REGISTRY.get(name)
+            if other is not None and (other.__module__, other.__qualname__) != (cls.__module__, cls.__qualname__):
+                raise ValueError(f"KV-cache policy name {name!r} is taken by {other.__module__}.{other.__qualname__}")
+            _REGISTRY[name] = cls
+
+    @classmethod
+    def from_args(cls, name: str, args: list[int]) -> "Policy":
+        """The policy `name(args...)` (arguments already counted against `arity`)."""
+        return cls(*args)
 
     @property
     def name(self) -> str:
-        raise NotImplementedError
+        """The canonical spelling (parses back to an equal policy)."""
+        args = [getattr(self, f.name) for f in dataclasses.fields(self)]
+        return f"{self.names[0]}({','.join(map(str, args))})" if args else self.names[0]
 
     @property
     def budget(self) -> int | None:
+        """Tokens held per head, None when unbounded."""
         return None
 
     def check(self, max_len: int, d_head: int) -> None:
         """Raise BadValue when this policy cannot run in a cache of `max_len` tokens."""
 
+    def theory_bytes(self, *, d_head: int, length: int, dtype_bytes: int) -> float:
+        """Bytes one KV head should hold per token of a `length`-token sequence (keys and values), from the
+        definition: what the benchmark prints beside the measured `bytes_per_token`."""
+        raise NotImplementedError
+
     def __str__(self) -> str:
         return self.name
 
 
+# ---- every token -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Dense(Policy):
     """Every token kept, in `precision` ("full": the model's own dtype)."""
 
     precision: str = "full"
-    kind: ClassVar[str] = "dense"
+    names: ClassVar[tuple[str, ...]] = ("full", "fp32", "fp16", "bf16", "int8", "fp8", "int4")
+    layout: ClassVar[str] = "dense"
+    holds_all: ClassVar[bool] = True
+
+    @classmethod
+    def from_args(cls, name, args):
+        return cls(name)
 
     @property
     def name(self) -> str:
@@ -74,13 +140,25 @@ class Dense(Policy):
         if self.precision == "int4" and d_head % 2:
             raise BadValue(f"int4 packs two codes per byte and needs an even d_head; this model's is {d_head}")
 
+    def theory_bytes(self, *, d_head, length, dtype_bytes):
+        name = self.precision if self.precision != "full" else {4: "fp32", 2: "fp16"}[dtype_bytes]
+        return 2 * bytes_per_vector(name, d_head)
+
 
 @dataclass(frozen=True)
 class Kivi(Policy):
     bits: int = 4
     group: int = 32
     residual: int = 32
-    kind: ClassVar[str] = "kivi"
+    names: ClassVar[tuple[str, ...]] = ("kivi4", "kivi2")
+    form: ClassVar[str] = "kivi4 or kivi4(group,residual)"
+    layout: ClassVar[str] = "kivi"
+    holds_all: ClassVar[bool] = True
+    arity: ClassVar[tuple[int, int]] = (0, 2)
+
+    @classmethod
+    def from_args(cls, name, args):
+        return cls(int(name[-1]), *args)
 
     @property
     def name(self) -> str:
@@ -95,22 +173,153 @@ class Kivi(Policy):
             raise BadValue(f"{self.name}: the residual ({self.residual} full-precision tokens) must be a multiple "
                            f"of the group size ({self.group}), since keys are quantized a whole group at a time")
 
+    def theory_bytes(self, *, d_head, length, dtype_bytes):
+        nq = length // self.residual * self.residual
+        per_q = 2 * d_head * self.bits / 8 + 2 * 2 * d_head / self.group + 2 * 2 * d_head / self.group
+        return (nq * per_q + (length - nq) * 2 * d_head * dtype_bytes) / length
+
 
 def _divisor(d: int) -> int:
     return max(g for g in (8, 16, 32, 64) if d % g == 0) if d % 8 == 0 else 1
 
 
-@dataclass(frozen=True)
-class Streaming(Policy):
-    sinks: int = 4
-    window: int = 128
-    kind: ClassVar[str] = "streaming"
-    holds_all: ClassVar[bool] = False
-    shares_prefill: ClassVar[bool] = False  # its prefill attends through the window
+# ---- a subset of the tokens --------------------------------------------------------------------------
+class Selection(NamedTuple):
+    """Which entries a head keeps: `index` [b, g, c] into the entries (slot order), and `kept` [b, g, c]
+    (False: the place is padding, its slot becomes -1); None when every chosen entry is kept."""
+
+    index: Tensor
+    kept: Tensor | None = None
+
+
+@dataclass
+class CacheView:
+    """What a subset policy sees when it chooses: one layer's KV heads that share it, after an attention call.
+
+    keys, values  [b, g, m, d]  the entries held before the call, then the call's own
+    slots         [b, g, m]     each entry's cache slot (its token's index); -1 for padding
+    queries       [b, g * n_rep, n, d]  the call's queries (None where the policy does not read them)
+    visible       [b, g, n, m]  which entries each of the call's queries saw
+    start, n      the call's first slot and its number of tokens
+    state         the policy's own values for these heads, kept across calls (SnapKV's "done")
+    entries       per-entry values [b, g, m] kept beside each entry (H2O's scores): gathered with the
+                  entries that stay; earlier ones are padded with zeros for the call's new entries
+    """
+
+    keys: Tensor
+    values: Tensor
+    slots: Tensor
+    queries: Tensor | None
+    visible: Tensor | None
+    scale: float
+    start: int
+    n: int
+    n_rep: int
+    state: dict = field(default_factory=dict)
+    entries: dict = field(default_factory=dict)
 
     @property
-    def name(self) -> str:
-        return f"streaming({self.sinks},{self.window})"
+    def last(self) -> int:
+        """The slot of the call's last token."""
+        return self.start + self.n - 1
+
+    @property
+    def valid(self) -> Tensor:
+        return self.slots >= 0
+
+    def recent(self, w: int) -> Tensor:
+        """bool [b, g, m]: real entries among the last `w` slots."""
+        return self.valid & (self.slots > self.last - w)
+
+    def entry(self, name: str) -> Tensor | None:
+        """A per-entry value kept from earlier calls, with zeros for this call's entries ([b, g, m]); None at first."""
+        old = self.entries.get(name)
+        if old is None:
+            return None
+        return torch.cat([old, old.new_zeros(*old.shape[:2], self.slots.shape[-1] - old.shape[-1])], dim=2)
+
+    def attention(self, last: int | None = None) -> Tensor:
+        """float32 [b, g, m]: the attention each entry receives from the call's queries (the `last` ones, or all),
+        softmax over what each saw, summed over those queries and the KV head's query heads."""
+        if self.queries is None:
+            raise BadValue("this policy reads the queries' attention, but the call gave none (a prefill absorbed "
+                           "from a cache made without capture_queries=True)")
+        q, ok = self.queries, self.visible
+        if last is not None:
+            q, ok = q[:, :, -last:], ok[:, :, -last:]
+        b, hq, nq, _ = q.shape
+        g, m = self.keys.shape[1], self.keys.shape[2]
+        K = self.keys.repeat_interleave(self.n_rep, dim=1)
+        hidden = ~ok.repeat_interleave(self.n_rep, dim=1) if ok.shape[1] > 1 else ~ok
+        total = torch.zeros(b, g, m, device=q.device)
+        step = max(1, (1 << 24) // max(1, b * hq * m))
+        for a in range(0, nq, step):
+            s = torch.matmul(q[:, :, a : a + step], K.transpose(-1, -2)).float().mul_(self.scale)
+            s.masked_fill_(hidden[:, :, a : a + step], float("-inf"))
+            total += torch.softmax(s, dim=-1).sum(2).view(b, g, self.n_rep, m).sum(2)
+        return total
+
+
+def keep_top(priority: Tensor, cap: int) -> Selection:
+    """The shared keep/evict step: per head, the `cap` entries of highest priority, in slot order; an entry of
+    priority -inf is never kept (where fewer than `cap` are eligible, the rest of the places are padding)."""
+    c = min(cap, priority.shape[-1])
+    index = priority.topk(c, dim=-1).indices.sort(dim=-1).values
+    kept = priority.gather(-1, index) > float("-inf")
+    return Selection(index, None if bool(kept.all()) else kept)
+
+
+_INF = float("inf")
+
+
+@dataclass(frozen=True)
+class SubsetPolicy(Policy):
+    """A policy that holds a chosen subset of the tokens. Subclasses give `priority(view)` (higher is kept,
+    +inf always, -inf never; padding is never kept), the field `size` (entries per head) or `budget`, and their
+    names; `evict` applies the shared step. Override `evict` to keep everything on some calls (return None) or
+    to choose without scores, and `visibility` to narrow what a query sees (StreamingLLM's window)."""
+
+    def __post_init__(self) -> None:
+        if type(self).priority is SubsetPolicy.priority and type(self).evict is SubsetPolicy.evict:
+            raise TypeError(f"{type(self).__name__} must define priority(view) (or evict(view))")
+
+    @property
+    def budget(self) -> int:
+        return self.size  # a subset policy's fields name its size `size` unless it overrides `budget`
+
+    entry_names: ClassVar[tuple[str, ...]] = ()  # per-entry float32 values it keeps (bytes: 4 each)
+
+    def priority(self, view: CacheView) -> Tensor | None:
+        """float [b, g, m]: how much each entry is worth keeping; None: keep every entry this call."""
+        raise NotImplementedError
+
+    def evict(self, view: CacheView) -> Selection | None:
+        prio = self.priority(view)
+        if prio is None:
+            return None
+        return keep_top(torch.where(view.valid, prio.float(), float("-inf")), self.budget)
+
+    def visibility(self, rel: Tensor, slots: Tensor, window: int | None, own_window: int | None):
+        """(window, sink mask or None) for `kernels.visibility.visible`: what a query sees of the held entries.
+        `rel` [b, g, n, m] is p - j; `window` the layer's (narrowed) window, `own_window` the layer's own."""
+        return window, None
+
+    def check(self, max_len: int, d_head: int) -> None:
+        _count(self.name, "budget", self.budget, 1, max_len)
+
+    def theory_bytes(self, *, d_head, length, dtype_bytes):
+        per_entry = 2 * d_head * dtype_bytes + 4 + 4 * len(self.entry_names)  # keys, values, slot, extras
+        return min(self.budget, length) * per_entry / length
+
+
+@dataclass(frozen=True)
+class Streaming(SubsetPolicy):
+    sinks: int = 4
+    window: int = 128
+    names: ClassVar[tuple[str, ...]] = ("streaming",)
+    form: ClassVar[str] = "streaming(sinks,window)"
+    shares_prefill: ClassVar[bool] = False  # its prefill attends through the window
+    arity: ClassVar[tuple[int, int]] = (2, 2)
 
     @property
     def budget(self) -> int:
@@ -123,13 +332,34 @@ class Streaming(Policy):
             raise BadValue(f"{self.name}: sinks + window = {self.sinks + self.window} tokens is more than the "
                            f"{max_len} this cache holds; use a smaller window (or plain 'full')")
 
+    def visibility(self, rel, slots, window, own_window):
+        sink = (slots < self.sinks)[:, :, None, :]
+        if own_window is not None:  # sinks never beyond the layer's own window
+            sink = sink & (rel < own_window)
+        return (self.window if window is None else min(self.window, window)), sink
+
+    def priority(self, view):
+        keep = view.valid & ((view.slots < self.sinks) | (view.slots > view.last - self.window))
+        return torch.where(keep, _INF, -_INF)
+
+    def evict(self, view):
+        m = view.slots.shape[-1]
+        if m > self.budget and bool(view.valid.all()):  # no padding: entries are in slot order, so the sinks are
+            # the first `sinks` entries and the window the last `window`: no top-k
+            idx = torch.cat([torch.arange(self.sinks), torch.arange(m - self.window, m)]).to(view.slots.device)
+            return Selection(idx.expand(*view.slots.shape[:2], -1))
+        return super().evict(view)
+
 
 @dataclass(frozen=True)
-class H2O(Policy):
+class H2O(SubsetPolicy):
     size: int = 256
     recent: int | None = None  # None: size // 2
-    kind: ClassVar[str] = "h2o"
-    holds_all: ClassVar[bool] = False
+    names: ClassVar[tuple[str, ...]] = ("h2o",)
+    form: ClassVar[str] = "h2o(budget) or h2o(budget,recent)"
+    reads_queries: ClassVar[bool] = True
+    entry_names: ClassVar[tuple[str, ...]] = ("score",)
+    arity: ClassVar[tuple[int, int]] = (1, 2)
 
     @property
     def n_recent(self) -> int:
@@ -139,37 +369,84 @@ class H2O(Policy):
     def name(self) -> str:
         return f"h2o({self.size})" if self.recent is None else f"h2o({self.size},{self.recent})"
 
-    @property
-    def budget(self) -> int:
-        return self.size
-
     def check(self, max_len: int, d_head: int) -> None:
         _count(self.name, "budget", self.size, 1, max_len)
         _count(self.name, "recent window", self.n_recent, 0, self.size)
 
+    def priority(self, view):
+        mass = view.attention()
+        old = view.entry("score")
+        score = mass if old is None else old + mass
+        view.entries["score"] = score  # accumulated attention, kept with each entry
+        return torch.where(view.recent(self.n_recent), _INF, score)
+
 
 @dataclass(frozen=True)
-class SnapKV(Policy):
+class SnapKV(SubsetPolicy):
     size: int = 256
     window: int = 32
     kernel: int = 7
-    kind: ClassVar[str] = "snapkv"
-    holds_all: ClassVar[bool] = False
+    names: ClassVar[tuple[str, ...]] = ("snapkv",)
+    form: ClassVar[str] = "snapkv(budget) or snapkv(budget,window,kernel)"
+    reads_queries: ClassVar[bool] = True
+    arity: ClassVar[tuple[int, int]] = (1, 3)
 
     @property
     def name(self) -> str:
         return f"snapkv({self.size})" if (self.window, self.kernel) == (32, 7) else \
             f"snapkv({self.size},{self.window},{self.kernel})"
 
-    @property
-    def budget(self) -> int:
-        return self.size
-
     def check(self, max_len: int, d_head: int) -> None:
         _count(self.name, "budget", self.size, 1, max_len)
         _count(self.name, "observation window", self.window, 1, self.size)
         if self.kernel < 1 or self.kernel % 2 == 0:
             raise BadValue(f"{self.name}: the pooling kernel must be an odd number >= 1, got {self.kernel}")
+
+    def priority(self, view):
+        if once_after_prompt(view, self.size):
+            return None
+        w = min(self.window, view.n)
+        votes = view.attention(last=w)
+        pooled = F.avg_pool1d(votes.flatten(0, 1)[:, None], self.kernel, stride=1, padding=self.kernel // 2,
+                              count_include_pad=False)[:, 0].view_as(votes)
+        return torch.where(view.recent(w), _INF, pooled)
+
+
+@dataclass(frozen=True)
+class KNorm(SubsetPolicy):
+    size: int = 256
+    names: ClassVar[tuple[str, ...]] = ("knorm",)
+    form: ClassVar[str] = "knorm(budget)"
+    arity: ClassVar[tuple[int, int]] = (1, 1)
+
+    def priority(self, view):
+        if once_after_prompt(view, self.size):
+            return None
+        return -view.keys.float().norm(dim=-1)  # the smallest key norms are kept (kvpress's KnormPress)
+
+
+@dataclass(frozen=True)
+class TOVA(SubsetPolicy):
+    size: int = 256
+    names: ClassVar[tuple[str, ...]] = ("tova",)
+    form: ClassVar[str] = "tova(budget)"
+    reads_queries: ClassVar[bool] = True
+    arity: ClassVar[tuple[int, int]] = (1, 1)
+
+    def priority(self, view):
+        if view.slots.shape[-1] <= self.size:
+            return None
+        return view.attention(last=1) / view.n_rep  # the last query's weights, mean over the query heads
+
+
+def once_after_prompt(view: CacheView, size: int) -> bool:
+    """For policies that compress the prompt once (SnapKV, KNorm): True (keep everything) on every call after
+    the first, and on a first call that already fits; marks the heads done."""
+    if view.state.get("done") or view.slots.shape[-1] <= size:
+        view.state["done"] = True
+        return True
+    view.state["done"] = True
+    return False
 
 
 def _count(policy: str, what: str, value: int, low: int, high: int) -> None:
@@ -178,11 +455,19 @@ def _count(policy: str, what: str, value: int, low: int, high: int) -> None:
                        f"got {value}")
 
 
-_SYNTAX = re.compile(r"^\s*([a-z0-9]+)\s*(?:\(\s*([0-9,\s]*)\)|((?::[0-9]+)*))\s*$")
-_ARGS = {"streaming": (Streaming, 2, 2), "h2o": (H2O, 1, 2), "snapkv": (SnapKV, 1, 3), "kivi4": (Kivi, 0, 2),
-         "kivi2": (Kivi, 0, 2)}
-NAMES = (*DENSE, "kivi4", "kivi2", "streaming(S,W)", "h2o(B)", "snapkv(B)")
+# ---- names -----------------------------------------------------------------------------------------
+_SYNTAX = re.compile(r"^\s*([a-z0-9_]+)\s*(?:\(\s*([0-9,\s]*)\)|((?::[0-9]+)*))\s*$")
 PolicyLike = Union[Policy, str]
+
+
+def policy_names() -> list[str]:
+    """Every registered policy, as it is written (precisions by name, the others by their form)."""
+    out = []
+    for name, cls in _REGISTRY.items():
+        spelled = name if cls.arity == (0, 0) or cls.arity[0] == 0 else (cls.form.split(" or ")[0] or name)
+        if spelled not in out:
+            out.append(spelled)
+    return out
 
 
 def parse_policy(spec: PolicyLike) -> Policy:
@@ -193,25 +478,20 @@ def parse_policy(spec: PolicyLike) -> Policy:
         raise BadValue(f"a KV-cache policy is a name or a Policy, got {spec!r}")
     m = _SYNTAX.match(spec.lower())
     name = m.group(1) if m else spec
-    if not m or (name not in DENSE and name not in _ARGS):
-        raise BadValue(f"unknown KV-cache policy {spec!r}; choose from {', '.join(NAMES)}")
-    raw = m.group(2) if m.group(2) is not None else (m.group(3) or "").replace(":", ",", 1).replace(":", ",")
+    if not m or name not in _REGISTRY:
+        raise BadValue(f"unknown KV-cache policy {spec!r}; choose from {', '.join(policy_names())}")
+    raw = m.group(2) if m.group(2) is not None else (m.group(3) or "").replace(":", ",")
     try:
         args = [int(a) for a in raw.split(",") if a.strip()]
     except ValueError:
         raise BadValue(f"KV-cache policy {spec!r}: arguments must be whole numbers") from None
-    if name in DENSE:
-        if args:
-            raise BadValue(f"KV-cache policy {name!r} takes no arguments, got {spec!r}")
-        return Dense(name)
-    cls, low, high = _ARGS[name]
+    cls = _REGISTRY[name]
+    low, high = cls.arity
     if not low <= len(args) <= high:
-        form = {"streaming": "streaming(sinks,window)", "h2o": "h2o(budget) or h2o(budget,recent)",
-                "snapkv": "snapkv(budget) or snapkv(budget,window,kernel)"}.get(name, f"{name} or {name}(group,residual)")
-        raise BadValue(f"KV-cache policy {spec!r}: write it as {form}")
-    if cls is Kivi:
-        return Kivi(int(name[-1]), *args)
-    return cls(*args)
+        if high == 0:
+            raise BadValue(f"KV-cache policy {name!r} takes no arguments, got {spec!r}")
+        raise BadValue(f"KV-cache policy {spec!r}: write it as {cls.form or name}")
+    return cls.from_args(name, args)
 
 
 def split_policies(text: str) -> list[str]:
@@ -248,6 +528,11 @@ PolicyMap = Union[PolicyLike, Mapping]
 WINDOW = "window"
 
 
+def is_window(policy) -> bool:
+    """Whether `policy` is the name `WINDOW` ("window"): each layer's own window (resolved in `resolve_policies`)."""
+    return isinstance(policy, str) and policy.strip().lower() == WINDOW
+
+
 def window_policy(windows: Sequence[int | None], max_len: int) -> dict:
     """{layer: streaming(0, window)} for every layer whose own window (`cfg.window(l)` per layer) is
     shorter than `max_len`: the map that `WINDOW` stands for."""
@@ -260,7 +545,7 @@ def resolve_policies(policy: PolicyMap, n_layers: int, n_kv_heads: int, *, defau
     head of it) or (layer, kv_head) (that head; wins over its layer's entry), the rest `default`;
     `WINDOW` ("window") is the map of the layers' own `windows`. Every policy is checked against the
     cache's size and d_head; a layer or head the model lacks is an error."""
-    if isinstance(policy, str) and policy.strip().lower() == WINDOW:
+    if is_window(policy):
         if windows is None:
             raise BadValue("the 'window' policy needs the model's per-layer windows")
         policy = window_policy(windows, max_len)
@@ -293,3 +578,16 @@ def _where(key, n_layers: int, n_kv_heads: int) -> tuple[int, range]:
     if not 0 <= head < n_kv_heads:
         raise BadValue(f"policy map names layer {layer}, KV head {head}; this model has KV heads 0..{n_kv_heads - 1}")
     return layer, range(head, head + 1)
+
+
+def theory_bytes_per_token(policy: PolicyLike, *, n_layers: int, n_kv_heads: int, d_head: int, length: int,
+                           dtype_bytes: int = 4) -> float:
+    """What `policy` on every head should hold per token of a `length`-token sequence, from its
+    definition (the benchmark prints it beside the measured `bytes_per_token`)."""
+    p = parse_policy(policy)
+    return n_layers * n_kv_heads * p.theory_bytes(d_head=d_head, length=length, dtype_bytes=dtype_bytes)
+
+
+# The names `interp kv --policies` and the docs list (kept for callers of the old tables).
+DENSE = Dense.names
+NAMES = tuple(policy_names())

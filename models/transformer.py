@@ -20,8 +20,7 @@ from torch import Tensor, nn
 from .cache import ActivationCache, to_tl_cache
 from .kv_cache import KVCache
 from .kv_cache_policy import PolicyKVCache
-from .kv_cache_quant import QuantizedKVCache
-from .kv_policy import window_policy
+from .kv_policy import is_window, window_policy
 from .hooks import HookedRootModule, HookPoint, NamesFilter, caching_hook
 from interp.kernels.attention import BACKEND_CHOICES, AttentionMask
 
@@ -528,30 +527,31 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
 
         n_sink > 0 keeps the first n_sink keys visible past sliding windows (StreamingLLM).
         precision: None (the model's dtype, unquantized), a name ("int8", "fp8", "int4", "fp16", "bf16",
-        "fp32") for every KV head, or a {(layer, kv_head): name} map with `default` for the rest: a
-        `QuantizedKVCache` (`interp.models.kv_cache_quant`); `default` (fp32) for the heads a map leaves out.
+        "fp32") for every KV head, or a {(layer, kv_head): name} map with `default` (fp32) for the rest: a
+        spelling of `policy=` (a precision is a policy that keeps every token in it).
         policy: what each KV head keeps ("full", "kivi4", "streaming(4,128)", "h2o(256)", "snapkv(256)",
-        a precision, or a {layer: ..., (layer, kv_head): ...} map with `default`, "full", for the rest):
-        a `PolicyKVCache` (`interp.models.kv_cache_policy`; names in `interp.models.kv_policy`).
-        policy="window": each layer holds what it can see: a layer with a sliding window (Gemma's local
-        layers, Mistral) a rolling buffer of its last `window` positions, the others every token."""
+        "knorm(256)", "tova(256)", a precision, a `Policy`, or a {layer: ..., (layer, kv_head): ...} map with
+        `default`, "full", for the rest): a `PolicyKVCache` (`interp.models.kv_cache_policy`; policies in
+        `interp.models.kv_policy`). policy="window": each layer holds what it can see: a layer with a sliding
+        window (Gemma's local layers, Mistral) a rolling buffer of its last `window` positions, the others
+        every token."""
         cfg = self.cfg
         args = (cfg.n_layers, batch_size, max_len or cfg.n_ctx, cfg.kv_heads, cfg.head_dim)
-        if isinstance(policy, str) and policy == "window":
-            policy = self.window_policy(args[2])
         kwargs = dict(n_heads=cfg.n_heads, capture_queries=capture_queries, dtype=self.dtype, device=self.device,
                       n_sink=n_sink)
         if precision is not None and policy is not None:
             raise ValueError("give precision= (a quantized cache) or policy= (per-head policies, precisions "
                              "included), not both")
-        if policy is not None:
-            if self.cfg.positional == "alibi":
-                raise ValueError("per-head cache policies mask by cache slot and do not carry ALiBi's distances; "
-                                 "this model uses ALiBi")
-            return PolicyKVCache(*args, policy=policy, default=default or "full", **kwargs)
-        if precision is None:
+        if precision is None and policy is None:
             return KVCache(*args, **kwargs)
-        return QuantizedKVCache(*args, precision=precision, default=default or "fp32", **kwargs)
+        if is_window(policy):
+            policy = self.window_policy(args[2])
+        cache = PolicyKVCache(*args, policy=policy if policy is not None else precision,
+                              default=default or ("fp32" if policy is None else "full"), **kwargs)
+        if self.cfg.positional == "alibi" and not all(p.holds_all for row in cache.policies for p in row):
+            raise ValueError("per-head cache policies that drop tokens mask by cache slot and do not carry ALiBi's "
+                             "distances; this model uses ALiBi (precisions and KIVI work)")
+        return cache
 
     def window_policy(self, max_len: int) -> dict:
         """{layer: streaming(0, window)} for every layer whose own window is shorter than `max_len`: the

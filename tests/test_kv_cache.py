@@ -102,14 +102,15 @@ def test_cache_shape_and_nbytes():
     model = own("rotary-rms-swiglu-gqa")
     cache = model.new_kv_cache(3, 10)
     assert cache.keys.shape == cache.values.shape == (2, 3, 2, 10, 8)  # kv-heads only
-    assert cache.nbytes == 2 * 2 * 2 * 8 * 10 * 3 * 4
-    assert cache.nbytes == cfg.kv_cache_bytes_per_token() * 10 * 3
+    assert cache.allocated_nbytes == 2 * 2 * 2 * 8 * 10 * 3 * 4
+    assert cache.allocated_nbytes == cfg.kv_cache_bytes_per_token() * 10 * 3
+    assert cache.held_nbytes == cache.nbytes == 0  # nothing cached yet
     assert cfg.kv_cache_bytes_per_token(2) == 2 * 2 * 2 * 8 * 2
     assert cache.queries is None and cache.query_nbytes == 0
     mqa = OWN_CONFIGS["no-norm-mqa-window"]
     half = build(mqa).half().new_kv_cache(2, 5)
     assert half.keys.dtype == torch.float16 and half.keys.shape[2] == 1
-    assert half.nbytes == 2 * 2 * 1 * 8 * 5 * 2 * 2 == mqa.kv_cache_bytes_per_token(2) * 5 * 2
+    assert half.allocated_nbytes == 2 * 2 * 1 * 8 * 5 * 2 * 2 == mqa.kv_cache_bytes_per_token(2) * 5 * 2
     # The cached keys are the rotated keys of the kv-heads.
     toks = tokens(3, 6)
     cache = model.new_kv_cache(3, 6)

@@ -74,7 +74,9 @@ def test_full_everywhere_is_the_unmodified_model_bit_for_bit(gqa):
         assert torch.equal(gqa(step, kv_cache=plain), gqa(step, kv_cache=policy))
     assert torch.equal(gqa.generate(toks, 6, kv_policy="full", stop_at_eos=False),
                        gqa.generate(toks, 6, stop_at_eos=False))
-    assert policy.nbytes == plain.nbytes * 43 // 48  # held: 43 of the 48 preallocated slots
+    # One meaning on every cache: held = what the 43 tokens hold, allocated = the 48 preallocated slots
+    assert policy.held_nbytes == plain.held_nbytes == plain.allocated_nbytes * 43 // 48 == policy.nbytes
+    assert policy.allocated_nbytes == plain.allocated_nbytes == 2 * 3 * 2 * 2 * 48 * 8 * 4
 
 
 @pytest.mark.parametrize("where", ["every head", "one KV head", "one layer"])

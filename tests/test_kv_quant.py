@@ -94,20 +94,25 @@ def test_bytes_are_the_codes_and_scales_held():
     cfg = model.cfg
     for precision, per_vector in [("fp32", 4 * cfg.head_dim), ("int8", cfg.head_dim + 4), ("int4", cfg.head_dim // 2 + 4)]:
         cache = model.new_kv_cache(3, 10, precision=precision)
-        assert cache.nbytes == 2 * cfg.n_layers * cfg.kv_heads * 3 * 10 * per_vector
+        assert cache.allocated_nbytes == 2 * cfg.n_layers * cfg.kv_heads * 3 * 10 * per_vector
+        model(tokens(3, 7), kv_cache=cache)
+        assert cache.held_nbytes == 2 * cfg.n_layers * cfg.kv_heads * 3 * 7 * per_vector  # the 7 tokens held
         assert cache.bytes_per_token() == 2 * cfg.n_layers * cfg.kv_heads * per_vector
     mixed = model.new_kv_cache(1, 10, precision={(0, 0): "fp32"}, default="int4")
+    model(tokens(1, 10), kv_cache=mixed)
     assert mixed.nbytes == 2 * 10 * (4 * cfg.head_dim + (cfg.n_layers * cfg.kv_heads - 1) * (cfg.head_dim // 2 + 4))
 
 
 def test_bad_precisions_are_refused():
     model = build("rotary-gqa")
-    with pytest.raises(ValueError, match="unknown KV precision 'int3'"):
+    with pytest.raises(ValueError, match="unknown KV-cache policy 'int3'; choose from full, fp32, fp16, bf16, int8"):
         model.new_kv_cache(1, 8, precision="int3")
-    with pytest.raises(ValueError, match="names layer 5, KV head 0; this model has layers 0..1"):
+    with pytest.raises(ValueError, match="names \\(5, 0\\); this model has layers 0..1"):
         model.new_kv_cache(1, 8, precision={(5, 0): "int8"})
-    with pytest.raises(ValueError, match="keyed by \\(layer, kv_head\\)"):
-        model.new_kv_cache(1, 8, precision={3: "int8"})
+    with pytest.raises(ValueError, match="keyed by layer or \\(layer, kv_head\\)"):
+        model.new_kv_cache(1, 8, precision={"3": "int8"})
+    # precision= is a spelling of policy=: a whole layer by its index, as a policy map
+    assert {p.name for p in model.new_kv_cache(1, 8, precision={1: "int8"}).policies[1]} == {"int8"}
     odd = interp.HookedTransformer(interp.ModelConfig(n_layers=1, d_model=12, n_heads=4, d_vocab=10, n_ctx=8))
     with pytest.raises(ValueError, match="even d_head"):
         odd.new_kv_cache(1, 8, precision="int4")

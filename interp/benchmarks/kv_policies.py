@@ -57,7 +57,7 @@ class PreparedCache:
         from interp.models.kv_cache_policy import PolicyKVCache
 
         self.cache, self.length, self.n_seen = cache, cache.length, cache.n_seen.clone()
-        self.resets = not isinstance(cache, PolicyKVCache) or all(p.kind == "dense" for row in cache.policies
+        self.resets = not isinstance(cache, PolicyKVCache) or all(p.layout == "dense" for row in cache.policies
                                                                   for p in row)
         self.copies = [] if self.resets else [copy.deepcopy(cache) for _ in range(calls)]
 
@@ -72,7 +72,7 @@ class PreparedCache:
 def rows(opts: Options, contexts, new: int, policies) -> tuple[str, dict[int, list[list]]]:
     """{context: [[policy, keys held per head, ms / token, vs full, measured B/token, theoretical B/token,
     measured / theoretical, rounds]]}, the plain KVCache's row first."""
-    from interp.models.kv_cache_policy import theory_bytes_per_token
+    from interp.models.kv_policy import theory_bytes_per_token
     from interp.models.kv_policy import Dense, parse_policy
 
     name, model = _model()
@@ -86,7 +86,7 @@ def rows(opts: Options, contexts, new: int, policies) -> tuple[str, dict[int, li
         parsed = [parse_policy(p) for p in policies]
         prepared, held = {}, {}
         with torch.no_grad():
-            queries = any(p.kind in ("h2o", "snapkv") for p in parsed)  # their choices read the prompt's queries
+            queries = any(p.reads_queries for p in parsed)  # their choices read the prompt's queries
             full = model.new_kv_cache(1, context + new, capture_queries=queries)
             model(prompt, kv_cache=full)
             for p in parsed:
@@ -114,7 +114,7 @@ def rows(opts: Options, contexts, new: int, policies) -> tuple[str, dict[int, li
         for key, prep in [(PLAIN, prepared[PLAIN])] + [(p.name, prepared[p.name]) for p in parsed]:
             policy = Dense("fp32") if key == PLAIN else parse_policy(key)
             cache = prep.cache
-            measured = cache.nbytes / cache.max_len if key == PLAIN else cache.bytes_per_token()
+            measured = cache.bytes_per_token()  # held bytes per cached token: one meaning on every cache
             theory = float(theory_bytes_per_token(policy, n_layers=cfg.n_layers, n_kv_heads=cfg.kv_heads,
                                                   d_head=cfg.head_dim, length=context, dtype_bytes=dtype_bytes))
             table.append([key, held[key], times[key] / new * 1e3, times[key] / times["full"], measured, theory,
