@@ -224,7 +224,7 @@ def prebuild_tokens(spec: DataSpec) -> Tensor | None:
     corpus is read once, not per worker). None for kinds that depend on the model's vocabulary."""
     if spec.kind == "auto":
         raise ValueError("settle data kind 'auto' with resolve_kind() first")
-    return _cached(spec, None) if spec.kind in ("corpus", "file") else None
+    return _cached(spec, None, _bytes_key(spec)) if spec.kind in ("corpus", "file") else None
 
 
 def build_tokens(spec: DataSpec, model, prebuilt: Tensor | None = None) -> Tensor:
@@ -237,7 +237,7 @@ def build_tokens(spec: DataSpec, model, prebuilt: Tensor | None = None) -> Tenso
         raise ValueError(f"the data's sequences ({spec.seq_len} tokens) are longer than this model's context "
                          f"(n_ctx={cfg.n_ctx}); pass --seq-len {cfg.n_ctx} (or less)")
     tokens = prebuilt if prebuilt is not None else (
-        _text(spec, model) if spec.kind == "text" else _cached(spec, cfg.d_vocab))
+        _text(spec, model) if spec.kind == "text" else _cached(spec, cfg.d_vocab, _bytes_key(spec)))
     if int(tokens.max()) >= cfg.d_vocab or int(tokens.min()) < 0:
         raise ValueError(f"the data ({spec.kind}) holds token ids outside this model's vocabulary [0, {cfg.d_vocab})")
     if spec.kind == "corpus" and not isinstance(model.tokenizer, ByteTokenizer):
@@ -246,8 +246,14 @@ def build_tokens(spec: DataSpec, model, prebuilt: Tensor | None = None) -> Tenso
     return tokens
 
 
+def _bytes_key(spec: DataSpec) -> str | None:
+    """What the token caches below are keyed by besides the spec: the sha256 of the user's file, so a file
+    rewritten in place is read again (the shipped files and generated tokens never change)."""
+    return data_source(spec)["sha256"] if spec.path is not None else None
+
+
 @functools.lru_cache(maxsize=4)
-def _cached(spec: DataSpec, d_vocab: int | None) -> Tensor:
+def _cached(spec: DataSpec, d_vocab: int | None, key: str | None = None) -> Tensor:
     return _BUILDERS[spec.kind](spec, d_vocab)
 
 
@@ -293,11 +299,11 @@ def _text(spec: DataSpec, model) -> Tensor:
     if model.tokenizer is None:
         raise ValueError("data kind 'text' needs the model's tokenizer, and this model has none: use --data "
                          "repeated_random or --data file")
-    return _text_windows(spec, model.tokenizer)
+    return _text_windows(spec, model.tokenizer, _bytes_key(spec))
 
 
 @functools.lru_cache(maxsize=4)
-def _text_windows(spec: DataSpec, tokenizer) -> Tensor:
+def _text_windows(spec: DataSpec, tokenizer, key: str | None = None) -> Tensor:
     bos = getattr(tokenizer, "bos_token_id", None)
     body = spec.seq_len - (bos is not None)
     pool = TEXT_POOL * spec.n_seqs

@@ -159,6 +159,8 @@ def test_settings_and_report_name_the_data_and_a_folder_refuses_other_data(tmp_p
     pd.testing.assert_frame_equal(pd.read_parquet(out / "results.parquet"), before)  # nothing mixed in
     assert cli([*args, "--force"]) == 0
     assert json.loads((out / "settings.json").read_text())["data_source"]["sha256"] == second
+    after = pd.read_parquet(out / "results.parquet")  # computed on the new bytes, not tokens cached from the old
+    assert len(after) == len(before) and not np.allclose(after["value"], before["value"])
 
 
 def test_a_folder_from_before_data_was_named_is_refused(tmp_path, capsys):
