@@ -29,7 +29,7 @@ from interp.kernels.kv_quant import check_precision, fake_quantize
 from interp.models import lm_loss
 from interp.models.stats import for_each_layer_qk
 
-from ._common import progress, token_batch
+from ._common import frozen_params, progress, token_batch
 
 def _k_hook(model) -> str:
     return "hook_rot_k" if model.rotary is not None else "hook_k"
@@ -130,8 +130,6 @@ def loss_sensitivity(model, tokens: Tensor, precision: str = "int4", progress_ba
 
 def gradient_sensitivity(model, tokens: Tensor, precision: str = "int4") -> dict:
     """{(layer, kv_head): |sum over positions and d_head of dL/dK (K_q - K) + dL/dV (V_q - V)|}, one backward."""
-    from ._common import frozen_params
-
     cfg = model.cfg
     held: dict = {}
 

@@ -36,8 +36,11 @@ from .components import (
     make_norm,
 )
 from .config import ModelConfig
+from .generate import generate as _generate
 from .positions import Rotary
+from .processing import process_weights
 from .runtime import Runtime
+from .stats import kv_cache_attention_stats, model_attention_stats
 from .tensor_files import save_model
 from .text import TextMixin, _is_text
 from .weights import WeightViews
@@ -241,8 +244,6 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
         their mean. center_unembed: W_U loses its mean over the vocabulary. fold_value_biases: b_V into
         b_O. refactor_factored_attn_matrices: balanced SVD factors of W_Q W_K^T and W_V W_O (not for
         rotary / ALiBi / GQA). See `interp.models.processing`. Returns the model."""
-        from .processing import process_weights
-
         steps = dict(fold_ln=fold_ln, center_writing_weights=center_writing_weights, center_unembed=center_unembed,
                      fold_value_biases=fold_value_biases, refactor_factored_attn_matrices=refactor_factored_attn_matrices)
         process_weights(self, **steps)
@@ -570,8 +571,6 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
         as the layer is computed, then drops them. From `kv_cache` (made with capture_queries=True):
         after a forward or a generation, without re-running the model. `interp.models.stats.stats_frame`
         turns the result into a tidy table."""
-        from .stats import kv_cache_attention_stats, model_attention_stats
-
         if (tokens is None) == (kv_cache is None):
             raise ValueError("give exactly one of tokens or kv_cache=...")
         if kv_cache is not None:
@@ -580,9 +579,7 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
 
     def generate(self, tokens, max_new_tokens: int = 20, **kwargs) -> Tensor:
         """Greedy or sampled continuation through a KV cache; see `interp.models.generate.generate`."""
-        from .generate import generate
-
-        return generate(self, tokens, max_new_tokens, **kwargs)
+        return _generate(self, tokens, max_new_tokens, **kwargs)
 
     def loss_fn(self, logits: Tensor, tokens: Tensor, attention_mask: Tensor | None = None,
                 per_token: bool = False) -> Tensor:

@@ -153,8 +153,25 @@ def test_a_bigger_l1_closes_more_gates(gqa):
 def test_retrieval_prompts_score_after_the_key(gqa):
     prompt = RetrievalPrompt(variant="passkey", length=N, depth=0.5, seed=0, key="12345", text="",
                              tokens=tokens(1, N), key_span=(10, 15))
-    r = train_gates(gqa, [prompt], sinks=S, window=W, steps=2, progress_bar=False)
+    r = train_gates(gqa, [prompt], sinks=S, window=W, steps=2, lr=0.3, l1=0.5, progress_bar=False)
     assert r.steps == 2 and r.settings["positions"] == "after the needle's key"
+    # Step 1 moves the gates by the L1 term alone (every gate 1 is the full model: no distillation); step 2's
+    # distillation loss is the mean squared difference of the final normalized hidden states, gated by step 1's
+    # gates vs the full model, over the positions after the key only (15..N-1): written out here.
+    first = train_gates(gqa, [prompt], sinks=S, window=W, steps=1, lr=0.3, l1=0.5, progress_bar=False)
+    assert r.curve["distill"][0] == 0.0 and bool((first.gates < 1).all())
+
+    def final(model, toks):
+        return model.ln_final(model(toks, stop_at_layer=model.cfg.n_layers)).double()
+
+    with torch.no_grad():
+        full = final(gqa, prompt.tokens)
+        with gated_attention(gqa, first.gates, sinks=S, window=W):
+            gated = final(gqa, prompt.tokens)
+    after = float((gated[:, 15:] - full[:, 15:]).pow(2).mean())
+    everywhere = float((gated - full).pow(2).mean())
+    assert r.curve["distill"][1] == pytest.approx(after, rel=1e-4)
+    assert abs(after - everywhere) > 0.05 * after  # the positions matter: scoring all of them is another number
 
 
 def test_time_budget_stops_training(gqa):

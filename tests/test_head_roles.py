@@ -129,9 +129,28 @@ def test_kv_head_scores_are_the_max_and_mean_of_their_query_heads():
 
 
 def test_razor_is_the_larger_of_echo_and_induction(zoo):
-    r = razor_scores(zoo, seq_len=20, batch_size=2)
-    assert (r["razor"] == r[["echo", "induction"]].max(axis=1)).all()
+    """RazorAttention's scores written out from the attention patterns of the same repeated random tokens
+    (BOS, then L tokens twice): echo is the weight a query in the second copy puts on its token's earlier
+    occurrence (p - L), induction on the token after it (p - L + 1); razor is the larger."""
+    from interp.analyses.heads import repeated_random_tokens  # the token generator razor_scores uses
+
+    L = 20
+    r = razor_scores(zoo, seq_len=L, batch_size=2).set_index(["layer", "head"])
     assert len(r) == zoo.cfg.n_layers * zoo.cfg.n_heads
+    toks = repeated_random_tokens(zoo.cfg.d_vocab, L, 2, 2, seed=0,
+                                  bos_token_id=getattr(zoo.tokenizer, "bos_token_id", None) or 0)
+    _, cache = zoo.run_with_cache(toks, names_filter=lambda n: n.endswith("hook_pattern"))
+    dest = torch.arange(1 + L, 1 + 2 * L)
+    for layer in range(zoo.cfg.n_layers):
+        pattern = cache["pattern", layer]  # [batch, head, q, k]
+        echo = pattern[:, :, dest, dest - L].mean((0, 2))
+        induction = pattern[:, :, dest, dest - L + 1].mean((0, 2))
+        for head in range(zoo.cfg.n_heads):
+            row = r.loc[(layer, head)]
+            assert row["echo"] == pytest.approx(float(echo[head]), abs=1e-5)
+            assert row["induction"] == pytest.approx(float(induction[head]), abs=1e-5)
+            assert row["razor"] == max(row["echo"], row["induction"])
+    assert r.loc[(1, 0), "induction"] > 0.5 > r.loc[(1, 0), "echo"]  # attn-only-2l's induction head: not a swap
 
 
 def test_selections_keep_the_top_k_and_stream_the_rest():
