@@ -248,6 +248,10 @@ def test_the_cli_writes_the_study(tmp_path, capsys):
                          rf"{k} of 4 at 248 tokens\.", report), p
     assert "<html" in (out / "report.html").read_text().lower()
     settings = json.loads((out / "settings.json").read_text())
+    from interp.models import evaldata
+
+    pinned = evaldata.manifest()[evaldata.LANGUAGE_REFERENCE]["sha256"]  # the perplexity text, named (issue 36)
+    assert settings["data_source"]["sha256"] == pinned and f"sha256 {pinned}" in report
     assert settings["policies"] == policies and settings["lengths"] == [248] and settings["depths"] == [0.3, 0.7]
     assert settings["seeds"] == [1] and settings["max_new_tokens"] == 6 and settings["perplexity_tokens"] == 256
 
