@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -22,6 +21,9 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
+from interp.models.attention_view import inline_json  # noqa: F401 - here since the report first used it; moved
+# down with the attention views, which `ActivationCache.view` draws from the models layer
 
 from .store import atomic_write_bytes, atomic_write_text
 
@@ -73,13 +75,6 @@ def md_escape(text) -> str:
     """`text` (a name: a run, a checkpoint, a title) as literal Markdown on one line: characters Markdown
     or HTML would read as syntax (emphasis, code, links, tables, tags, entities) are backslash-escaped."""
     return _MD_SPECIAL.sub(r"\\\1", " ".join(str(text).splitlines()))
-
-
-def inline_json(value) -> str:
-    """`value` as JSON safe inside an HTML <script> element: `<`, `>` and `&` (which JSON only has inside
-    strings) become `\\u003c`, `\\u003e`, `\\u0026`, so no data can close the script (`</script>`), open a
-    comment (`<!--`) or a nested script; JSON.parse reads the same value back."""
-    return json.dumps(value).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
 def number(x, spec: str = ".4g") -> str:

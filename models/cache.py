@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 from torch import Tensor
 
+from .attention_view import View, pattern_view
+from .errors import BadValue
 from .hook_aliases import act_name, canonical, hook_aliases
 
 from .kv_cache import KVCache  # noqa: F401 - `interp.models.cache.KVCache`, as before the split
@@ -89,6 +91,38 @@ class ActivationCache:
 
     def __repr__(self) -> str:
         return f"ActivationCache({len(self)} activations: {list(self.cache_dict)[:4]}{' ...' if len(self) > 4 else ''})"
+
+    # ---- looking -------------------------------------------------------------------------------
+    def view(self, layer: int, tokens=None, *, batch: int = 0, **options) -> View:
+        """Layer `layer`'s attention as an interactive view (shown inline in a notebook; `.save(path)`):
+        a thumbnail per head, the chosen head's pattern, tokens to hover. `tokens`: the strings to show
+        (`model.to_str_tokens(...)`), or the text / token ids given to `run_with_cache` (converted with the
+        cache's model); None shows positions. `options`: `interp.view.attention_heads`'s (max_value, ...).
+        The drawing lives in `attention_view.py` beside this module (why there: its docstring)."""
+        if not (isinstance(layer, int) and not isinstance(layer, bool)):
+            raise TypeError(f"layer must be an int, got {type(layer).__name__}")
+        if self.model is not None and layer < 0:
+            layer += self.model.cfg.n_layers
+        if ("pattern", layer) not in self:
+            raise KeyError(f"no attention pattern of layer {layer} in this cache: run_with_cache(..., names_filter="
+                           f"'blocks.{layer}.attn.hook_pattern') (or a filter that keeps it)")
+        pattern = self["pattern", layer]
+        if self.has_batch_dim:
+            if not 0 <= batch < pattern.shape[0]:
+                raise BadValue(f"batch {batch} is not in this cache (batch size {pattern.shape[0]})")
+            pattern = pattern[batch]
+        n = pattern.shape[-1]
+        if tokens is None:
+            tokens = [str(i) for i in range(n)]
+        elif not (isinstance(tokens, (list, tuple)) and all(isinstance(t, str) for t in tokens)):
+            if self.model is None:
+                raise BadValue("this cache has no model to turn text or ids into token strings: pass tokens as "
+                                 "a list of strings")
+            ids = torch.as_tensor(self.model.to_tokens(tokens)) if isinstance(tokens, str) else torch.as_tensor(tokens)
+            tokens = self.model.to_str_tokens(ids[batch] if ids.dim() == 2 else ids)
+        names = [f"L{layer}H{h}" for h in range(pattern.shape[0])]
+        return pattern_view(tokens, pattern, head_names=options.pop("attention_head_names", None) or names,
+                            title=options.pop("title", None) or f"layer {layer}'s attention", **options)
 
     # ---- moving -------------------------------------------------------------------------------
     def to(self, device, move_model: bool = False) -> "ActivationCache":

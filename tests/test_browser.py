@@ -5,24 +5,18 @@ folder, or to $INTERP_SCREENSHOTS when set. Skipped, saying why, where chromium 
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import pytest
+from headless import CHROMIUM, needs_chromium
+from headless import shots as _shots
+from headless import sync_api as _sync_api
 from smol import needs_smol
 
 from interp.cli import main as cli
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium: apt-get install -y chromium (.ci/run does)")
-sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the dev extra has it)")
-
-
-def _shots(tmp_path: Path) -> Path:
-    folder = Path(os.environ.get("INTERP_SCREENSHOTS", tmp_path / "screenshots"))
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
+pytestmark = needs_chromium
+sync_api = _sync_api()
 
 
 def exercise(report: Path, shots: Path, name: str) -> dict:

@@ -5,13 +5,12 @@ which later tokens attend to it (orange)."""
 
 from __future__ import annotations
 
-import base64
 from types import MappingProxyType
 
 import numpy as np
 import torch
 
-from interp.models.device import to_numpy
+from interp.models.attention_view import COMMON_JS, b64, codes_u8, fill
 
 from ..document import Html, inline_json
 from ..store import NonFiniteResult
@@ -59,19 +58,19 @@ def run(ctx: Context) -> Output:
         raise NonFiniteResult(f"the attention patterns of {len(broken)} head(s) hold NaN or inf ("
                               + ", ".join(f"L{l}H{h} pattern" for l, h in broken[:8])
                               + "): check the checkpoint's weights for NaN/inf")
-    codes = (patterns.float().clamp(0, 1) * 255).round().to(torch.uint8).contiguous()
     return Output(per_model("viewer_tokens", n), extra={
         "tokens": _str_tokens(ctx.model, sample[0].tolist()), "n_layers": int(patterns.shape[0]),
         "n_heads": int(patterns.shape[1]), "n": n,
-        "patterns_u8": base64.b64encode(to_numpy(codes).tobytes()).decode(),  # A * 255, rounded; [layer, head, q, k]
+        "patterns_u8": b64(codes_u8(patterns)),  # A * 255, rounded; [layer, head, q, k]
     })
 
 
-def _grid_scores(v: RunView) -> dict:
-    """{metric label: [[score per head] per layer]} for the viewer's clickable grid."""
+def grid_scores(last) -> dict:
+    """{metric label: [[score per head] per layer]} of the rows `last` (a run's last checkpoint), for the
+    viewer's clickable grid."""
     out = {}
     for m in metrics(lambda m: m.heatmap and m.per == "head"):
-        part = v.last[(v.last["metric"] == m.name) & v.last["layer"].notna()]
+        part = last[(last["metric"] == m.name) & last["layer"].notna()]
         if part.empty:
             continue
         grid = part.pivot_table(index="layer", columns="head", values="value", aggfunc="mean")
@@ -83,15 +82,28 @@ def section(v: RunView) -> list:
     data = v.extras.get("viewer")
     if data is None:
         return [f"{v.prefix}No attention sample (see Errors)."]
-    payload = dict(data, scores=_grid_scores(v), run=v.run, where=v.where)
     uid = "viewer-" + "".join(ch if ch.isalnum() else "-" for ch in v.slug)
     return [f"{v.prefix}The attention of every head on {data['n']} tokens of the data at {v.where} (the first token, "
             "then the stretch of the first sequences with the most repeated token pairs, where induction heads show). "
             "Choose a layer and head, or click a cell of the grid (coloured by the chosen score); hover a token to "
             "see where it attends (blue) and which later tokens attend to it (orange); the matrix on the right is "
             "the head's whole pattern (rows: queries, columns: keys).",
-            Html(_HTML.replace("__UID__", uid).replace("__DATA__", inline_json(payload)),
+            Html(viewer_html(data, grid_scores(v.last), v.run, v.where, uid),
                  "(The interactive attention viewer is in report.html.)")]
+
+
+def viewer_html(data: dict | None, scores: dict, run: str, where: str, uid: str) -> str:
+    """The viewer as an HTML fragment: `data` is the analysis's extra (None: no attention sample, the grid
+    alone), `scores` `grid_scores(...)`; `uid` the element id, unique on the page. `interp.view.heads`
+    shows the same fragment in a notebook."""
+    data = data or {"tokens": [], "n_layers": _grid_shape(scores)[0], "n_heads": _grid_shape(scores)[1], "n": 0,
+                    "patterns_u8": ""}
+    return fill(_HTML, UID=uid, DATA=inline_json(dict(data, scores=scores, run=run, where=where)))
+
+
+def _grid_shape(scores: dict) -> tuple[int, int]:
+    grid = next(iter(scores.values()), [])
+    return len(grid), max((len(r) for r in grid), default=0)
 
 
 register(Analysis(
@@ -110,7 +122,7 @@ _HTML = r"""
 #__UID__ .grid div{cursor:pointer}
 #__UID__ .grid div.sel{outline:2px solid #e4572e;outline-offset:-2px}
 #__UID__ .tokens{flex:1 1 320px;max-width:480px;min-width:0;overflow:hidden;line-height:1.9;font-family:ui-monospace,monospace;font-size:.85em}
-#__UID__ .tok{padding:1px 2px;margin:0 1px;border-radius:3px;cursor:default;white-space:pre-wrap;word-break:break-all}
+#__UID__ .tok{padding:1px 2px;margin:0 1px;border-radius:3px;cursor:default;white-space:pre-wrap;word-break:break-all;unicode-bidi:isolate;direction:ltr}
 #__UID__ .tok.hover{outline:2px solid #222}
 #__UID__ .legend{font-size:.8em;color:#555}
 #__UID__ canvas{border:1px solid #ccc;image-rendering:pixelated}
@@ -131,25 +143,22 @@ _HTML = r"""
 <script>
 (function () {
   const root = document.getElementById("__UID__");
+  __COMMON__
   const d = JSON.parse(root.querySelector("script.data").textContent);
-  const raw = atob(d.patterns_u8), A = new Uint8Array(raw.length);
-  for (let i = 0; i < raw.length; i++) A[i] = raw.charCodeAt(i);
+  const A = decodeCodes(d.patterns_u8);
   const L = d.n_layers, H = d.n_heads, n = d.n;
   const at = (l, h, q, k) => A[((l * H + h) * n + q) * n + k] / 255;
   const layerSel = root.querySelector("select.layer"), headSel = root.querySelector("select.head");
   const metricSel = root.querySelector("select.metric"), grid = root.querySelector(".grid");
   const tokensDiv = root.querySelector(".tokens"), label = root.querySelector(".label");
   const canvas = root.querySelector("canvas"), ctx = canvas.getContext("2d");
+  if (!n) { tokensDiv.textContent = "(no attention sample: run the viewer analysis to click a head and see its pattern)";
+            canvas.parentElement.remove(); }
   for (let l = 0; l < L; l++) layerSel.add(new Option(String(l), l));
   for (let h = 0; h < H; h++) headSel.add(new Option(String(h), h));
   const metrics = Object.keys(d.scores);
   metrics.forEach(m => metricSel.add(new Option(m, m)));
   if (!metrics.length) metricSel.parentElement.style.display = "none";
-  const viridis = t => {  // 5-stop approximation of matplotlib's viridis
-    const s = [[68,1,84],[59,82,139],[33,145,140],[94,201,98],[253,231,37]];
-    t = Math.max(0, Math.min(1, t)) * 4; const i = Math.min(3, Math.floor(t)), f = t - i;
-    return "rgb(" + s[i].map((c, j) => Math.round(c + f * (s[i + 1][j] - c))).join(",") + ")";
-  };
   let layer = 0, head = 0, hover = null;
   // start on the best head of the first score, so the viewer opens on something worth seeing
   if (metrics.length) {
@@ -157,59 +166,13 @@ _HTML = r"""
     d.scores[metrics[metrics.length > 1 ? 1 : 0]].forEach((row, l) => row.forEach((x, h) => {
       if (x !== null && x > best) { best = x; layer = l; head = h; } }));
   }
-  const cell = (H <= 16 && L <= 16 ? 22 : 14) + "px";
-  grid.style.gridTemplateColumns = "repeat(" + H + ", " + cell + ")";
-  grid.style.gridAutoRows = cell;
-  const cells = [];
-  for (let l = 0; l < L; l++) for (let h = 0; h < H; h++) {
-    const c = document.createElement("div");
-    c.dataset.layer = l; c.dataset.head = h;
-    c.addEventListener("click", () => { layer = l; head = h; draw(); });
-    grid.appendChild(c); cells.push(c);
-  }
-  const spans = d.tokens.map((t, i) => {
-    const s = document.createElement("span");
-    s.className = "tok"; s.dataset.i = i;
-    s.textContent = t.replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5").replace(/ /g, "\u00b7");  // whitespace shown
-    s.addEventListener("mouseenter", () => { hover = i; paintTokens(); });
-    s.addEventListener("mouseleave", () => { hover = null; paintTokens(); });
-    tokensDiv.appendChild(s); return s;
-  });
-  function paintGrid() {
-    const m = d.scores[metricSel.value];
-    let lo = Infinity, hi = -Infinity;
-    if (m) m.forEach(r => r.forEach(x => { if (x !== null) { lo = Math.min(lo, x); hi = Math.max(hi, x); } }));
-    cells.forEach(c => {
-      const l = +c.dataset.layer, h = +c.dataset.head, x = m ? m[l][h] : null;
-      c.style.background = x === null ? "#eee" : viridis(hi > lo ? (x - lo) / (hi - lo) : 0.5);
-      c.title = "L" + l + "H" + h + (x === null ? "" : " " + metricSel.value + " " + x.toFixed(3));
-      c.classList.toggle("sel", l === layer && h === head);
-    });
-  }
-  function paintTokens() {
-    let top = 1e-9;  // colours are scaled to the strongest weight shown; data-weight keeps the raw value
-    if (hover !== null) spans.forEach((s, j) => {
-      top = Math.max(top, j <= hover ? at(layer, head, hover, j) : at(layer, head, j, hover)); });
-    spans.forEach((s, j) => {
-      s.classList.toggle("hover", j === hover);
-      if (hover === null) { s.style.background = ""; s.dataset.weight = ""; return; }
-      const to = j <= hover ? at(layer, head, hover, j) : 0;     // hover attends to j
-      const from = j > hover ? at(layer, head, j, hover) : 0;    // j attends to hover
-      s.dataset.weight = (j <= hover ? to : from).toFixed(3);
-      s.style.background = j <= hover ? "rgba(31,119,180," + (to / top).toFixed(3) + ")"
-                                      : "rgba(255,127,14," + (from / top).toFixed(3) + ")";
-      s.title = j <= hover ? "attention from the hovered token: " + to.toFixed(3)
-                           : "attention to the hovered token: " + from.toFixed(3);
-    });
-  }
+  const w = (q, k) => at(layer, head, q, k);
+  const paintCells = headGrid(grid, L, H, (l, h) => { layer = l; head = h; draw(); });
+  const spans = tokenSpans(tokensDiv, d.tokens, i => { hover = i; paintTokens(spans, hover, w); });
   function paintPattern() {
-    const img = ctx.createImageData(n, n);
-    for (let q = 0; q < n; q++) for (let k = 0; k < n; k++) {
-      const v = 255 - Math.round(at(layer, head, q, k) * 255), o = (q * n + k) * 4;
-      img.data[o] = v; img.data[o + 1] = v; img.data[o + 2] = 255; img.data[o + 3] = 255;
-    }
-    const off = document.createElement("canvas"); off.width = n; off.height = n;
-    off.getContext("2d").putImageData(img, 0, 0);
+    if (!n) return;
+    const off = document.createElement("canvas");
+    drawPattern(off, n, w, n);
     ctx.imageSmoothingEnabled = false; ctx.clearRect(0, 0, canvas.width, canvas.height);
     ctx.drawImage(off, 0, 0, canvas.width, canvas.height);
   }
@@ -217,8 +180,9 @@ _HTML = r"""
     layerSel.value = layer; headSel.value = head;
     label.textContent = d.run + ": L" + layer + "H" + head + " at " + d.where;
     root.dataset.selected = "L" + layer + "H" + head;
-    paintGrid(); paintTokens(); paintPattern();
+    paintGrid(); paintTokens(spans, hover, w); paintPattern();
   }
+  const paintGrid = () => paintCells(d.scores[metricSel.value], metricSel.value, layer, head);
   layerSel.addEventListener("change", () => { layer = +layerSel.value; draw(); });
   headSel.addEventListener("change", () => { head = +headSel.value; draw(); });
   metricSel.addEventListener("change", paintGrid);
