@@ -36,15 +36,15 @@ __all__ = ["MAX_TOKENS", "View", "attention_heads", "attention_pattern", "attent
 
 def attention_heads(attention, tokens, attention_head_names=None, max_value=None, min_value=None,
                     negative_color=None, positive_color=None, mask_upper_tri=None, show_tokens=None,
-                    match_color=None, *, title=None) -> View:
+                    match_color=None, *, title=None, selected: int = 0) -> View:
     """CircuitsVis's `attention_heads`: a thumbnail per head, click one to see it in full, hover a token.
     `attention` [heads, dest, src] (tensor, array or lists; weights in [0, 1]), `tokens` one string per
     position. `max_value` is drawn at full colour (default 1); `min_value` >= 0; `positive_color` any CSS
     colour; `negative_color` is checked but never drawn (a pattern has no negative weight) and
-    `match_color` is accepted for compatibility (each view has one colour)."""
+    `match_color` is accepted for compatibility (each view has one colour). `selected`: the head shown first."""
     return pattern_view(tokens, attention, head_names=attention_head_names, title=title, max_value=max_value,
                         min_value=min_value, positive_color=positive_color, negative_color=negative_color,
-                        mask_upper_tri=mask_upper_tri, show_tokens=show_tokens)
+                        mask_upper_tri=mask_upper_tri, show_tokens=show_tokens, selected=selected)
 
 
 def attention_patterns(tokens, attention, head_names=None, *, title=None, **options) -> View:

@@ -259,3 +259,28 @@ def test_heads_grid_from_a_results_table():
         view.heads(pd.DataFrame(rows + [dict(rows[0], run="s")]))
     with pytest.raises(UserError, match="not a folder"):
         view.heads("/nonexistent/folder")
+
+
+# ---- the README quotes what is measured ---------------------------------------------------------------------
+README = __import__("pathlib").Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _readme_section() -> str:
+    text = README.read_text()
+    start = text.index("## Attention in a notebook")
+    return text[start:text.index("\n## ", start + 3)]
+
+
+def test_readme_size_at_1024_tokens_9_heads_is_the_measured_one():
+    v = view.attention_heads(causal(9, 1024), [f" x{i}" for i in range(1024)])  # as test_view_browser.py opens it
+    size = len(v.html().encode())
+    assert size <= 16e6
+    assert f"{size / 1e6:.1f} MB page" in _readme_section(), size
+
+
+def test_readme_images_exist():
+    images = re.findall(r"\((docs/images/view_[^)]+\.png)\)", _readme_section())
+    assert len(images) == 3
+    for rel in images:
+        data = (README.parent / rel).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 10_000, rel

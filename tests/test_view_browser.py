@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from headless import browser_page, needs_chromium, shots, sync_api
+from smol import needs_smol
 
 import interp
 import interp.view as view
@@ -200,3 +201,56 @@ def test_1024_tokens_9_heads_size_and_open_time(tmp_path):
     (folder / "view_1024x9.json").write_text(json.dumps(dict(html_bytes=size, build_s=round(built, 3),
                                                              open_s=round(opened, 3), script_ms=script_ms)))
     assert opened < 5.0, opened  # about 1 s on a 2-core CPU; 5 s leaves room for a loaded CI machine
+
+
+@needs_smol
+@pytest.mark.slow
+def test_smollm2_induction_head_from_the_cache(tmp_path):
+    """cache.view on SmolLM2's induction head L18H6 (the atlas's best): hovering a token of the second
+    half of repeated random tokens, its strongest weight is on the token after its first occurrence, and
+    every weight the page shows is the cache's. The README's screenshot (view_smollm2_L18.png)."""
+    from interp.analyses import repeated_random_tokens
+
+    model = interp.load("smollm2-135m")
+    half = 24
+    ids = repeated_random_tokens(model.cfg.d_vocab, seq_len=half, n_repeats=2, batch_size=1,
+                                 bos_token_id=model.tokenizer.bos_token_id)
+    _, cache = model.run_with_cache(ids, names_filter="blocks.18.attn.hook_pattern")
+    pattern = cache["pattern", 18][0]
+    folder = shots(tmp_path)
+    hover = half + 12  # position 1 + half + 11: the second occurrence of position 12's token
+    with browser_page(width=1100, height=700) as (page, seen):
+        page.goto(cache.view(18, ids, selected=6).save(tmp_path / "smol.html").as_uri())
+        page.wait_for_selector(".attn-view[data-ready]")
+        assert page.get_attribute(".attn-view", "data-selected") == "L18H6"
+        page.locator(".tok").nth(hover).hover()
+        shown = np.array([float(page.locator(".tok").nth(j).get_attribute("data-weight")) for j in range(hover + 1)])
+        assert np.abs(shown - pattern[6, hover, : hover + 1].numpy()).max() <= TOL
+        assert int(shown.argmax()) == hover - half + 1  # the token after the first occurrence
+        page.locator(".attn-view").screenshot(path=str(folder / "view_smollm2_L18.png"))
+        _clean(seen)
+
+
+@needs_smol
+@pytest.mark.slow
+def test_smollm2_atlas_head_grid(tmp_path):
+    """interp.view.heads on SmolLM2's atlas: 30 x 9 heads; clicking the induction head L18H6 shows its
+    pattern on the sample, whose hovered row is a distribution. The README's screenshot (view_heads_smollm2.png)."""
+    out = tmp_path / "atlas"
+    assert cli(["analyze", "smollm2-135m", "--out", str(out), "--n-seqs", "2", "--seq-len", "64",
+                "--analyses", "previous_token,induction,viewer", "--no-progress"]) == 0
+    folder = shots(tmp_path)
+    with browser_page(width=1100, height=800) as (page, seen):
+        page.goto(view.heads(out).save(tmp_path / "heads.html").as_uri())
+        grid = page.locator(".attn-viewer")
+        grid.wait_for(state="attached")
+        assert page.locator(".grid div").count() == 30 * 9
+        labels = page.locator(".attn-viewer select.metric option").all_text_contents()
+        page.locator(".attn-viewer select.metric").select_option(next(x for x in labels if "induction" in x.lower()))
+        page.locator(".grid div[data-layer='18'][data-head='6']").click()
+        assert grid.get_attribute("data-selected") == "L18H6"
+        page.locator(".tok").nth(40).hover()
+        weights = [float(page.locator(".tok").nth(j).get_attribute("data-weight")) for j in range(41)]
+        assert sum(weights) == pytest.approx(1.0, abs=0.03)
+        page.locator(".heads-view").screenshot(path=str(folder / "view_heads_smollm2.png"))
+        _clean(seen)
