@@ -53,9 +53,12 @@ def attention_patterns(tokens, attention, head_names=None, *, title=None, **opti
     return attention_heads(attention, tokens, attention_head_names=head_names, title=title, **options)
 
 
-def attention_pattern(tokens, attention, *, title=None, **options) -> View:
-    """CircuitsVis's `attention_pattern`: one head's [dest, src] pattern."""
-    return attention_heads(attention, tokens, title=title, **options)
+def attention_pattern(tokens, attention, max_value=None, min_value=None, negative_color=None, show_axis_labels=None,
+                      positive_color=None, mask_upper_tri=None, *, title=None, **options) -> View:
+    """CircuitsVis's `attention_pattern`: one head's [dest, src] pattern (`show_axis_labels` is accepted for
+    compatibility: the view always says which axis is which)."""
+    return attention_heads(attention, tokens, max_value=max_value, min_value=min_value, negative_color=negative_color,
+                           positive_color=positive_color, mask_upper_tri=mask_upper_tri, title=title, **options)
 
 
 def heads(results, run: str | None = None, *, title: str | None = None) -> View:

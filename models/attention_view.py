@@ -52,7 +52,9 @@ def codes_u8(weights) -> np.ndarray:
     """Attention weights in [0, 1] as uint8 codes, round(A * 255) (a tensor on any device, or an array):
     the packing of the report viewer and of every view here. Decoded as code / 255: within 0.002."""
     a = to_numpy(weights, np.float32) if isinstance(weights, torch.Tensor) else np.asarray(weights, np.float32)
-    return np.round(np.clip(a, 0.0, 1.0) * 255.0).astype(np.uint8)
+    c = np.clip(a, 0.0, 1.0)  # one float32 copy, scaled and rounded in place (a 4,096-token pattern is large)
+    c *= 255.0
+    return np.rint(c, out=c).astype(np.uint8)
 
 
 def b64(codes: np.ndarray) -> str:
@@ -137,11 +139,13 @@ def check_pattern(tokens, attention, head_names=None) -> tuple[list[str], np.nda
     positions, NaN or inf, weights outside [0, 1]. Rows that do not sum to 1 are kept as given, with a
     warning line naming how many and in which heads (never renormalised)."""
     dtype = attention.dtype if isinstance(attention, torch.Tensor) else None
+    if getattr(attention, "dtype", None) == np.float16:  # a numpy half-precision pattern: 16-bit rounding too
+        dtype = torch.float16
     if isinstance(attention, torch.Tensor):
         shape = tuple(attention.shape)
     else:
         try:
-            attention = np.asarray(attention, dtype=np.float64)
+            attention = np.asarray(attention, dtype=np.float32)
         except (TypeError, ValueError) as e:
             raise BadValue(f"attention must be a [heads, dest, src] tensor or array of numbers ({e})") from None
         shape = attention.shape
@@ -162,7 +166,8 @@ def check_pattern(tokens, attention, head_names=None) -> tuple[list[str], np.nda
     names = [f"head {h}" for h in range(heads)] if head_names is None else check_tokens(head_names)
     if len(names) != heads:
         raise BadValue(f"{len(names)} head names for {heads} heads")
-    a = to_numpy(attention, np.float64) if isinstance(attention, torch.Tensor) else attention
+    # float32 (4,096 tokens x 9 heads is 600 MB of it; float64 would double that), row sums in float64
+    a = to_numpy(attention, np.float32) if isinstance(attention, torch.Tensor) else attention
     finite = np.isfinite(a)
     if not finite.all():
         bad = sorted(set(np.nonzero(~finite)[0].tolist()))
@@ -171,7 +176,7 @@ def check_pattern(tokens, attention, head_names=None) -> tuple[list[str], np.nda
     lo, hi = float(a.min()), float(a.max())
     if lo < -1e-3 or hi > 1 + 1e-3:
         raise BadValue(f"attention weights must lie in [0, 1] (a softmax pattern), got values from {lo:.4g} to {hi:.4g}")
-    sums = a.sum(-1)  # [heads, dest], in float64
+    sums = a.sum(-1, dtype=np.float64)  # [heads, dest]
     off = np.abs(sums - 1.0) > ROW_SUM_TOL.get(dtype, 1e-3)
     warnings = []
     if off.any():
@@ -180,7 +185,7 @@ def check_pattern(tokens, attention, head_names=None) -> tuple[list[str], np.nda
         which = ", ".join(f"{names[h]} ({int(per[h])})" for h in np.nonzero(per)[0][:6]) + (" ..." if (per > 0).sum() > 6 else "")
         warnings.append(f"warning: {int(off.sum())} of {heads * dest} rows do not sum to 1 (off by up to {worst:.3g}; "
                         f"per head: {which}): shown as given, not renormalised")
-    return tokens, a.astype(np.float32), names, warnings
+    return tokens, a, names, warnings
 
 
 def check_colour(name: str, value) -> str | None:

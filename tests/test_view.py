@@ -284,3 +284,35 @@ def test_readme_images_exist():
     for rel in images:
         data = (README.parent / rel).read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) > 10_000, rel
+
+
+# ---- against CircuitsVis itself -------------------------------------------------------------------------------
+def _cv_props(rendered) -> dict:
+    """The props CircuitsVis renders its component with (its HTML: render("id", Component, {...}))."""
+    return json.loads(re.search(r"render\(\s*\"[^\"]+\",\s*\w+,\s*(\{.*\})\s*\)", str(rendered), re.S).group(1))
+
+
+def test_circuitsvis_calls_run_unchanged_and_carry_the_same_data():
+    cv = pytest.importorskip("circuitsvis.attention", reason="pip install circuitsvis (the dev extra has it)")
+    import inspect
+
+    for name in ("attention_heads", "attention_patterns", "attention_pattern"):
+        theirs, ours = inspect.signature(getattr(cv, name)), inspect.signature(getattr(view, name))
+        positional = [p for p in theirs.parameters.values() if p.default is inspect.Parameter.empty]
+        assert [p.name for p in positional] == list(ours.parameters)[:len(positional)], name  # same order
+        assert set(theirs.parameters) <= set(ours.parameters), (name, set(theirs.parameters) - set(ours.parameters))
+    a = causal(3, 11)
+    toks = [f" t{i}" for i in range(11)]
+    names = ["first", "second", "third"]
+    for call in (lambda m: m.attention_heads(a, toks, names), lambda m: m.attention_heads(attention=a, tokens=toks,
+                 attention_head_names=names, max_value=1.0, min_value=0.0, positive_color="#1f77b4",
+                 mask_upper_tri=True), lambda m: m.attention_patterns(toks, a)):
+        props = _cv_props(call(cv))
+        d = payload(call(view)._repr_html_())
+        assert d["tokens"] == props["tokens"]
+        assert np.abs(weights(d) - np.array(props["attention"])).max() <= 0.5 / 255 + 1e-6
+        if "attentionHeadNames" in props:
+            assert d["heads"] == props["attentionHeadNames"]
+    one = _cv_props(cv.attention_pattern(toks, a[0], show_axis_labels=True))
+    d = payload(view.attention_pattern(toks, a[0], show_axis_labels=True)._repr_html_())
+    assert np.abs(weights(d)[0] - np.array(one["attention"])).max() <= 0.5 / 255 + 1e-6
