@@ -46,7 +46,7 @@ from .store import OutputFolder, atomic_write_text
 from .sweep_data import source_line
 from .tasks import RetrievalPrompt, accuracy_label, is_correct
 
-DEFAULT_POLICIES = "full,kivi4,kivi2,streaming(4,128),h2o(132),snapkv(132)"
+DEFAULT_POLICIES = "full,kivi4,kivi2,streaming(4,128),h2o(132),snapkv(132),knorm(132),tova(132)"
 COLUMNS = ["policy", "selection", "budget", "seed", "variant", "length", "depth", "correct", "n", "accuracy",
            "perplexity", "bytes_per_token"]
 

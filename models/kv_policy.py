@@ -15,7 +15,9 @@
     knorm(B)           KNorm (Devoto et al. 2024, kvpress's KnormPress): after the prompt, the B keys
                        of smallest L2 norm; later tokens all kept
     tova(B)            TOVA (Oren et al. 2024): B tokens; after every call, the entries the call's last
-                       query attends to least (mean over the KV head's query heads) are evicted
+                       query attends to least (its weights averaged over every query head of the layer, as
+                       TOVA and kvpress's TOVAPress do: the layer's KV heads keep the same tokens) are
+                       evicted; the last token always stays
 
 A policy is one class: its names and arguments (`names`, `from_args`), what it needs (`reads_queries`),
 where its entries live (`layout`: every token in slot order, "dense" or "kivi", or a chosen "subset"),
@@ -436,7 +438,10 @@ class TOVA(SubsetPolicy):
     def priority(self, view):
         if view.slots.shape[-1] <= self.size:
             return None
-        return view.attention(last=1) / view.n_rep  # the last query's weights, mean over the query heads
+        weights = view.attention(last=1)  # [b, g, m]: the last query's weights, summed over each KV head's queries
+        mean = weights.sum(1, keepdim=True) / (weights.shape[1] * view.n_rep)  # over every query head: TOVA's and
+        # kvpress's layer-wise choice (the KV heads under this policy keep the same tokens); the last token stays
+        return torch.where(view.slots == view.last, _INF, mean.expand_as(weights))
 
 
 def once_after_prompt(view: CacheView, size: int) -> bool:
