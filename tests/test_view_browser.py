@@ -11,6 +11,7 @@ import json
 import time
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from headless import browser_page, needs_chromium, shots, sync_api
@@ -159,6 +160,9 @@ def test_two_views_inserted_as_jupyterlab_inserts_outputs(tmp_path):
     in one page keep to themselves."""
     frags = [view.attention_heads(causal(3, 12, seed), [f" s{seed}t{i}" for i in range(12)])._repr_html_()
              for seed in (1, 2)]
+    table = pd.DataFrame([dict(run="r", checkpoint="c", step=1, analysis="induction", layer=l, head=h,
+                               metric="induction_score", value=l + h / 10) for l in range(3) for h in range(2)])
+    frags += [view.heads(table)._repr_html_() for _ in range(2)]  # the same run twice: two grids, two ids
     blank = tmp_path / "notebook.html"
     blank.write_text("<!DOCTYPE html><html><head><meta charset='utf-8'></head><body><div id='out'></div></body></html>")
     with browser_page() as (page, seen):
@@ -175,6 +179,11 @@ def test_two_views_inserted_as_jupyterlab_inserts_outputs(tmp_path):
         assert views.nth(0).get_attribute("data-selected") == "head 2"
         assert views.nth(1).get_attribute("data-selected") == "head 0"
         assert views.nth(1).locator(".tok").first.inner_text() == "\u00b7s2t0"
+        grids = page.locator(".attn-viewer")
+        assert grids.count() == 2 and grids.nth(0).get_attribute("data-selected") == "L2H1"  # the best score
+        grids.nth(1).locator(".grid div[data-layer='0'][data-head='1']").click()
+        assert grids.nth(1).get_attribute("data-selected") == "L0H1"
+        assert grids.nth(0).get_attribute("data-selected") == "L2H1"
         _clean(seen)
 
 

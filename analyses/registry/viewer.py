@@ -142,7 +142,8 @@ _HTML = r"""
 <script type="application/json" class="data">__DATA__</script>
 <script>
 (function () {
-  const root = document.getElementById("__UID__");
+  const me = document.currentScript;  // a notebook may run this before the id is unique in its document
+  const root = (me && me.closest(".attn-viewer")) || document.getElementById("__UID__");
   __COMMON__
   const d = JSON.parse(root.querySelector("script.data").textContent);
   const A = decodeCodes(d.patterns_u8);
