@@ -48,13 +48,15 @@ def inline_json(value) -> str:
     return json.dumps(value).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
-def codes_u8(weights) -> np.ndarray:
-    """Attention weights in [0, 1] as uint8 codes, round(A * 255) (a tensor on any device, or an array):
-    the packing of the report viewer and of every view here. Decoded as code / 255: within 0.002."""
-    a = to_numpy(weights, np.float32) if isinstance(weights, torch.Tensor) else np.asarray(weights, np.float32)
-    c = np.clip(a, 0.0, 1.0)  # one float32 copy, scaled and rounded in place (a 4,096-token pattern is large)
+def codes_u8(weights):
+    """Attention weights in [0, 1] as uint8 codes, round(A * 255): the packing of the report viewer and of
+    every view here, decoded as code / 255 (within 0.002). A tensor gives a uint8 tensor on its own device
+    (one byte per weight then leaves it, through `to_numpy`); an array gives an array."""
+    if isinstance(weights, torch.Tensor):
+        return (weights.float().clamp(0, 1) * 255).round().to(torch.uint8)
+    c = np.clip(np.asarray(weights, np.float32), 0.0, 1.0)  # one float32 copy, scaled and rounded in place
     c *= 255.0
-    return np.rint(c, out=c).astype(np.uint8)
+    return np.rint(c, out=c).astype(np.uint8)  # half to even, as torch.round
 
 
 def b64(codes: np.ndarray) -> str:

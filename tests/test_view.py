@@ -316,3 +316,15 @@ def test_circuitsvis_calls_run_unchanged_and_carry_the_same_data():
     one = _cv_props(cv.attention_pattern(toks, a[0], show_axis_labels=True))
     d = payload(view.attention_pattern(toks, a[0], show_axis_labels=True)._repr_html_())
     assert np.abs(weights(d)[0] - np.array(one["attention"])).max() <= 0.5 / 255 + 1e-6
+
+
+def test_one_packing_for_tensors_and_arrays():
+    """The report viewer packs a tensor on its device, the views an array on the host: the same codes,
+    halves rounded to even both ways, against round-half-even written here."""
+    from interp.models.attention_view import codes_u8
+
+    a = torch.cat([causal(2, 9).flatten(), torch.tensor([0.5 / 255, 1.5 / 255, 2.5 / 255, 1.0, 0.0])])
+    on_device = codes_u8(a).numpy()
+    on_host = codes_u8(a.numpy())
+    assert on_device.dtype == on_host.dtype == np.uint8 and (on_device == on_host).all()
+    assert on_host[-5:].tolist() == [0, 2, 2, 255, 0]

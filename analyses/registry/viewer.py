@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from interp.models.attention_view import COMMON_JS, b64, codes_u8, fill
+from interp.models.device import to_numpy
 
 from ..document import Html, inline_json
 from ..store import NonFiniteResult
@@ -61,7 +62,7 @@ def run(ctx: Context) -> Output:
     return Output(per_model("viewer_tokens", n), extra={
         "tokens": _str_tokens(ctx.model, sample[0].tolist()), "n_layers": int(patterns.shape[0]),
         "n_heads": int(patterns.shape[1]), "n": n,
-        "patterns_u8": b64(codes_u8(patterns)),  # A * 255, rounded; [layer, head, q, k]
+        "patterns_u8": b64(to_numpy(codes_u8(patterns))),  # A * 255, rounded; [layer, head, q, k]
     })
 
 
