@@ -26,7 +26,6 @@ import json
 import os
 import re
 import secrets
-import time
 from pathlib import Path
 
 import numpy as np
@@ -222,7 +221,6 @@ def pattern_view(tokens, attention, *, head_names=None, title: str | None = None
     blue, which later tokens attend to it in orange). Arguments as CircuitsVis's `attention_heads`;
     `max_value` is the weight drawn at full colour (default 1), `min_value` must be >= 0 (a pattern has no
     negative weight, so `negative_color` is checked and never drawn)."""
-    t0 = time.perf_counter()
     tokens, a, names, warnings = check_pattern(tokens, attention, head_names)
     top = 1.0 if max_value is None else float(max_value)
     low = 0.0 if min_value is None else float(min_value)
@@ -245,9 +243,7 @@ def pattern_view(tokens, attention, *, head_names=None, title: str | None = None
                    colour=colour, mask=bool(mask_upper_tri), show_tokens=show_tokens is not False, selected=selected)
     frag = fill(PATTERN_HTML, UID=_uid("attn"), TITLE=html.escape(title), WARN=_warn_html(warnings),
                 DATA=inline_json(payload))
-    view = View(frag, title, warnings)
-    view.build_seconds = time.perf_counter() - t0
-    return view
+    return View(frag, title, warnings)
 
 
 STAT_FIELDS = ("sink", "previous", "induction", "duplicate")
@@ -434,7 +430,13 @@ __WARN__
     thumbs.appendChild(f); return f;
   });
   const w = (q, k) => at(head, q, k);
-  const spans = d.show_tokens ? tokenSpans(tokensDiv, d.tokens, i => { hover = i; paintTokens(spans, hover, w, rgb); }) : [];
+  const tops = i => {  // the hovered token's strongest keys, said in words (at 1,024 tokens they may be scrolled away)
+    const ks = Array.from({length: i + 1}, (_, k) => k).sort((a, b) => w(i, b) - w(i, a)).slice(0, 3);
+    return "token " + i + " " + tokenText(d.tokens[i]) + " attends most to " +
+      ks.map(k => k + " " + tokenText(d.tokens[k]) + " (" + w(i, k).toFixed(3) + ")").join(", ");
+  };
+  const spans = d.show_tokens ? tokenSpans(tokensDiv, d.tokens, i => {
+    hover = i; paintTokens(spans, hover, w, rgb); info.textContent = i === null ? "" : tops(i); }) : [];
   if (!d.show_tokens) tokensDiv.remove();
   big.addEventListener("mousemove", e => {
     const r = big.getBoundingClientRect();
@@ -447,7 +449,7 @@ __WARN__
   function draw() {
     headSel.value = head; root.dataset.selected = d.heads[head]; root.dataset.head = head;
     figs.forEach((f, h) => f.classList.toggle("sel", h === head));
-    drawPattern(big, n, scaled(head), 1024, rgb, d.mask);
+    drawPattern(big, n, scaled(head), Math.round(400 * (window.devicePixelRatio || 1)), rgb, d.mask);  // block max: no line lost
     paintTokens(spans, hover, w, rgb);
   }
   headSel.addEventListener("change", () => { head = +headSel.value; draw(); });

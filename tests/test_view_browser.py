@@ -73,6 +73,10 @@ def test_pattern_view_hover_click_and_pixels(tmp_path):
         shown = [float(page.locator(".tok").nth(j).get_attribute("data-weight")) for j in range(40)]
         want = [float(a[4, 8, j]) if j <= 8 else float(a[4, j, 8]) for j in range(40)]  # to it / from later ones
         assert np.abs(np.array(shown) - want).max() <= TOL
+        best = int(a[4, 8, :9].argmax())
+        said = page.locator(".attn-view .info").inner_text()
+        assert said.startswith(f"token 8 \u00b7w8 attends most to {best} \u00b7w{best} (")
+        assert abs(float(said.split("(")[1].split(")")[0]) - float(a[4, 8, best])) <= TOL
         # the big pattern: pixel (k, q) is white mixed toward #1f77b4 by the weight
         red = page.evaluate("""() => { const c = document.querySelector('.attn-view canvas.pattern');
             const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
