@@ -328,3 +328,18 @@ def test_one_packing_for_tensors_and_arrays():
     on_host = codes_u8(a.numpy())
     assert on_device.dtype == on_host.dtype == np.uint8 and (on_device == on_host).all()
     assert on_host[-5:].tolist() == [0, 2, 2, 255, 0]
+
+
+def test_views_of_device_tensors_leave_through_the_one_door():
+    """On the CPU playing a GPU, with host copies refused but through `to_numpy`: the views take a model's
+    device tensors as a GPU user would hand them over (a cache's pattern, the streaming statistics)."""
+    from interp.models.device import refuse_host_copies, simulated_gpu
+
+    with simulated_gpu(), refuse_host_copies():
+        model = interp.load("attn-only-2l")
+        text = "for i in range(3): print(i)"
+        _, cache = model.run_with_cache(text, names_filter="blocks.0.attn.hook_pattern")
+        d = payload(cache.view(0, text)._repr_html_())
+        d2 = payload(view.attention_heads(attention=cache["pattern", 0][0], tokens=model.to_str_tokens(text))._repr_html_())
+        stats = payload(view.stats(model.attention_stats(model.to_tokens(text)))._repr_html_())
+    assert d["codes"] == d2["codes"] and d["tokens"] == d2["tokens"] and stats["n"] == len(d["tokens"])
