@@ -158,10 +158,27 @@ def test_streaming_statistics_view(tmp_path):
         _clean(seen)
 
 
-def test_two_views_inserted_as_jupyterlab_inserts_outputs(tmp_path):
-    """JupyterLab sets an output's innerHTML, then replaces each script with a fresh copy so that it runs
-    (scripts set through innerHTML never do); VS Code and classic Jupyter run them likewise. Two views
-    in one page keep to themselves."""
+INSERT = {  # how front ends put a text/html output with scripts into the page (innerHTML alone never runs them)
+    # JupyterLab, VS Code: set innerHTML, then replace each script by a fresh copy, in place
+    "in place": """(cell, f) => { document.getElementById('out').appendChild(cell); cell.innerHTML = f;
+        cell.querySelectorAll('script:not([type])').forEach(s => { const fresh = document.createElement('script');
+          fresh.textContent = s.textContent; s.parentNode.replaceChild(fresh, s); }); }""",
+    # the same on an output node not yet in the document: the scripts run when it is attached
+    "detached": """(cell, f) => { cell.innerHTML = f;
+        cell.querySelectorAll('script:not([type])').forEach(s => { const fresh = document.createElement('script');
+          fresh.textContent = s.textContent; s.parentNode.replaceChild(fresh, s); });
+        document.getElementById('out').appendChild(cell); }""",
+    # classic Jupyter (jQuery's .html()): the markup first, then each script's text run from <head>
+    "from head": """(cell, f) => { document.getElementById('out').appendChild(cell); cell.innerHTML = f;
+        cell.querySelectorAll('script:not([type])').forEach(s => { const run = document.createElement('script');
+          run.textContent = s.textContent; document.head.appendChild(run).remove(); }); }""",
+}
+
+
+@pytest.mark.parametrize("how", INSERT)
+def test_two_views_inserted_as_notebooks_insert_outputs(tmp_path, how):
+    """A notebook front end inserts each output into its page (INSERT): the views render, and two of each
+    kind in one page keep to themselves (their own ids, their own state)."""
     frags = [view.attention_heads(causal(3, 12, seed), [f" s{seed}t{i}" for i in range(12)])._repr_html_()
              for seed in (1, 2)]
     table = pd.DataFrame([dict(run="r", checkpoint="c", step=1, analysis="induction", layer=l, head=h,
@@ -171,12 +188,9 @@ def test_two_views_inserted_as_jupyterlab_inserts_outputs(tmp_path):
     blank.write_text("<!DOCTYPE html><html><head><meta charset='utf-8'></head><body><div id='out'></div></body></html>")
     with browser_page() as (page, seen):
         page.goto(blank.as_uri())
-        page.evaluate("""frags => frags.forEach(f => {
-            const cell = document.createElement('div'); cell.className = 'output';
-            document.getElementById('out').appendChild(cell); cell.innerHTML = f;
-            cell.querySelectorAll('script').forEach(s => { if (s.type === 'application/json') return;
-              const fresh = document.createElement('script'); fresh.textContent = s.textContent;
-              s.parentNode.replaceChild(fresh, s); }); })""", frags)
+        page.evaluate("""([insert, frags]) => { const put = eval(insert);
+            frags.forEach(f => { const cell = document.createElement('div'); cell.className = 'output'; put(cell, f); }); }""",
+                      [INSERT[how], frags])
         page.wait_for_function("() => document.querySelectorAll('.attn-view[data-ready]').length === 2")
         views = page.locator(".attn-view")
         views.nth(0).locator(".thumb").nth(2).click()
