@@ -246,7 +246,8 @@ def pattern_view(tokens, attention, *, head_names=None, title: str | None = None
     return View(frag, title, warnings)
 
 
-STAT_FIELDS = ("sink", "previous", "induction", "duplicate")
+STAT_FIELDS = ("sink", "previous", "induction", "duplicate")  # the grid's choices; the chart draws the first three
+PLOTTED = 3
 
 
 def stats_view(stats: dict, tokens=None, *, batch: int = 0, title: str | None = None) -> View:
@@ -277,7 +278,7 @@ def stats_view(stats: dict, tokens=None, *, batch: int = 0, title: str | None = 
                        "real positions (no padding), with the tokens given")
     means = values.mean(-1)  # [layer, field, head]
     payload = dict(layers=layers, heads=heads, n=n, fields=list(STAT_FIELDS), tokens=tokens,
-                   codes=b64(codes_u8(values)),
+                   plotted=list(STAT_FIELDS[:PLOTTED]), codes=b64(codes_u8(values[:, :PLOTTED])),  # per position
                    means=[[[round(float(x), 4) for x in hrow] for hrow in frow] for frow in means])
     title = title or f"attention statistics: {len(layers)} layers x {heads} heads, {n} tokens"
     frag = fill(STATS_HTML, UID=_uid("stats"), TITLE=html.escape(title), DATA=inline_json(payload))
@@ -483,10 +484,10 @@ STATS_HTML = r"""<div class="interp-view stats-view" id="__UID__">
   const root = (me && me.closest(".interp-view")) || document.getElementById("__UID__");
   __COMMON__
   const d = JSON.parse(root.querySelector("script.data").textContent);
-  const A = decodeCodes(d.codes), L = d.layers.length, H = d.heads, n = d.n, F = d.fields.length;
-  const val = (l, f, h, p) => A[((l * F + f) * H + h) * n + p] / 255;  // [layer, field, head, pos]
+  const A = decodeCodes(d.codes), L = d.layers.length, H = d.heads, n = d.n, F = d.plotted.length;
+  const val = (l, f, h, p) => A[((l * F + f) * H + h) * n + p] / 255;  // [layer, plotted field, head, pos]
   const colours = {sink: "#7f7f7f", previous: "#1f77b4", induction: "#d62728", duplicate: "#2ca02c"};
-  const shown = ["sink", "previous", "induction"];
+  const shown = d.plotted;
   root.querySelector(".fallback").remove(); root.querySelector(".controls").hidden = false;
   const fieldSel = root.querySelector("select.field"), label = root.querySelector(".label");
   const chart = root.querySelector("canvas.chart"), info = root.querySelector(".info");
@@ -501,7 +502,7 @@ STATS_HTML = r"""<div class="interp-view stats-view" id="__UID__">
     const c = chart.getContext("2d"), W = chart.width, Ht = chart.height, pad = 4;
     c.clearRect(0, 0, W, Ht); c.strokeStyle = "#ddd"; c.beginPath(); c.moveTo(0, Ht - pad); c.lineTo(W, Ht - pad); c.stroke();
     shown.forEach(f => {
-      const fi = d.fields.indexOf(f); c.strokeStyle = colours[f]; c.beginPath();
+      const fi = d.plotted.indexOf(f); c.strokeStyle = colours[f]; c.beginPath();
       for (let x = 0; x < W; x++) {  // each pixel column: the mean over its positions
         const p0 = Math.floor(x * n / W), p1 = Math.max(p0 + 1, Math.floor((x + 1) * n / W));
         let s = 0; for (let p = p0; p < p1; p++) s += val(layer, fi, head, p);
@@ -514,7 +515,7 @@ STATS_HTML = r"""<div class="interp-view stats-view" id="__UID__">
   chart.addEventListener("mousemove", e => {
     const r = chart.getBoundingClientRect(), p = Math.min(n - 1, Math.floor((e.clientX - r.left) / r.width * n));
     info.textContent = "position " + p + (d.tokens ? " " + tokenText(d.tokens[p]) : "") + ": "
-      + shown.map(f => f + " " + val(layer, d.fields.indexOf(f), head, p).toFixed(3)).join(", ");
+      + shown.map(f => f + " " + val(layer, d.plotted.indexOf(f), head, p).toFixed(3)).join(", ");
   });
   function draw() {
     const fi = d.fields.indexOf(fieldSel.value);
