@@ -42,12 +42,12 @@ from ._common import auto_tqdm
 from .executors import ExecutorSettings, make_executor
 from .registry import ANALYSES, Context, as_output, resolve_analyses
 from .report import write_report
-from interp.models import checkpoint  # checkpoint.load_checkpoint looked up at call time: tests monkeypatch it
-from interp.models.checkpoint import CheckpointError, read_config
+from interp.models.formats import checkpoint  # checkpoint.load_checkpoint looked up at call time: tests monkeypatch it
+from interp.models.formats.checkpoint import CheckpointError, read_config
 from interp.models.device import compute_record, resolve_device
-from interp.models.folder import refuse_code_in
-from interp.models.names import resolve_run
-from interp.models.runs import Checkpoint, Run
+from interp.models.formats.folder import refuse_code_in
+from interp.models.runs.names import resolve_run
+from interp.models.runs.discover import Checkpoint, Run
 from .store import LOAD, NonFiniteResult, OutputError, ResultStore, read_json_file
 from .sweep_data import DataSpec, build_tokens, check_data, data_clash, data_source, prebuild_tokens, resolve_kind
 
@@ -263,7 +263,7 @@ def sweep(
 ) -> SweepResult:
     """Run `settings.analyses` over every checkpoint of `runs` into the folder `out` (see module doc);
     with `last_only`, over the last checkpoint of each (a single model is a run of one checkpoint).
-    A run is a `Run` or any name `interp.models.names.resolve_run` resolves (a folder, a zoo name, a
+    A run is a `Run` or any name `interp.models.runs.names.resolve_run` resolves (a folder, a zoo name, a
     .gguf file, a real-model short name, a Hub repo id).
     `on_part(n)` is called after each result part is written (n parts so far)."""
     tqdm = auto_tqdm()

@@ -50,7 +50,7 @@ from torch import Tensor
 from interp.models import evaldata
 from interp.models.errors import BadValue, check_int
 from interp.models.probes import repeated_random_tokens
-from interp.models.tokenizer import ByteTokenizer, load_tokenizer
+from interp.models.formats.tokenizer import ByteTokenizer, load_tokenizer
 from interp.models.training import eval_windows
 
 DataKind = Literal["auto", "repeated_random", "corpus", "file", "text"]

@@ -1,7 +1,7 @@
 """Loading: from a name to a model, with TransformerLens's conventions. What a name names (paths, the
 zoo, real-model short names, Hugging Face repo ids and revisions through huggingface_hub's cache) is
-decided once, in `interp.models.names` (re-exported here); reading the formats is
-`interp.models.checkpoint`'s loader.
+decided once, in `interp.models.runs.names` (re-exported here); reading the formats is
+`interp.models.formats.checkpoint`'s loader.
 
 Our format is a directory with `config.json` ({"interp_format": 1, "config": ModelConfig}) and
 `model.safetensors` (tensors may be stored in fp16/bf16; they are restored to the requested dtype).
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from interp.models import HookedTransformer
-from interp.models.checkpoint import (  # noqa: F401 - FORMAT_VERSION, CheckpointError, save_model: public here
+from interp.models.formats.checkpoint import (  # noqa: F401 - FORMAT_VERSION, CheckpointError, save_model: public here
     FORMAT_VERSION,
     CheckpointError,
     build_model,
@@ -25,7 +25,7 @@ from interp.models.checkpoint import (  # noqa: F401 - FORMAT_VERSION, Checkpoin
 )
 from interp.models.families import get_family
 from interp.models.processing import check_processing
-from interp.models.names import (  # noqa: F401 - name resolution is the model layer's; re-exported as before
+from interp.models.runs.names import (  # noqa: F401 - name resolution is the model layer's; re-exported as before
     REAL_MODELS,
     ModelNotFound,
     hub_snapshot,

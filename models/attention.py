@@ -23,7 +23,7 @@ from .positions import Rotary, alibi_slopes
 from .weights import OptionalBias, stored
 
 if TYPE_CHECKING:
-    from .kv_cache import KVCache
+    from .kv.cache import KVCache
 
 BackendChoice = str  # "auto" or a name registered in kernels.attention.ATTENTION_BACKENDS (BACKEND_CHOICES)
 

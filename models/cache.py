@@ -1,7 +1,7 @@
 """`ActivationCache`: what `run_with_cache` returns, with TransformerLens's lookups and residual-stream
 arithmetic, and its conversion to TransformerLens's own class (`to_tl_cache`, for
 `run_with_cache(cache_type="transformer_lens")` and `interp.interop`). The KV cache is
-`interp.models.kv_cache` (re-exported here as before).
+`interp.models.kv.cache` (re-exported here as before).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from torch import Tensor
 
 from .attention_view import View, pattern_view
 from .errors import BadValue
-from .hook_aliases import act_name, canonical, hook_aliases
+from .hooks.aliases import act_name, canonical, hook_aliases
 
-from .kv_cache import KVCache  # noqa: F401 - `interp.models.cache.KVCache`, as before the split
+from .kv.cache import KVCache  # noqa: F401 - `interp.models.cache.KVCache`, as before the split
 
 if TYPE_CHECKING:
     from torch import nn
@@ -27,7 +27,7 @@ class ActivationCache:
     cache["blocks.0.attn.hook_pattern"], cache["pattern", 0], cache["resid_pre", -1],
     cache["normalized", 2, "ln1"], cache["embed"], cache["k6"], and TransformerLens 4's bridge names
     for the same activations (cache["blocks.0.hook_in"], cache["in", 0]: resid_pre; see
-    `models/hook_aliases.py`), which it answers without listing them. `.keys()`, `.items()`, `.to(device)`,
+    `models/hooks/aliases.py`), which it answers without listing them. `.keys()`, `.items()`, `.to(device)`,
     `.remove_batch_dim()`, and TransformerLens's arithmetic with its numbers: `decompose_resid`,
     `accumulated_resid`, `stack_head_results`, `stack_neuron_results`, `get_full_resid_decomposition`,
     `apply_ln_to_stack`, `logit_attrs`, `stack_activation`.

@@ -12,7 +12,7 @@ from .errors import BadValue, check_int, check_real
 from .text import _is_text
 
 if TYPE_CHECKING:
-    from .kv_cache import KVCache
+    from .kv.cache import KVCache
 
     from .transformer import HookedTransformer
 
@@ -112,7 +112,7 @@ def generate(
     `kv_precision`: decode through a quantized cache ("int8", "fp8", "int4", ... or a
     {(layer, kv_head): name} map; see `model.new_kv_cache`). `kv_policy`: decode through a cache
     whose heads keep what a policy says ("streaming(4,128)", "kivi4", "h2o(256)", a map; see
-    `interp.models.kv_policy`).
+    `interp.models.kv.policies`).
     return_type: "input" (TransformerLens's default: text for text input, token ids for ids), "str"
     or "tokens". `repetition_penalty` / `freq_penalty`: as TransformerLens's (see `sample_next`),
     counting the real tokens of each row (prompt and continuation, not padding).

@@ -2,7 +2,7 @@
 
 The corpus is the Python standard library's own `.py` sources (`sysconfig.get_paths()["stdlib"]`,
 `site-packages` excluded), files sorted by relative path, read as UTF-8 bytes: token ids 0..255 are
-bytes and 256 is `<bos>` (see `interp.models.tokenizer.ByteTokenizer`). Every 20th file is held out for
+bytes and 256 is `<bos>` (see `interp.models.formats.tokenizer.ByteTokenizer`). Every 20th file is held out for
 evaluation. The training stream is `<bos> file_0 <bos> file_1 ...`; a training window is `<bos>`
 followed by `n_ctx - 1` tokens from a random offset of the stream.
 
@@ -49,7 +49,7 @@ from torch import Tensor
 
 from .errors import check_int, check_threads
 from .tensor_files import save_model
-from .tokenizer import ByteTokenizer
+from .formats.tokenizer import ByteTokenizer
 
 from . import probes
 from .config import ModelConfig

@@ -18,9 +18,9 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from .cache import ActivationCache, to_tl_cache
-from .kv_cache import KVCache
-from .kv_cache_policy import PolicyKVCache
-from .kv_policy import is_window, window_policy
+from .kv.cache import KVCache
+from .kv.policy_cache import PolicyKVCache
+from .kv.policies import is_window, window_policy
 from .hooks import HookedRootModule, HookPoint, NamesFilter, caching_hook
 from interp.kernels.attention import BACKEND_CHOICES, AttentionMask
 
@@ -532,8 +532,8 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
         spelling of `policy=` (a precision is a policy that keeps every token in it).
         policy: what each KV head keeps ("full", "kivi4", "streaming(4,128)", "h2o(256)", "snapkv(256)",
         "knorm(256)", "tova(256)", a precision, a `Policy`, or a {layer: ..., (layer, kv_head): ...} map with
-        `default`, "full", for the rest): a `PolicyKVCache` (`interp.models.kv_cache_policy`; policies in
-        `interp.models.kv_policy`). policy="window": each layer holds what it can see: a layer with a sliding
+        `default`, "full", for the rest): a `PolicyKVCache` (`interp.models.kv.policy_cache`; policies in
+        `interp.models.kv.policies`). policy="window": each layer holds what it can see: a layer with a sliding
         window (Gemma's local layers, Mistral) a rolling buffer of its last `window` positions, the others
         every token."""
         cfg = self.cfg

@@ -32,11 +32,11 @@ def test_the_help_names_are_the_librarys():
     from interp.kernels.kv_quant import PRECISIONS
 
     assert choices.KV_PRECISIONS == PRECISIONS
-    from interp.analyses.kv_policies import DEFAULT_POLICIES
-    from interp.analyses.tasks import VARIANTS
+    from interp.analyses.kv.policies import DEFAULT_POLICIES
+    from interp.analyses.kv.tasks import VARIANTS
 
     assert choices.KV_POLICIES == DEFAULT_POLICIES and choices.KV_TASKS[1:] == tuple(VARIANTS)
-    from interp.analyses.kv_roles_study import GATE_STEPS
+    from interp.analyses.kv.roles_study import GATE_STEPS
 
     assert choices.GATE_STEPS == GATE_STEPS
 
@@ -67,7 +67,7 @@ def _refused(capsys, argv, message, out):
 
 
 def test_settings_are_checked_before_any_checkpoint_is_loaded(run_dir, tmp_path, capsys, monkeypatch):
-    import interp.models.checkpoint as checkpoint
+    import interp.models.formats.checkpoint as checkpoint
 
     def no_loading(*a, **k):
         raise AssertionError("a checkpoint was loaded")

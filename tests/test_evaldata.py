@@ -86,8 +86,8 @@ import torch
 torch.set_num_threads(1)
 if sys.argv[2] == "needle":  # a byte-level model with room for 3,000 tokens of haystack (its weights never run)
     import dataclasses, interp
-    from interp.analyses.tasks import retrieval_prompts
-    from interp.models.tokenizer import ByteTokenizer
+    from interp.analyses.kv.tasks import retrieval_prompts
+    from interp.models.formats.tokenizer import ByteTokenizer
     from interp.models.transformer import HookedTransformer
     cfg = dataclasses.replace(interp.load("rope-gqa-4l").cfg, n_ctx=4096)
     model = HookedTransformer(cfg, seed=0, tokenizer=ByteTokenizer())
@@ -224,7 +224,7 @@ def test_a_bad_text_file_is_one_line_before_the_model_loads(tmp_path, capsys, mo
     import interp
 
     monkeypatch.setattr(interp, "load", lambda *a, **k: pytest.fail("the model must not load"))
-    monkeypatch.setattr("interp.models.checkpoint.load_checkpoint", lambda *a, **k: pytest.fail("no checkpoint loads"))
+    monkeypatch.setattr("interp.models.formats.checkpoint.load_checkpoint", lambda *a, **k: pytest.fail("no checkpoint loads"))
     bad = tmp_path / "bad.txt"
     bad.write_bytes(content)
     out = tmp_path / "out"

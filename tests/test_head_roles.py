@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from core_models import build, small, tokens
 
 import interp
-from interp.analyses.head_roles import (
+from interp.analyses.kv.roles import (
     check_selection,
     equal_bytes_budget,
     equal_bytes_runs,
@@ -24,7 +24,7 @@ from interp.analyses.head_roles import (
     retrieval_scores,
     selection_runs,
 )
-from interp.analyses.tasks import passkey_prompt
+from interp.analyses.kv.tasks import passkey_prompt
 from interp.models.device import simulated_gpu
 from interp.models.errors import BadValue
 
@@ -236,7 +236,7 @@ def test_the_atlas_retrieval_analysis_gives_the_retrieval_column(zoo):
     entry = ANALYSES["retrieval"]
     assert [m.name for m in entry.metrics] == ["retrieval"] and entry.metrics[0].heatmap and entry.expensive
     length = min(PARAMS["length"], zoo.cfg.n_ctx - PARAMS["max_new_tokens"])
-    prompts = interp.analyses.tasks.retrieval_prompts(zoo, [length], list(PARAMS["depths"]), PARAMS["per_depth"],
+    prompts = interp.analyses.kv.tasks.retrieval_prompts(zoo, [length], list(PARAMS["depths"]), PARAMS["per_depth"],
                                                       PARAMS["seed"])
     state = {"prompt": 0, "step": 0}
     spans = [(p.key_span, p.tokens[0, p.key_span[0]:p.key_span[1]].tolist()) for p in prompts]

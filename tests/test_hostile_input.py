@@ -100,11 +100,11 @@ def test_a_tokenizer_with_its_own_code_loads_when_the_caller_brings_a_tokenizer(
 def test_the_tokenizer_reader_itself_never_imports_the_folders_code(tmp_path):
     """The second lock: even called directly (past refuse_own_code), transformers is asked with
     trust_remote_code=False, so it neither prompts nor imports."""
-    from interp.models.checkpoint import local_tokenizer
+    from interp.models.formats.checkpoint import local_tokenizer
 
     folder = _folder_with_code(tmp_path / "ckpt", "tokenizer_config.json")
     out, seconds = _run_in_terminal(
-        f"from interp.models.checkpoint import local_tokenizer\nfrom pathlib import Path\n"
+        f"from interp.models.formats.checkpoint import local_tokenizer\nfrom pathlib import Path\n"
         f"print('TOKENIZER', type(local_tokenizer(Path({str(folder)!r}))).__name__)\n")
     assert "[y/N]" not in out and "TOKENIZER" in out and "EvilTok" not in out, out
     assert not (folder / "RAN").exists()
@@ -115,7 +115,7 @@ def test_the_tokenizer_reader_itself_never_imports_the_folders_code(tmp_path):
 def _saved(tmp_path, name="ckpt"):
     from core_models import own
 
-    from interp.models.checkpoint import save_model
+    from interp.models.formats.checkpoint import save_model
 
     return save_model(own("learned-layernorm"), tmp_path / name)
 

@@ -16,8 +16,8 @@ from smol import needs_smol
 
 import interp
 from interp.models.errors import BadValue
-from interp.models.kv_cache_policy import PolicyKVCache, theory_bytes_per_token
-from interp.models.kv_policy import H2O, Dense, Kivi, SnapKV, Streaming, parse_policies, parse_policy
+from interp.models.kv.policy_cache import PolicyKVCache, theory_bytes_per_token
+from interp.models.kv.policies import H2O, Dense, Kivi, SnapKV, Streaming, parse_policies, parse_policy
 
 N_LAYERS, N_HEADS, N_KV = 3, 6, 2
 

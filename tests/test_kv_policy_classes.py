@@ -24,7 +24,7 @@ from smol import needs_smol
 
 import interp
 from interp.models.errors import BadValue
-from interp.models.kv_policy import CacheView, SubsetPolicy, parse_policy, policy_names, theory_bytes_per_token
+from interp.models.kv.policies import CacheView, SubsetPolicy, parse_policy, policy_names, theory_bytes_per_token
 
 N_LAYERS, N_HEADS, N_KV = 3, 6, 2
 REP = N_HEADS // N_KV
@@ -197,7 +197,7 @@ def test_a_subset_policy_must_say_how_it_chooses_and_names_are_unique():
 
     with pytest.raises(TypeError, match="must define priority"):
         Nothing()
-    with pytest.raises(ValueError, match="name 'h2o' is taken by interp.models.kv_policy.H2O"):
+    with pytest.raises(ValueError, match="name 'h2o' is taken by interp.models.kv.policies.H2O"):
         type("Again", (SubsetPolicy,), {"names": ("h2o",), "__module__": __name__})
 
 

@@ -1,4 +1,4 @@
-"""The KV-cache policy study (`interp.analyses.kv_policies`, `interp kv --task passkey`) against
+"""The KV-cache policy study (`interp.analyses.kv.policies`, `interp kv --task passkey`) against
 computations written out here, never against the module's own output:
 
 - perplexity: `full` is exp(mean next-token cross-entropy) of a plain forward over exactly the
@@ -26,7 +26,7 @@ from core_models import build, small, tokens
 from smol import needs_smol
 
 import interp
-from interp.analyses.kv_policies import (
+from interp.analyses.kv.policies import (
     answer,
     cell_table,
     headline,
@@ -34,7 +34,7 @@ from interp.analyses.kv_policies import (
     policy_perplexity,
     policy_runs,
 )
-from interp.analyses.tasks import retrieval_prompts
+from interp.analyses.kv.tasks import retrieval_prompts
 from interp.cli import main as cli
 
 REQUIRED = ["policy", "selection", "budget", "seed", "length", "depth", "correct", "n", "accuracy", "perplexity",
@@ -294,14 +294,14 @@ def test_a_folder_holding_a_users_file_is_refused_and_the_file_untouched(tmp_pat
 
 def _no_loading(monkeypatch):
     import interp.loading
-    import interp.models.checkpoint
+    import interp.models.formats.checkpoint
 
     def refuse(*a, **k):
         raise AssertionError("the model was loaded before the settings were checked")
 
     monkeypatch.setattr(interp, "load", refuse)
     monkeypatch.setattr(interp.loading, "load_checkpoint", refuse)
-    monkeypatch.setattr(interp.models.checkpoint, "load_checkpoint", refuse)
+    monkeypatch.setattr(interp.models.formats.checkpoint, "load_checkpoint", refuse)
 
 
 # ---- 6. the headline -------------------------------------------------------------------------------

@@ -128,7 +128,7 @@ def test_int8_greedy_still_knows_paris():
 
 # ---- the study ----------------------------------------------------------------------------------
 def test_head_kl_and_sensitivities_by_hand():
-    from interp.analyses.kv import head_table, kv_sensitivity, mixed_precision, precision_table
+    from interp.analyses.kv.precision import head_table, kv_sensitivity, mixed_precision, precision_table
 
     model = build("rotary-gqa")
     toks = tokens(2, 24, seed=6)

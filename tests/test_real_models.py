@@ -23,7 +23,7 @@ from near_ties import argmax_loop, assert_greedy_agrees
 
 import interp
 from interp.loading import ModelNotFound, parse_revisions
-from interp.models.checkpoint import CheckpointError
+from interp.models.formats.checkpoint import CheckpointError
 
 REPO = "interp-tests/tiny-neox"
 REVISIONS = {"step1000": "a" * 40, "step2000": "b" * 40}
@@ -131,7 +131,7 @@ def test_gguf_float32_round_trip_and_rope_permutation(tmp_path):
     """A GGUF written here (F32, llama.cpp's Q/K row order) loads to the weights it was written from."""
     import gguf
 
-    from interp.models.gguf import unpermute_rope_rows
+    from interp.models.formats.gguf import unpermute_rope_rows
 
     file = tiny_gguf(tmp_path / "tiny.gguf")
     model = interp.load(file)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import interp
-from interp.models.runs import discover, parse_step
+from interp.models.runs.discover import discover, parse_step
 from interp.analyses.store import COLUMNS
 from interp.analyses.sweep import SettingsMismatch, sweep
 from interp.analyses.sweep_data import DataSpec, build_tokens

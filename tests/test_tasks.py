@@ -1,4 +1,4 @@
-"""The long-context retrieval prompts (`interp.analyses.tasks`): seeded keys, lengths in the model's
+"""The long-context retrieval prompts (`interp.analyses.kv.tasks`): seeded keys, lengths in the model's
 tokens, the needle at its depth, the key's token span, scoring and bad input.
 
 Tokenizers: the zoo's bytes (`attn-only-2l`, n_ctx 256, and the same tokenizer on a small model with a
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import interp
-from interp.analyses import tasks
+from interp.analyses.kv import tasks
 from interp.analyses.sweep_data import read_text
-from interp.analyses.tasks import (
+from interp.analyses.kv.tasks import (
     FILLER,
     QUESTION,
     accuracy_label,
@@ -24,7 +24,7 @@ from interp.analyses.tasks import (
     retrieval_prompts,
 )
 from interp.models.errors import BadValue
-from interp.models.tokenizer import ByteTokenizer
+from interp.models.formats.tokenizer import ByteTokenizer
 
 from core_models import build, small
 from smol import needs_smol

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import interp
-from interp.models.tokenizer import ByteTokenizer
+from interp.models.formats.tokenizer import ByteTokenizer
 from interp.models.training import (
     BOS,
     BatchSampler,

@@ -15,7 +15,7 @@ import interp
 from interp.cli import main as cli_main
 from interp.models.zoo import ZOO_DIR, list_runs, resolve
 from interp.models.zoo.recipes import RECIPES
-from interp.models.tokenizer import ByteTokenizer, load_tokenizer
+from interp.models.formats.tokenizer import ByteTokenizer, load_tokenizer
 
 RUNS = ("attn-only-2l", "rope-gqa-4l")
 

@@ -54,7 +54,7 @@ class PreparedCache:
     one copy per call (`calls`: warm-up plus timed rounds at most)."""
 
     def __init__(self, cache, calls: int) -> None:
-        from interp.models.kv_cache_policy import PolicyKVCache
+        from interp.models.kv.policy_cache import PolicyKVCache
 
         self.cache, self.length, self.n_seen = cache, cache.length, cache.n_seen.clone()
         self.resets = not isinstance(cache, PolicyKVCache) or all(p.layout == "dense" for row in cache.policies
@@ -72,8 +72,8 @@ class PreparedCache:
 def rows(opts: Options, contexts, new: int, policies) -> tuple[str, dict[int, list[list]]]:
     """{context: [[policy, keys held per head, ms / token, vs full, measured B/token, theoretical B/token,
     measured / theoretical, rounds]]}, the plain KVCache's row first."""
-    from interp.models.kv_policy import theory_bytes_per_token
-    from interp.models.kv_policy import Dense, parse_policy
+    from interp.models.kv.policies import theory_bytes_per_token
+    from interp.models.kv.policies import Dense, parse_policy
 
     name, model = _model()
     cfg = model.cfg

@@ -19,6 +19,6 @@ EXECUTOR_KINDS = ("local", "ray")  # interp.analyses.executors.EXECUTOR_KINDS
 BENCH_SECTIONS = ("forward", "cache", "long_context", "ablation", "generation", "patching", "real_model",
                   "gemma3", "head_scan", "kv_cache", "kv_policies", "gpu")  # interp.benchmarks.suite.ALL
 KV_PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8", "int4")  # interp.kernels.kv_quant.PRECISIONS
-KV_POLICIES = "full,kivi4,kivi2,streaming(4,128),h2o(132),snapkv(132),knorm(132),tova(132)"  # interp.analyses.kv_policies.DEFAULT_POLICIES
-GATE_STEPS = 32  # interp.analyses.kv_roles_study.GATE_STEPS
+KV_POLICIES = "full,kivi4,kivi2,streaming(4,128),h2o(132),snapkv(132),knorm(132),tova(132)"  # interp.analyses.kv.policies.DEFAULT_POLICIES
+GATE_STEPS = 32  # interp.analyses.kv.roles_study.GATE_STEPS
 KV_TASKS = ("precisions", "passkey", "needle")  # interp kv --task: the precision study, or retrieval (tasks.VARIANTS)

@@ -120,7 +120,7 @@ def run(args) -> int:
             check_data(spec)
         source = _source(spec, args.data_file)
         from interp.loading import resolve
-        from interp.models.checkpoint import read_config
+        from interp.models.formats.checkpoint import read_config
 
         cfg = read_config(resolve(args.model))
         n = ids.shape[1] if ids is not None else args.seq_len
@@ -142,7 +142,7 @@ def run(args) -> int:
     import time
 
     import interp
-    from interp.analyses.kv_study import run_study
+    from interp.analyses.kv.precision_study import run_study
     from interp.models.device import resolve_device
     from interp.analyses.sweep_data import build_tokens
 
@@ -163,20 +163,20 @@ def _run_policies(args) -> int:
     from interp.models.errors import as_user_errors
 
     with as_user_errors(ValueError, FileNotFoundError):
-        from interp.analyses.kv_policies import PolicyRun, policy_runs
+        from interp.analyses.kv.policies import PolicyRun, policy_runs
         from .choices import KV_POLICIES
-        from interp.models.kv_policy import WINDOW
+        from interp.models.kv.policies import WINDOW
         from interp.analyses.sweep_data import DataSpec, check_data
         from interp.analyses.store import OutputFolder
         from interp.loading import resolve
-        from interp.models.checkpoint import read_config
+        from interp.models.formats.checkpoint import read_config
         from interp.models.errors import check_int
 
         runs = policy_runs(args.policies)
         lengths = _numbers(args.lengths or ("1024" if args.select else "1024,2048"), int, "--lengths")
         selections = fractions = None
         if args.select:
-            from interp.analyses.head_roles import check_selection
+            from interp.analyses.kv.roles import check_selection
 
             selections = [s.strip() for s in args.select.split(",") if s.strip()]
             fractions = _numbers(args.fractions, float, "--fractions")
@@ -188,7 +188,7 @@ def _run_policies(args) -> int:
 
                 check_real("--gate-seconds", args.gate_seconds, minimum=0.0, strict=True)
             check_selection(selections, fractions, 10**9)  # names and (0, 1]; k checked with the model's heads
-            from interp.models.kv_policy import Streaming
+            from interp.models.kv.policies import Streaming
 
             runs = [PolicyRun("streaming", Streaming(args.sinks, args.window))]  # checked against the lengths below
         depths = _numbers(args.depths, float, "--depths")
@@ -231,10 +231,10 @@ def _run_policies(args) -> int:
     import time
 
     import interp
-    from interp.analyses.kv_policies import run_policy_study
+    from interp.analyses.kv.policies import run_policy_study
     from interp.models.device import resolve_device
     from interp.analyses.sweep_data import build_tokens
-    from interp.analyses.tasks import retrieval_prompts
+    from interp.analyses.kv.tasks import retrieval_prompts
 
     start = time.perf_counter()
     model = interp.load(args.model, device=resolve_device(args.device))  # an unknown device: one line, before loading
@@ -243,7 +243,7 @@ def _run_policies(args) -> int:
     tokens = (ids[:1] if ids is not None else build_tokens(spec, model)).to(model.device)
     description = (f"{tokens.shape[1]} tokens from {args.data_file}" if ids is not None else spec.describe())
     if selections:
-        from interp.analyses.kv_roles_study import run_roles_study
+        from interp.analyses.kv.roles_study import run_roles_study
 
         path = run_roles_study(model, args.out, prompts=prompts, text_tokens=tokens, selections=selections,
                                fractions=fractions, seeds=tuple(range(args.selection_seeds)), sinks=args.sinks,

@@ -100,7 +100,7 @@ def settings_from_args(args):
 def run_sweep(args, runs, executor=None, last_only: bool = False) -> int:
     from interp.analyses.sweep import SettingsMismatch, sweep  # CLI start-up time: interp.analyses imports torch
     from interp.models.errors import as_user_errors  # CLI start-up time: interp.models imports torch
-    from interp.models.names import resolve_run  # CLI start-up time
+    from interp.models.runs.names import resolve_run  # CLI start-up time
 
     with as_user_errors(SettingsMismatch, ValueError, FileNotFoundError, ImportError):  # printed by interp.cli
         settings = settings_from_args(args)

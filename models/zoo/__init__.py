@@ -6,7 +6,7 @@ Layout (one folder per run, made by `interp train NAME --out models/zoo/NAME`):
     models/zoo/<run>/step_<05d>/config.json    one checkpoint (fp16 weights; `interp.load` restores fp32)
                                model.safetensors
                                meta.json        step, tokens seen, losses, seed, run, probe scores
-                               tokenizer.json   `interp.models.tokenizer.ByteTokenizer`
+                               tokenizer.json   `interp.models.formats.tokenizer.ByteTokenizer`
 
 Names `interp.load` accepts (see `resolve`):
 
@@ -20,7 +20,7 @@ does. Without it, attn-only-2l's loss on the first 8 bytes of a window rises fro
 (2.00 -> 2.24 over 200-byte windows of the Python reference; rope-gqa-4l: 2.32 -> 2.65, 1.77 -> 1.79).
 
 This module only reads folders (no torch import); the recipes that made them are in `.recipes`.
-Discovering the checkpoints of any run folder (ours, Hugging Face's, the zoo's) is `interp.models.runs`.
+Discovering the checkpoints of any run folder (ours, Hugging Face's, the zoo's) is `interp.models.runs.discover`.
 """
 
 from __future__ import annotations

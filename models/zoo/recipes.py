@@ -1,6 +1,6 @@
 """The recipes of the shipped zoo runs: frozen data, reproduced by `interp train NAME`.
 
-Both models read UTF-8 bytes (`interp.models.tokenizer.ByteTokenizer`, d_vocab 257 = 256 bytes + `<bos>`)
+Both models read UTF-8 bytes (`interp.models.formats.tokenizer.ByteTokenizer`, d_vocab 257 = 256 bytes + `<bos>`)
 of the Python standard library's sources; see `interp.models.training` for the data and the loop.
 """
 

@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Iterator, Literal, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from .hook_aliases import act_name, canonical, hook_aliases
+from .aliases import act_name, canonical, hook_aliases
 
 HookFn = Callable[..., Union[Tensor, None]]
 Direction = Literal["fwd", "bwd"]
@@ -132,7 +132,7 @@ class HookedRootModule(nn.Module):
     def setup_hooks(self) -> None:
         """Name every hook point and index them: `hook_dict` (our names; it also answers the bridge's
         names for them, without listing those) and `hook_aliases` ({the bridge's name: ours}, from
-        `models/hook_aliases.py`). A hook point added after construction (by a `set_use_*` switch)
+        `models/hooks/aliases.py`). A hook point added after construction (by a `set_use_*` switch)
         takes the training mode of the module it sits in, so an eval model stays entirely in eval
         mode (TransformerLens's tools check every module)."""
         own: dict[str, HookPoint] = {}

@@ -36,11 +36,11 @@ import pandas as pd
 import torch
 
 from interp.models.errors import BadValue
-from interp.models.kv_policy import Streaming
+from interp.models.kv.policies import Streaming
 
-from ._common import progress
-from .heads import induction_scores
-from .kv_policies import PolicyRun
+from .._common import progress
+from ..heads import induction_scores
+from .policies import PolicyRun
 from .tasks import RetrievalPrompt
 
 RANKINGS = ("retrieval", "razor", "loss", "gates", "random")

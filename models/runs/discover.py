@@ -22,8 +22,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import zoo
-from .run_types import Checkpoint, Run, is_checkpoint, parse_step
+from .. import zoo
+from ..run_types import Checkpoint, Run, is_checkpoint, parse_step
 
 __all__ = ["Checkpoint", "Run", "discover", "is_checkpoint", "parse_step", "zoo_path"]
 

@@ -53,7 +53,7 @@ from torch import Tensor
 
 from interp.kernels.kv_quant import bytes_per_vector
 
-from .errors import BadValue
+from ..errors import BadValue
 
 _REGISTRY: dict[str, type["Policy"]] = {}
 

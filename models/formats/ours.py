@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from .build import build_model, check_shapes
-from .config import ModelConfig
+from ..config import ModelConfig
 from .folder import local_tokenizer
-from .tensor_files import header_shapes, read_state_dict
-from .transformer import HookedTransformer
+from ..tensor_files import header_shapes, read_state_dict
+from ..transformer import HookedTransformer
 
 
 def claims(raw: dict | None) -> bool:

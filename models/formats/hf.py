@@ -7,11 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from .build import build_model, convert_weights
-from .config import ModelConfig
-from .families import get_family
+from ..config import ModelConfig
+from ..families import get_family
 from .folder import local_tokenizer
-from .tensor_files import read_state_dict
-from .transformer import HookedTransformer
+from ..tensor_files import read_state_dict
+from ..transformer import HookedTransformer
 
 
 def config(path: Path, raw: dict) -> ModelConfig:

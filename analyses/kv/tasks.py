@@ -41,7 +41,7 @@ Scoring: greedy-decode a few tokens after the prompt; `is_correct(text, key)` is
 appears in the continuation as a whole number (not inside a longer run of digits). Accuracy is always
 reported with its count: `accuracy_label(8, 10) == "8 of 10"`.
 
-    from interp.analyses.tasks import retrieval_prompts, is_correct, accuracy_label
+    from interp.analyses.kv.tasks import retrieval_prompts, is_correct, accuracy_label
 
     prompts = retrieval_prompts(model, lengths=[1024, 2048], depths=[0.1, 0.4, 0.7], n_per_cell=10, seed=0)
     p = prompts[0]
@@ -67,7 +67,7 @@ from torch import Tensor
 
 from interp.models.errors import BadValue, check_int, check_real
 
-from .sweep_data import read_text
+from ..sweep_data import read_text
 
 Variant = Literal["passkey", "needle"]
 VARIANTS = ("passkey", "needle")

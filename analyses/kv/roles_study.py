@@ -22,10 +22,10 @@ from typing import Sequence
 import pandas as pd
 import torch
 
-from . import plots
-from .document import Section, head_name, png, write_document
+from .. import plots
+from ..document import Section, head_name, png, write_document
 from .gates import gate_table, train_gates
-from .head_roles import (
+from .roles import (
     equal_bytes_runs,
     kv_roles,
     loss_scores,
@@ -36,10 +36,10 @@ from .head_roles import (
     selection_runs,
     share_above,
 )
-from .kv_policies import PolicyRun, measure_runs, policy_sections
-from .sinks import attention_sinks
-from .store import OutputFolder, atomic_write_text
-from .sweep_data import source_line
+from .policies import PolicyRun, measure_runs, policy_sections
+from ..sinks import attention_sinks
+from ..store import OutputFolder, atomic_write_text
+from ..sweep_data import source_line
 from .tasks import RetrievalPrompt, accuracy_label, retrieval_prompts
 
 SCORING_SEED_OFFSET = 1000

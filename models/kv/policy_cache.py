@@ -50,9 +50,9 @@ from interp.kernels.kv_quant import (
 )
 from interp.kernels.visibility import visible
 
-from .errors import BadValue, UserError
-from .kv_cache import KVCache
-from .kv_policy import CacheView, Dense, Kivi, Policy, SubsetPolicy, resolve_policies, theory_bytes_per_token
+from ..errors import BadValue, UserError
+from .cache import KVCache
+from .policies import CacheView, Dense, Kivi, Policy, SubsetPolicy, resolve_policies, theory_bytes_per_token
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 

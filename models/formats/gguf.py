@@ -36,11 +36,11 @@ import torch
 from torch import Tensor
 
 from .build import build_model, convert_weights
-from .config import ModelConfig
-from .errors import CheckpointError
-from .families import get_family
+from ..config import ModelConfig
+from ..errors import CheckpointError
+from ..families import get_family
 from .gguf_file import GGUFFile
-from .transformer import HookedTransformer
+from ..transformer import HookedTransformer
 
 # llama.cpp tensor names -> Hugging Face llama names ({l} is the layer).
 _LLAMA_LAYER_NAMES = {

@@ -10,10 +10,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from . import zoo
-from .errors import CheckpointError, UserError
-from .run_types import Checkpoint, Run, parse_step
-from .runs import discover
+from .. import zoo
+from ..errors import CheckpointError, UserError
+from ..run_types import Checkpoint, Run, parse_step
+from .discover import discover
 
 class ModelNotFound(UserError, FileNotFoundError):
     """A name that resolves to no model: the message says what was tried and how to fix it."""

@@ -29,7 +29,7 @@ from interp.kernels.kv_quant import check_precision, fake_quantize
 from interp.models import lm_loss
 from interp.models.stats import for_each_layer_qk
 
-from ._common import frozen_params, progress, token_batch
+from .._common import frozen_params, progress, token_batch
 
 def _k_hook(model) -> str:
     return "hook_rot_k" if model.rotary is not None else "hook_k"

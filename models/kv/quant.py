@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import warnings
 
-from .kv_cache_policy import PolicyKVCache
+from .policy_cache import PolicyKVCache
 
 
 class QuantizedKVCache(PolicyKVCache):

@@ -10,11 +10,11 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .components import relayout_mlp_
-from .config import ModelConfig
-from .errors import CheckpointError
-from .positions import Rotary, alibi_slopes, sinusoidal_table
-from .transformer import HookedTransformer
+from ..components import relayout_mlp_
+from ..config import ModelConfig
+from ..errors import CheckpointError
+from ..positions import Rotary, alibi_slopes, sinusoidal_table
+from ..transformer import HookedTransformer
 
 
 def build_model(cfg: ModelConfig, sd: dict[str, Tensor], source: str, dtype, device, *,

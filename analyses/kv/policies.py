@@ -1,5 +1,5 @@
 """What a KV-cache policy costs, measured: passkey retrieval (or a needle in real text) and perplexity
-through caches whose heads hold what a policy says (`interp.models.kv_policy`), with the bytes held.
+through caches whose heads hold what a policy says (`interp.models.kv.policies`), with the bytes held.
 
     runs = policy_runs("full,kivi4,streaming(4,128),h2o(132)")
     table = passkey_table(model, retrieval_prompts(model, [1024], [0.1, 0.5], 5, seed=0), runs)
@@ -37,13 +37,13 @@ import torch
 import torch.nn.functional as F
 
 from interp.models.errors import BadValue
-from interp.models.kv_policy import WINDOW, Policy, PolicyMap, is_window, parse_policies, resolve_policies, split_policies
+from interp.models.kv.policies import WINDOW, Policy, PolicyMap, is_window, parse_policies, resolve_policies, split_policies
 
-from . import plots
-from ._common import progress
-from .document import Section, png, write_document
-from .store import OutputFolder, atomic_write_text
-from .sweep_data import source_line
+from .. import plots
+from .._common import progress
+from ..document import Section, png, write_document
+from ..store import OutputFolder, atomic_write_text
+from ..sweep_data import source_line
 from .tasks import RetrievalPrompt, accuracy_label, is_correct
 
 DEFAULT_POLICIES = "full,kivi4,kivi2,streaming(4,128),h2o(132),snapkv(132),knorm(132),tova(132)"

@@ -19,13 +19,15 @@ from pathlib import Path
 
 import torch
 
-from . import format_hf, format_ours, gguf
+from . import hf as format_hf
+from . import ours as format_ours
+from . import gguf
 from .build import build_model, check_finite, convert_weights
-from .config import ModelConfig
-from .errors import CheckpointError, OwnCodeRefused
+from ..config import ModelConfig
+from ..errors import CheckpointError, OwnCodeRefused
 from .folder import local_tokenizer, refuse_own_code
-from .tensor_files import FORMAT_VERSION, read_state_dict, save_model
-from .transformer import HookedTransformer
+from ..tensor_files import FORMAT_VERSION, read_state_dict, save_model
+from ..transformer import HookedTransformer
 
 __all__ = ["CheckpointError", "FORMAT_VERSION", "OwnCodeRefused", "build_model", "check_finite", "convert_weights",
            "load_checkpoint", "local_tokenizer", "read_config", "read_state_dict", "save_model"]
@@ -58,7 +60,7 @@ def load_checkpoint(path, *, dtype: torch.dtype = torch.float32, device: torch.d
                     tokenizer=None) -> HookedTransformer:
     """A model from a local checkpoint directory (or a file inside it): our format, or a Hugging Face
     checkpoint converted by its family (by config.json's `model_type`), without `transformers`;
-    or a llama-architecture `.gguf` file (`interp.models.gguf`)."""
+    or a llama-architecture `.gguf` file (`interp.models.formats.gguf`)."""
     fmt, path, raw = _format_of(path, tokenizer_given=tokenizer is not None)
     return fmt.load(path, raw, dtype=dtype, device=device, tokenizer=tokenizer)
 

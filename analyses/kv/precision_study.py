@@ -22,14 +22,14 @@ from typing import Sequence
 import pandas as pd
 import torch
 
-from . import plots
-from ._common import spearman
-from .document import Section, head_name, png, write_document
-from .heads import detect_heads
-from .kv import head_table, kv_sensitivity, mixed_precision, precision_table, recovered_gap
-from .sinks import attention_sinks
-from .store import OutputFolder, atomic_write_text
-from .sweep_data import source_line
+from .. import plots
+from .._common import spearman
+from ..document import Section, head_name, png, write_document
+from ..heads import detect_heads
+from .precision import head_table, kv_sensitivity, mixed_precision, precision_table, recovered_gap
+from ..sinks import attention_sinks
+from ..store import OutputFolder, atomic_write_text
+from ..sweep_data import source_line
 
 KEEP_FRACTIONS = (0.1, 0.2, 0.5)
 

@@ -8,7 +8,7 @@ Gated attention. Every query head's output z [batch, pos, head, d_head] becomes
 
 where z_full is the model's own attention and z_stream the same head attending only to the first S
 keys (sinks) and the last W (window): query i sees key j <= i iff j < S or i - j < W, the rule of
-`interp.models.kv_policy.Streaming` (keys keep their positions, as in `PolicyKVCache`). A layer with
+`interp.models.kv.policies.Streaming` (keys keep their positions, as in `PolicyKVCache`). A layer with
 a window of its own (Mistral, Gemma's local layers, or one narrowed by `narrow_windows`) keeps it in
 both branches. The query heads of one KV head share its gate (GQA: query head h reads KV head
 h // (heads / kv_heads)). alpha = 1 is the full model, alpha = 0 a streaming head.
@@ -31,7 +31,7 @@ the unembedding: DuoAttention's `model.model(...)[0]` in Hugging Face's Llama) w
     loss = MSE(distilled, full) + l1 * mean(|alpha|)
 
 The MSE is the mean over d_model and over the scored positions: for retrieval prompts
-(`interp.analyses.tasks.retrieval_prompts`, DuoAttention's synthetic passkey data) the positions after
+(`interp.analyses.kv.tasks.retrieval_prompts`, DuoAttention's synthetic passkey data) the positions after
 the needle's key (`key_span[1]` to the end: the rest of the needle, the filler after it and the
 question), where a streaming head has lost the key once it is W tokens back; for a plain token batch
 every position. Adam over the gates alone; after every step they are clamped to [0, 1] (DuoAttention
@@ -82,7 +82,7 @@ from interp.kernels.visibility import visible
 from interp.models.device import to_numpy
 from interp.models.errors import BadValue, check_int, check_real
 
-from ._common import frozen_params, kv_group, progress, token_batch
+from .._common import frozen_params, kv_group, progress, token_batch
 from .tasks import RetrievalPrompt
 
 TARGET = "ln_final"  # the hidden states matched: the final norm's output, right before the unembedding
@@ -237,7 +237,7 @@ def _samples(model, data) -> list[_Sample]:
             raise BadValue("no samples: give retrieval prompts (`retrieval_prompts(model, ...)`) or token ids "
                            "[batch, pos]")
         if not all(isinstance(p, RetrievalPrompt) for p in data):
-            raise BadValue("a list of samples must hold retrieval prompts (`interp.analyses.tasks.retrieval_prompts`); "
+            raise BadValue("a list of samples must hold retrieval prompts (`interp.analyses.kv.tasks.retrieval_prompts`); "
                            "give plain token ids as one tensor [batch, pos]")
         return [_Sample(p.tokens.to(model.device).reshape(1, -1), p.key_span[1]) for p in data]
     tokens = token_batch(model, data)
