@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "ActivationCache": "interp.models.cache",
-    "KVCache": "interp.models.kv_cache",
+    "KVCache": "interp.models.kv.cache",
     "FactoredMatrix": "interp.models.factored",
     "HookPoint": "interp.models.hooks",
     "act_name": "interp.models.hooks",
@@ -31,6 +31,69 @@ _LAZY = {
 }
 
 __all__ = sorted(_LAZY)
+
+# Modules that moved into rooms by concept (issue 37): the old import paths keep working for one release,
+# with a DeprecationWarning naming the new one. The old name is the new module (one object, not a copy).
+_MOVED = {
+    "interp.models.kv_cache": "interp.models.kv.cache",
+    "interp.models.kv_cache_policy": "interp.models.kv.policy_cache",
+    "interp.models.kv_policy": "interp.models.kv.policies",
+    "interp.models.kv_cache_quant": "interp.models.kv.quant",
+    "interp.models.format_ours": "interp.models.formats.ours",
+    "interp.models.format_hf": "interp.models.formats.hf",
+    "interp.models.gguf": "interp.models.formats.gguf",
+    "interp.models.gguf_file": "interp.models.formats.gguf_file",
+    "interp.models.build": "interp.models.formats.build",
+    "interp.models.checkpoint": "interp.models.formats.checkpoint",
+    "interp.models.folder": "interp.models.formats.folder",
+    "interp.models.tokenizer": "interp.models.formats.tokenizer",
+    "interp.models.names": "interp.models.runs.names",
+    "interp.models.hook_aliases": "interp.models.hooks.aliases",
+    "interp.analyses.kv_study": "interp.analyses.kv.precision_study",
+    "interp.analyses.kv_policies": "interp.analyses.kv.policies",
+    "interp.analyses.kv_roles_study": "interp.analyses.kv.roles_study",
+    "interp.analyses.head_roles": "interp.analyses.kv.roles",
+    "interp.analyses.gates": "interp.analyses.kv.gates",
+    "interp.analyses.tasks": "interp.analyses.kv.tasks",
+}
+
+
+class _MovedFinder:
+    """Finds an old module path of `_MOVED` (only when no real module answers to it: this finder is last)."""
+
+    @staticmethod
+    def find_spec(fullname, path=None, target=None):
+        if fullname not in _MOVED:
+            return None
+        import importlib.util
+
+        return importlib.util.spec_from_loader(fullname, _MovedLoader(), origin=_MOVED[fullname])
+
+
+class _MovedLoader:
+    @staticmethod
+    def create_module(spec):
+        return None  # a placeholder; exec_module puts the real module in its place
+
+    @staticmethod
+    def exec_module(module):
+        import sys
+        import warnings
+
+        new = module.__spec__.origin
+        warnings.warn(f"{module.__name__} moved to {new}; import it from there (the old path goes in the next "
+                      "release)", DeprecationWarning, stacklevel=4)
+        sys.modules[module.__name__] = importlib.import_module(new)  # what the import returns: one object
+
+
+def _install_moved_finder() -> None:
+    import sys
+
+    if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
+        sys.meta_path.append(_MovedFinder())
+
+
+_install_moved_finder()
 
 
 def __getattr__(name: str):
