@@ -29,22 +29,27 @@ def _on_threads(threads: int, fn):
         torch.set_num_threads(saved)
 
 
-def test_head_scores_are_the_same_on_one_and_two_threads(tmp_path):
-    settings = SweepSettings(analyses=("induction", "previous_token", "duplicate_token", "sinks", "composition"),
-                             data=DataSpec(kind="corpus", n_seqs=8, seq_len=256))
+def _scores_on_one_and_two_threads(tmp_path, model: str, settings: SweepSettings, min_rows: int) -> None:
+    """The sweep of `model` on one and on two threads: the same rows, finite, values within 1e-5."""
     tables = []
     for threads in (1, 2):
-        result = _on_threads(threads, lambda: sweep(["rope-gqa-4l"], tmp_path / f"threads{threads}", settings,
+        result = _on_threads(threads, lambda: sweep([model], tmp_path / f"threads{threads}", settings,
                                                      last_only=True, progress=False, report=False,
                                                      log=lambda *_: None))
         assert not result.errors
         tables.append(result.table.sort_values(KEYS, kind="stable").reset_index(drop=True))
     one, two = tables
     pd.testing.assert_frame_equal(one.drop(columns="value"), two.drop(columns="value"))  # the same rows
-    assert len(one) > 100 and np.isfinite(one["value"]).all() and np.isfinite(two["value"]).all()
+    assert len(one) > min_rows and np.isfinite(one["value"]).all() and np.isfinite(two["value"]).all()
     assert set(one["analysis"]) == set(settings.analyses)
     gap = (one["value"] - two["value"]).abs()
     assert gap.max() <= 1e-5, one.loc[gap.idxmax(), KEYS].to_dict()
+
+
+def test_head_scores_are_the_same_on_one_and_two_threads(tmp_path):
+    settings = SweepSettings(analyses=("induction", "previous_token", "duplicate_token", "sinks", "composition"),
+                             data=DataSpec(kind="corpus", n_seqs=8, seq_len=256))
+    _scores_on_one_and_two_threads(tmp_path, "rope-gqa-4l", settings, min_rows=100)
 
 
 @torch.no_grad()
@@ -70,15 +75,4 @@ def test_smollm2_head_scores_are_the_same_on_one_and_two_threads(tmp_path):
     """270 heads, d_model 576: matmuls large enough that two threads split the work."""
     settings = SweepSettings(analyses=("induction", "previous_token", "duplicate_token", "sinks"),
                              data=DataSpec(kind="text", n_seqs=2, seq_len=128))
-    tables = []
-    for threads in (1, 2):
-        result = _on_threads(threads, lambda: sweep(["smollm2-135m"], tmp_path / f"threads{threads}", settings,
-                                                     last_only=True, progress=False, report=False,
-                                                     log=lambda *_: None))
-        assert not result.errors
-        tables.append(result.table.sort_values(KEYS, kind="stable").reset_index(drop=True))
-    one, two = tables
-    pd.testing.assert_frame_equal(one.drop(columns="value"), two.drop(columns="value"))
-    assert len(one) > 1000 and np.isfinite(one["value"]).all() and np.isfinite(two["value"]).all()
-    gap = (one["value"] - two["value"]).abs()
-    assert gap.max() <= 1e-5, one.loc[gap.idxmax(), KEYS].to_dict()
+    _scores_on_one_and_two_threads(tmp_path, "smollm2-135m", settings, min_rows=1000)
