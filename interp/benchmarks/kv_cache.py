@@ -4,7 +4,7 @@ speed with each precision as a ratio to the full-precision cache, side by side i
     python -m interp.benchmarks.kv_cache                    # 2,048 tokens of context, 16 decoded tokens
     interp bench --sections kv_cache
 
-Bytes: `cache.nbytes` (the codes and float32 scales the cache holds) per token, against
+Bytes: `cache.bytes_per_token()` (the codes and float32 scales the cache holds, per token), against
 2 x layers x KV heads x (d_head x bytes per code + scale bytes). Decoding: the cache is prefilled
 with the context once per precision (untimed), then `new` single-token steps are timed (median of
 interleaved rounds; each round resets the cache to the context length). Every step dequantizes the
@@ -60,9 +60,8 @@ def rows(opts: Options, context: int, new: int) -> tuple[str, list[list], list[l
 
     times, rounds = compare_times({p: decode(p) for p in PRECISIONS}, repeats=opts.repeats, warmup=opts.warmup,
                                   budget=opts.budget, min_repeats=opts.min_repeats, clock=opts.clock)
-    size = [[p, caches[p].nbytes / caches[p].max_len,
-             2 * cfg.n_layers * cfg.kv_heads * bytes_per_vector(p, cfg.head_dim),
-             caches[p].nbytes / caches[p].max_len / (2 * cfg.n_layers * cfg.kv_heads * bytes_per_vector(p, cfg.head_dim))]
+    size = [[p, caches[p].bytes_per_token(), 2 * cfg.n_layers * cfg.kv_heads * bytes_per_vector(p, cfg.head_dim),
+             caches[p].bytes_per_token() / (2 * cfg.n_layers * cfg.kv_heads * bytes_per_vector(p, cfg.head_dim))]
             for p in PRECISIONS]
     speed = [[p, times[p] / new * 1e3, times[p] / times["fp32"], rounds] for p in PRECISIONS]
     return name, size, speed
