@@ -31,7 +31,6 @@ import platform
 import time
 import traceback
 from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Callable, Iterator, Literal, Sequence
 
@@ -44,7 +43,7 @@ from .registry import ANALYSES, Context, as_output, resolve_analyses
 from .report import write_report
 from interp.models.formats import checkpoint  # checkpoint.load_checkpoint looked up at call time: tests monkeypatch it
 from interp.models.formats.checkpoint import CheckpointError, read_config
-from interp.models.device import compute_record, resolve_device
+from interp.models.device import compute_record, installed_version, resolve_device
 from interp.models.formats.folder import refuse_code_in
 from interp.models.runs.names import resolve_run
 from interp.models.runs.discover import Checkpoint, Run
@@ -177,18 +176,10 @@ def run_checkpoint(task: CheckpointTask) -> Iterator[PartEvent | ErrorEvent]:
 
 
 # ---- the driver ------------------------------------------------------------------------------
-def _installed(distribution: str) -> str | None:
-    """The installed version of a distribution, without importing it (transformers takes seconds)."""
-    try:
-        return version(distribution)
-    except PackageNotFoundError:
-        return None
-
-
 def versions() -> dict:
-    out = {"interp": _installed("interp") or "unknown", "torch": torch.__version__, "pandas": pd.__version__,
+    out = {"interp": installed_version("interp") or "unknown", "torch": torch.__version__, "pandas": pd.__version__,
            "python": platform.python_version()}
-    if (transformers := _installed("transformers")) is not None:
+    if (transformers := installed_version("transformers")) is not None:
         out["transformers"] = transformers
     return out
 

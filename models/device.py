@@ -36,7 +36,7 @@ from interp.kernels import resolve_backend
 from .errors import BadValue
 
 __all__ = ["DeviceMixError", "HostCopyError", "available_devices", "compute_record", "device_name", "refuse_host_copies",
-           "resolve_device", "simulated_gpu", "to_host", "to_numpy"]
+           "installed_version", "resolve_device", "simulated_gpu", "to_host", "to_numpy"]
 
 
 def available_devices() -> list[str]:
@@ -85,13 +85,12 @@ def compute_record(device: str | torch.device | None = None) -> dict:
     the streaming statistics kernel that ``backend="auto"`` picks there, torch's threads, the CUDA and
     Triton versions (None where absent)."""
     dev = resolve_device(device)
-    triton = importlib.util.find_spec("triton") is not None
     return {"device": str(dev), "device_name": device_name(dev), "stats_backend": resolve_backend("auto", dev),
-            "threads": torch.get_num_threads(), "cuda": torch.version.cuda,
-            "triton": _version("triton") if triton else None}
+            "threads": torch.get_num_threads(), "cuda": torch.version.cuda, "triton": installed_version("triton")}
 
 
-def _version(dist: str) -> str | None:
+def installed_version(dist: str) -> str | None:
+    """The installed version of a distribution, without importing it (transformers takes seconds); None if absent."""
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:

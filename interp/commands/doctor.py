@@ -84,14 +84,15 @@ def run(args) -> int:
 
 # ---- what is live ------------------------------------------------------------------------------------
 def _version(module: str) -> str | None:
-    import importlib.metadata
+    """A module's distribution version; "installed" when it imports without package metadata; None if absent."""
     import importlib.util
 
-    dist = {"transformer_lens": "transformer-lens"}.get(module, module)
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None if module == "interp" or importlib.util.find_spec(module) is None else "installed"
+    from interp.models.device import installed_version
+
+    found = installed_version({"transformer_lens": "transformer-lens"}.get(module, module))
+    if found is None and module != "interp" and importlib.util.find_spec(module) is not None:
+        return "installed"
+    return found
 
 
 def _attention_lines(device) -> list[str]:

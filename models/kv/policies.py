@@ -591,8 +591,3 @@ def theory_bytes_per_token(policy: PolicyLike, *, n_layers: int, n_kv_heads: int
     definition (the benchmark prints it beside the measured `bytes_per_token`)."""
     p = parse_policy(policy)
     return n_layers * n_kv_heads * p.theory_bytes(d_head=d_head, length=length, dtype_bytes=dtype_bytes)
-
-
-# The names `interp kv --policies` and the docs list (kept for callers of the old tables).
-DENSE = Dense.names
-NAMES = tuple(policy_names())
