@@ -145,7 +145,13 @@ def _summary(settings, table, errors, timing, store, views: list[RunView]) -> Se
     compute = store.seconds()
     skipped = sorted({md_escape(f"{e['run']}/{e['checkpoint']}") for e in errors if e["analysis"] == "load"})
     expensive = [a for a in settings.get("analyses", []) if a in ANALYSES and ANALYSES[a].expensive]
+    past = {run: info["extrapolated_past"] for run, info in settings.get("runs", {}).items()
+            if isinstance(info, dict) and info.get("extrapolated_past")}
+    extrapolated = "".join(f" EXTRAPOLATED: {md_escape(run)} was run on {settings['data']['seq_len']}-token sequences, "
+                           f"past its trained context of {n:,} tokens (--extrapolate); its numbers describe a model "
+                           "used beyond what it was trained on." for run, n in past.items())
     s.add(f"Analyses: {', '.join(settings.get('analyses', []))}. Data: {md_escape(settings.get('data_description', ''))}."
+          + extrapolated
           + (f" {', '.join(expensive).capitalize()} ran on "
              f"{'every checkpoint' if settings.get('expensive_on') == 'all' else 'the last checkpoint of each run'}."
              if expensive else "") + _compute_line(settings.get("compute")),

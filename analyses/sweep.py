@@ -44,6 +44,7 @@ from .report import write_report
 from interp.models.formats import checkpoint  # checkpoint.load_checkpoint looked up at call time: tests monkeypatch it
 from interp.models.formats.checkpoint import CheckpointError, read_config
 from interp.models.device import compute_record, installed_version, resolve_device
+from interp.models.memory import check_fits
 from interp.models.formats.folder import refuse_code_in
 from interp.models.runs.names import resolve_run
 from interp.models.runs.discover import Checkpoint, Run
@@ -84,6 +85,7 @@ class SweepSettings:
     data: DataSpec = field(default_factory=DataSpec)
     expensive_on: Literal["last", "all"] = "last"
     device: str | None = None
+    extrapolate: bool = False  # allow --seq-len past a rotary model's trained context (n_ctx); marked in the report
 
     def __post_init__(self) -> None:
         resolve_analyses(self.analyses)  # raises on unknown names
@@ -205,7 +207,7 @@ def _check_settings(store: ResultStore, settings: SweepSettings, runs: Sequence[
     record = {"analyses": list(settings.analyses), **settings.meaning(),
               "data_description": settings.data.describe(), "data_source": data_source(settings.data),
               "runs": {r.name: {"source": r.source, "checkpoints": [c.name for c in r.checkpoints],
-                                **_layer_windows(r)} for r in runs},
+                                **_layer_windows(r), **_extrapolated(r, settings.data.seq_len)} for r in runs},
               "versions": versions(), "compute": compute_record(settings.device)}
     if force:
         store.folder.discard()
@@ -269,6 +271,11 @@ def sweep(
         raise ValueError(f"two runs share a name ({names}); give each run folder a distinct name")
     settings = _resolve_data(settings, found)
     check_up_front(settings, found)
+    for name in settings.analyses:  # analyses at their own length, said once
+        own = ANALYSES[name].max_len
+        if own is not None and settings.data.seq_len > own:
+            log(f"note: {name} runs on pieces of {own} tokens of the {settings.data.seq_len}-token sequences (its own "
+                "length; recorded in its rows and report section)")
     with store.writing():  # created, locked against a second sweep, its manifest started
         record = _check_settings(store, settings, found, force)
         store.read_json("timing.json")  # damaged: said now, in one line, not after the work
@@ -375,6 +382,15 @@ def _layer_windows(run: Run) -> dict:
     return {"layer_windows": windows} if len(set(windows)) > 1 else {}
 
 
+def _extrapolated(run: Run, seq_len: int) -> dict:
+    """{"extrapolated_past": n_ctx} for a run analysed past its trained context (`--extrapolate`); {} otherwise."""
+    try:
+        n_ctx = _config_at(str(run.checkpoints[-1].path)).n_ctx
+    except (CheckpointError, FileNotFoundError, ValueError, KeyError, ImportError):
+        return {}
+    return {"extrapolated_past": n_ctx} if seq_len > n_ctx else {}
+
+
 def check_up_front(settings: SweepSettings, runs: Sequence[Run]) -> None:
     """Refuse, before anything is loaded or written, settings that would fail on every checkpoint:
     a device this machine does not have, sequences longer than a learned position table, token ids
@@ -393,6 +409,11 @@ def check_up_front(settings: SweepSettings, runs: Sequence[Run]) -> None:
         if cfg.positional in ("learned", "sinusoidal") and spec.seq_len > cfg.n_ctx:
             raise ValueError(f"--seq-len {spec.seq_len} is longer than {run.name}'s context (n_ctx={cfg.n_ctx}, "
                              f"{cfg.positional} positions): pass --seq-len {cfg.n_ctx} or less")
+        if spec.seq_len > cfg.n_ctx and not settings.extrapolate:
+            raise ValueError(f"--seq-len {spec.seq_len} is longer than {run.name}'s trained context (n_ctx={cfg.n_ctx}): "
+                             f"pass --extrapolate to run past it (the report marks the numbers as extrapolated), or "
+                             f"--seq-len {cfg.n_ctx} or less")
+        check_fits(cfg, spec.n_seqs, spec.seq_len, resolve_device(settings.device))
         if file_tokens is not None and file_tokens >= cfg.d_vocab:
             raise ValueError(f"{spec.path} holds token id {file_tokens}, outside {run.name}'s vocabulary "
                              f"[0, {cfg.d_vocab})")

@@ -158,11 +158,62 @@ def fused_attention(q, k, v, mask, *, scale, window=None, alibi_slopes=None, sco
     if alibi_slopes is None and mask.is_plain(window):
         causal = mask.causal and mask.n_q == mask.n_k and mask.n_q > 1
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, **gqa)
+    if banded(mask, window):
+        return _banded_attention(q, k, v, mask, scale=scale, window=window, alibi_slopes=alibi_slopes,
+                                 sink_limit=sink_limit, gqa=gqa)
     if alibi_slopes is None:
         attn_mask = mask.visible(window, q.device, sink_limit)
     else:
         attn_mask = mask.bias(window, alibi_slopes, q.dtype, q.device, sink_limit)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, **gqa)
+
+
+# A causal sliding window over many queries runs in bands of queries (`_banded_attention`): each
+# band of BAND queries reads only the keys its window reaches, so a windowed layer costs O(n * window)
+# time and memory instead of the [n, n] mask (1 GiB of bool at 32k tokens, and SDPA's work on every
+# masked-out key). Below BAND_FROM queries the single masked call is as fast.
+BAND_MIN, BAND_FROM = 256, 1024
+
+
+def banded(mask: AttentionMask, window: int | None) -> bool:
+    """True when `fused_attention` runs this call in bands: causal, a window shorter than the keys,
+    many queries, and no mask given outright (a per-head cache's visibility)."""
+    return (window is not None and window < mask.n_k and mask.causal and mask.explicit is None
+            and mask.n_q >= max(BAND_FROM, 2 * window))
+
+
+def _banded_attention(q, k, v, mask: AttentionMask, *, scale, window, alibi_slopes, sink_limit, gqa):
+    """SDPA band by band: queries [s, e) see keys [p0 - window + 1, p1) (their window) plus the
+    StreamingLLM sink keys before it; the band's mask is the one visibility rule on those pairs, so
+    the output equals the whole-mask call's (same keys, same softmax) up to float round-off."""
+    band = max(window, BAND_MIN)
+    device, off = q.device, mask.offset
+    out = torch.empty_like(q)
+    for s in range(0, mask.n_q, band):
+        e = min(mask.n_q, s + band)
+        lo, hi = max(0, off + s - window + 1), off + e  # the keys any query of the band can reach
+        k_pos = torch.arange(lo, hi, device=device)
+        ks, vs = k[:, :, lo:hi], v[:, :, lo:hi]
+        n_sink = min(mask.n_sink, lo)
+        if n_sink:  # sink keys left of the band's reach, kept visible past the window
+            k_pos = torch.cat([torch.arange(n_sink, device=device), k_pos])
+            ks, vs = torch.cat([k[:, :, :n_sink], ks], 2), torch.cat([v[:, :, :n_sink], vs], 2)
+        rel = torch.arange(off + s, off + e, device=device)[:, None] - k_pos[None, :]
+        sinks = None
+        if mask.n_sink:
+            sinks = (k_pos < mask.n_sink)[None, :]
+            if sink_limit is not None:
+                sinks = sinks & (rel < sink_limit)
+        ok = visible(rel, causal=True, window=window, sink_key=sinks)[None, None]
+        if mask.key_valid is not None:
+            ok = ok & mask.key_valid[:, None, None, k_pos.to(mask.key_valid.device)].to(device)
+            ok = ok | ((rel == 0)[None, None] & ~ok.any(-1, keepdim=True))  # a query seeing no key sees itself
+        attn_mask = ok
+        if alibi_slopes is not None:
+            attn_mask = torch.zeros(ok.shape, dtype=q.dtype, device=device).masked_fill(~ok, float("-inf"))
+            attn_mask = attn_mask - alibi_slopes.to(device=device, dtype=q.dtype)[None, :, None, None] * rel.abs().to(q.dtype)
+        out[:, :, s:e] = F.scaled_dot_product_attention(q[:, :, s:e], ks, vs, attn_mask=attn_mask, scale=scale, **gqa)
+    return out
 
 
 def instrumented_attention(q, k, v, mask, *, scale, window=None, alibi_slopes=None, scores_hook=None,

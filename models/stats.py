@@ -160,12 +160,16 @@ def attention_logsumexp(
 
     q [batch, head, n_q, d], k [batch, kv_head, n_k, d] (GQA: head h reads kv head h // group),
     causal with the queries the last n_q keys. Query blocks are sized so that one block's scores hold
-    about `budget` floats: O(n) memory, one attention pass of compute."""
+    about `budget` floats (under a window, a block of at most `window` queries reaches 2 x window keys):
+    O(n) memory, one attention pass of compute."""
     batch, heads, n_q, d = q.shape
     n_k = k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     offset = n_k - n_q
-    block = max(1, budget // max(1, batch * heads * n_k))
+    span = n_k if window is None else min(n_k, 2 * window)  # keys a block of <= window queries reaches
+    block = max(1, budget // max(1, batch * heads * span))
+    if window is not None:
+        block = min(block, window)
     out = torch.empty(batch, heads, n_q, dtype=torch.float32, device=q.device)
     for qs in range(0, n_q, block):
         p = torch.arange(offset + qs, offset + min(qs + block, n_q), device=q.device)

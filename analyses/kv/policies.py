@@ -118,6 +118,8 @@ def check_runs(model, runs: Sequence[PolicyRun], max_len: int) -> None:
 
 
 # ---- shared prefill -------------------------------------------------------------------------------
+PREFILL_CHUNK = 1024  # tokens per piece of a prefill that cannot be shared (a policy that attends through its window)
+
 class _Prefill:
     """One full prefill of a prompt, absorbed by every run whose prefill is the full model's."""
 
@@ -130,9 +132,12 @@ class _Prefill:
             self.full = model.new_kv_cache(1, tokens.shape[1], capture_queries=queries)
             self.logits = self._last_logits(self.full)
 
-    def _last_logits(self, cache) -> torch.Tensor:
-        model = self.model  # prefill through the blocks, then unembed the last position only
-        resid = model(self.tokens, kv_cache=cache, stop_at_layer=model.cfg.n_layers)
+    def _last_logits(self, cache, chunk: int | None = None) -> torch.Tensor:
+        """Prefill through the blocks (in pieces of `chunk` tokens when given), then unembed the last position only."""
+        model, tokens = self.model, self.tokens
+        step = tokens.shape[1] if chunk is None else chunk
+        for s in range(0, tokens.shape[1], step):
+            resid = model(tokens[:, s:s + step], kv_cache=cache, stop_at_layer=model.cfg.n_layers)
         return model(resid[:, -1:], start_at_layer=model.cfg.n_layers)[:, -1]
 
     def cache_for(self, run: PolicyRun):
@@ -141,7 +146,12 @@ class _Prefill:
         if self.full is not None and run.shares_prefill(self.model, self.max_len):
             cache.absorb(self.full, self.model)
             return cache, self.logits
-        return cache, self._last_logits(cache)
+        # A cache whose heads hold different tokens (streaming, each layer's window) attends with a mask given
+        # outright, [n, held] per query head: in pieces of PREFILL_CHUNK the held entries stay its budget (what
+        # the whole prompt at once keeps: sinks and the window) and the mask [chunk, budget + chunk], not
+        # [n, n] (4 GiB at 32k). Quantized caches (KIVI's residual depends on it) prefill whole.
+        subset = any(not g.contiguous for layer in getattr(cache, "groups", ()) for g in layer)
+        return cache, self._last_logits(cache, chunk=PREFILL_CHUNK if subset else None)
 
 
 def _cache_len(prompt: RetrievalPrompt, max_new_tokens: int) -> int:

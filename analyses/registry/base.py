@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import Callable, Literal, Mapping, Sequence
 
 import pandas as pd
+import torch
 from torch import Tensor
 
 from ..document import png
@@ -36,6 +37,23 @@ class Context:
         if key not in self.memo:
             self.memo[key] = compute()
         return self.memo[key]
+
+    def pieces(self, max_len: int, max_seqs: int | None = None) -> Tensor:
+        """The sweep's sequences cut into pieces of at most `max_len` tokens (the first `max_seqs`
+        pieces), for an analysis that runs at its own length (`Analysis.max_len`). A sequence that
+        starts with the model's BOS gives each piece that BOS followed by the next max_len - 1 tokens."""
+        tokens = self.tokens
+        if tokens.shape[1] <= max_len:
+            return tokens[:max_seqs]
+        bos = getattr(getattr(self.model, "tokenizer", None), "bos_token_id", None)
+        has_bos = bos is not None and bool((tokens[:, 0] == bos).all())
+        body = tokens[:, 1:] if has_bos else tokens
+        width = max_len - has_bos
+        n = body.shape[1] // width
+        out = body[:, : n * width].reshape(-1, width)[:max_seqs]
+        if has_bos:
+            out = torch.cat([torch.full((len(out), 1), bos, dtype=out.dtype, device=out.device), out], 1)
+        return out
 
 
 @dataclass(frozen=True)
@@ -98,6 +116,9 @@ class Analysis:
     description: str
     params: Mapping = field(default_factory=lambda: MappingProxyType({}))
     expensive: bool = False  # a forward pass per head or more: by default on the last checkpoint only
+    # Runs on pieces of at most this many tokens of the sweep's sequences (`Context.pieces`): an analysis
+    # whose forwards are too many for long sequences. The sweep says so, in one line, when the data is longer.
+    max_len: int | None = None
     metrics: tuple[Metric, ...] = ()
     section: ReportSection | None = None  # its own section of the report
     # Sections only a sweep over several checkpoints has (figures across training), placed after the

@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import torch
 
 from . import (ablation, caching, forward, generation, gpu, head_scan, kv_cache, kv_policies, long_context, patching,
-               real_model)
+               real_model, window_bands)
 from interp.models.errors import check_threads
 
 from .report import Options, Section, load_average, render
@@ -38,6 +38,7 @@ SECTIONS: dict[str, Callable[[Options], Section]] = {
     "head_scan": head_scan.section,
     "kv_cache": kv_cache.section,
     "kv_policies": kv_policies.section,
+    "window_bands": window_bands.section,
 }
 ALL = (*SECTIONS, "gpu")
 

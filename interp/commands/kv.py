@@ -213,6 +213,10 @@ def _run_policies(args) -> int:
             if not 1 <= length <= cfg.n_ctx - args.new_tokens:
                 raise ValueError(f"--lengths {length}: prompts plus {args.new_tokens} answer tokens must fit this model's "
                                  f"context (n_ctx={cfg.n_ctx}): use lengths up to {cfg.n_ctx - args.new_tokens}")
+        from interp.models.device import resolve_device
+        from interp.models.memory import check_fits
+
+        check_fits(cfg, 1, max(lengths) + args.new_tokens, resolve_device(args.device), what="--lengths")
         n_text = ids.shape[1] if ids is not None else args.seq_len
         if n_text > cfg.n_ctx:
             where = f"{args.data_file}'s rows" if ids is not None else "--seq-len"

@@ -51,9 +51,13 @@ def add_sweep_options(p, default_analyses=None) -> None:
     data.add_argument("--text-file", default=None,
                       help="a UTF-8 text file for --data text (default text: the Python Language Reference, "
                            "pydoc_data.topics, which ships with Python)")
-    data.add_argument("--n-seqs", type=int, default=DATA_N_SEQS, help=f"sequences (default {DATA_N_SEQS})")
+    data.add_argument("--n-seqs", type=int, default=None,
+                      help=f"sequences (default {DATA_N_SEQS}; with interp analyze --lengths, 1)")
     data.add_argument("--seq-len", type=int, default=DATA_SEQ_LEN, help=f"tokens per sequence (default {DATA_SEQ_LEN})")
     data.add_argument("--seed", type=int, default=DATA_SEED, help=f"data seed (default {DATA_SEED})")
+    data.add_argument("--extrapolate", action="store_true",
+                      help="allow --seq-len (or --lengths) past the model's trained context (n_ctx); the report marks "
+                           "those numbers as extrapolated")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--force", action="store_true",
                    help="discard the results interp wrote in --out (e.g. computed with other settings); files interp "
@@ -92,9 +96,11 @@ def settings_from_args(args):
     kind = args.data
     if kind == "auto" and path:
         kind = "file" if args.data_file else "text"
-    data = DataSpec(kind=kind, n_seqs=args.n_seqs, seq_len=args.seq_len, seed=args.seed, path=path)
+    n_seqs = DATA_N_SEQS if args.n_seqs is None else args.n_seqs
+    data = DataSpec(kind=kind, n_seqs=n_seqs, seq_len=args.seq_len, seed=args.seed, path=path)
     analyses = resolve_analyses(tuple(a.strip() for a in args.analyses.split(",") if a.strip()))
-    return SweepSettings(analyses=analyses, data=data, expensive_on=args.expensive_on, device=args.device)
+    return SweepSettings(analyses=analyses, data=data, expensive_on=args.expensive_on, device=args.device,
+                         extrapolate=args.extrapolate)
 
 
 def run_sweep(args, runs, executor=None, last_only: bool = False) -> int:

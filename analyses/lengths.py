@@ -1,0 +1,327 @@
+"""Head scores by context length: how sinks, previous-token, induction and attention distance change
+as a model reads 1k, 4k, 8k, 32k tokens, without a pattern at any length.
+
+`length_scores(model, tokens)` is one fused forward; each layer's q and k go through the streaming
+statistics kernel (`interp.kernels.attention_stats`) as the layer is computed, and only per-query
+numbers leave it. Per head, over every query of every sequence:
+
+    sink             mean attention on token 0 (a sliding-window layer's queries past its window
+                     cannot see it and count 0: the mass the head actually puts there)
+    previous_token   TransformerLens `detect_head` scores (no exclusions, "mul"): the mean over
+    duplicate_token  queries of the attention mass on the previous token, on earlier copies of the
+    induction        query's token, on the tokens right after those copies
+    distance         mean over queries of the query's expected distance sum_j P[p, j] (p - j)
+    distance_p50/p90/p99   quantiles over queries of that expected distance: how far the head looks
+    entropy          mean entropy of a query's attention (nats)
+
+The queries scored are those in the second half of the sequence (positions L/2 .. L-1;
+`from_fraction`, 0 for all of them as `detect_head` does), so that the number at each length
+describes a model that has read about L tokens: a mean over every query would be dominated at
+every length by the same early positions, where a query has few keys to choose from (query 0
+puts all its attention on token 0).
+
+`scores_by_length(model, tokens, lengths)` takes sequences of the longest length and scores their
+first L tokens for each L (the same text at every length: what changes is only how much of it the
+model has read), with a `length` column and `extrapolated` (L past the model's trained context).
+`role_changes` names the heads whose scores move most between the shortest and longest length;
+`how_far` summarises the distance distribution per kind of layer (a sliding window of W tokens, or
+global). `run_length_study` writes it all to a folder with a report.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import Tensor
+
+from interp.kernels import attention_stats
+from interp.models.device import compute_record, to_numpy
+from interp.models.stats import _layer_geometry, for_each_layer_qk
+
+from ._common import progress
+from .document import Section, head_name, png, write_document
+from .store import OutputFolder, atomic_write_bytes, nonfinite_rows
+
+QUANTILES = (0.5, 0.9, 0.99)
+FROM_FRACTION = 0.5  # score the queries in the second half of each length (see the module docstring)
+MEANS = ("sink", "previous_token", "duplicate_token", "induction", "distance", "entropy")
+METRICS = MEANS + tuple(f"distance_p{int(q * 100)}" for q in QUANTILES)
+ROLES = ("sink", "previous_token", "duplicate_token", "induction")  # scores in [0, 1]: changes compared directly
+_STAT = {"sink": "sink", "previous_token": "previous", "duplicate_token": "duplicate", "induction": "induction",
+         "distance": "distance", "entropy": "entropy"}
+FILES = ("lengths.parquet", "lengths.csv", "settings.json")
+
+
+def first_query(n: int, from_fraction: float) -> int:
+    """The first query position scored at length n: floor(n * from_fraction), at most n - 1."""
+    return min(n - 1, int(n * from_fraction))
+
+
+def length_scores(model, tokens: Tensor, *, from_fraction: float = FROM_FRACTION, backend: str = "auto") -> pd.DataFrame:
+    """Long rows layer, head, metric, value (`METRICS`) for every head on `tokens` [batch, pos] (equal
+    lengths, no padding), over the queries at positions >= floor(pos * from_fraction) (0: all, as
+    TransformerLens's `detect_head`): one fused forward, the streaming kernel per layer on those
+    queries against every key, nothing n x n."""
+    tokens = model.prepare(tokens, padding=False).tokens
+    if not 0.0 <= from_fraction < 1.0:
+        raise ValueError(f"from_fraction must be in [0, 1), got {from_fraction!r}")
+    start = first_query(tokens.shape[1], from_fraction)
+    cfg = model.cfg
+    out = torch.empty(len(METRICS), cfg.n_layers, cfg.n_heads)
+    qs = torch.tensor(QUANTILES)
+
+    def fn(layer, q, k, v):
+        st = attention_stats(q[:, :, start:], k, tokens, n_sink=1, backend=backend, **_layer_geometry(model, layer))
+        for i, name in enumerate(MEANS):
+            out[i, layer] = getattr(st, _STAT[name]).float().mean((0, 2)).cpu()
+        dist = st.distance.float().transpose(0, 1).reshape(cfg.n_heads, -1)  # [head, batch * pos]
+        out[len(MEANS):, layer] = torch.quantile(dist, qs.to(dist.device), dim=1).cpu()
+
+    with torch.no_grad():
+        for_each_layer_qk(model, tokens, fn)
+    layer, head = np.meshgrid(np.arange(cfg.n_layers), np.arange(cfg.n_heads), indexing="ij")
+    return pd.concat([pd.DataFrame({"layer": layer.ravel(), "head": head.ravel(), "metric": m,
+                                    "value": to_numpy(out[i].reshape(-1))}) for i, m in enumerate(METRICS)],
+                     ignore_index=True)
+
+
+def check_lengths(lengths: Sequence[int], n_ctx: int, *, extrapolate: bool = False, minimum: int = 2) -> list[int]:
+    """Sorted distinct lengths, each >= `minimum`; past `n_ctx` only with `extrapolate` (one line otherwise)."""
+    if not lengths:
+        raise ValueError("--lengths: give at least one length, e.g. --lengths 1024,4096,8192")
+    bad = [n for n in lengths if isinstance(n, bool) or not isinstance(n, int) or n < minimum]
+    if bad:
+        raise ValueError(f"--lengths {bad[0]!r}: every length must be a whole number of tokens >= {minimum}")
+    past = [n for n in lengths if n > n_ctx]
+    if past and not extrapolate:
+        raise ValueError(f"--lengths {past[0]} is longer than the model's trained context (n_ctx={n_ctx:,}): pass "
+                         "--extrapolate to run past it (those lengths are marked extrapolated), or drop it")
+    return sorted(set(lengths))
+
+
+def scores_by_length(model, tokens: Tensor, lengths: Sequence[int], *, from_fraction: float = FROM_FRACTION,
+                     backend: str = "auto", progress_bar: bool | None = None, timings: dict | None = None) -> pd.DataFrame:
+    """`length_scores` on the first L tokens of `tokens` [batch, >= max(lengths)] for each L: long rows
+    length, layer, head, metric, value, extrapolated. `timings` (a dict) gets {L: seconds}."""
+    lengths = check_lengths(list(lengths), 10**12)
+    if tokens.shape[1] < lengths[-1]:
+        raise ValueError(f"the sequences hold {tokens.shape[1]} tokens, fewer than the longest length {lengths[-1]}")
+    frames = []
+    for n in progress(lengths, total=len(lengths), desc="lengths", enabled=progress_bar):
+        start = time.perf_counter()
+        frame = length_scores(model, tokens[:, :n], from_fraction=from_fraction, backend=backend)
+        if timings is not None:
+            timings[n] = time.perf_counter() - start
+        bad = nonfinite_rows(frame)
+        if bad:  # NaN is an error, never a finding
+            raise ValueError(f"length {n}: non-finite scores at {', '.join(bad[:5])}")
+        frames.append(frame.assign(length=n, extrapolated=n > model.cfg.n_ctx))
+    return pd.concat(frames, ignore_index=True)[["length", "layer", "head", "metric", "value", "extrapolated"]]
+
+
+def wide(frame: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """[head name] x [length] table of one metric."""
+    part = frame[frame["metric"] == metric]
+    table = part.pivot_table(index=["layer", "head"], columns="length", values="value")
+    table.index = [head_name(l, h) for l, h in table.index]
+    return table
+
+
+def role_changes(frame: pd.DataFrame, top: int = 10) -> pd.DataFrame:
+    """The heads whose role scores (sink, previous-token, duplicate-token, induction) move most between
+    the shortest and the longest length: head, the score that moved most, its value at both ends,
+    the change, and the head's mean distance at both ends. Sorted by |change|."""
+    lengths = sorted(frame["length"].unique())
+    lo, hi = lengths[0], lengths[-1]
+    rows = []
+    dist = wide(frame, "distance")
+    for metric in ROLES:
+        w = wide(frame, metric)
+        for name, values in w.iterrows():
+            rows.append({"head": name, "score": metric, f"at {lo:,}": values[lo], f"at {hi:,}": values[hi],
+                         "change": values[hi] - values[lo],
+                         f"distance at {lo:,}": dist.loc[name, lo], f"distance at {hi:,}": dist.loc[name, hi]})
+    table = pd.DataFrame(rows)
+    if table.empty:
+        return table
+    table = table.loc[table["change"].abs().groupby(table["head"]).idxmax()]  # each head once, by its largest move
+    return table.reindex(table["change"].abs().sort_values(ascending=False).index).head(top).reset_index(drop=True)
+
+
+def layer_kinds(windows: Sequence[int | None]) -> dict[int, str]:
+    """{layer: "global" or "window W"}."""
+    return {l: "global" if w is None else f"window {w}" for l, w in enumerate(windows)}
+
+
+def how_far(frame: pd.DataFrame, windows: Sequence[int | None]) -> pd.DataFrame:
+    """Per kind of layer and length: the heads' mean distance and distance quantiles (the mean over
+    the heads of that kind, and the largest p99 of any of them), and the mean sink mass."""
+    kinds = layer_kinds(windows)
+    f = frame.assign(kind=frame["layer"].map(kinds))
+    piv = f.pivot_table(index=["kind", "length", "layer", "head"], columns="metric", values="value").reset_index()
+    out = piv.groupby(["kind", "length"]).agg(
+        heads=("head", "size"), sink=("sink", "mean"), distance=("distance", "mean"),
+        p50=("distance_p50", "mean"), p90=("distance_p90", "mean"), p99=("distance_p99", "mean"),
+        max_p99=("distance_p99", "max")).reset_index()
+    return out.sort_values(["kind", "length"]).reset_index(drop=True)
+
+
+# ---- figures -------------------------------------------------------------------------------------
+PANELS = (("sink", "attention on token 0"), ("previous_token", "previous-token"), ("induction", "induction"),
+          ("distance", "mean attention distance (tokens)"))
+
+
+def plot_by_length(frame: pd.DataFrame, named: Sequence[str], windows: Sequence[int | None]):
+    """Four panels (sink, previous-token, induction, mean distance) against length: one grey line per
+    head (dashed for sliding-window layers), the named heads in colour."""
+    from matplotlib.figure import Figure
+
+    kinds = layer_kinds(windows)
+    fig = Figure(figsize=(12, 7.5))
+    axes = fig.subplots(2, 2)
+    colours = dict(zip(named, [f"C{i}" for i in range(10)]))
+    for ax, (metric, title) in zip(axes.ravel(), PANELS):
+        w = wide(frame, metric)
+        for name, values in w.iterrows():
+            layer = int(name[1:].split("H")[0])
+            style = "--" if kinds[layer] != "global" else "-"
+            if name in colours:
+                ax.plot(w.columns, values.to_numpy(), style, color=colours[name], lw=2, label=name, marker="o", ms=3)
+            else:
+                ax.plot(w.columns, values.to_numpy(), style, color="0.75", lw=0.7)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(w.columns), [f"{n:,}" for n in w.columns], fontsize=8)
+        ax.minorticks_off()
+        if metric == "distance":
+            ax.set_yscale("symlog", linthresh=10)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("context length (tokens)", fontsize=8)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="upper center", ncol=min(10, len(handles)), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    return fig
+
+
+def plot_distance(frame: pd.DataFrame, windows: Sequence[int | None]):
+    """At the longest length: every head's distance quantiles (p50 dot, p90 bar, p99 cap) by layer,
+    global layers in red, sliding-window layers in blue with their window drawn."""
+    from matplotlib.figure import Figure
+
+    n = frame["length"].max()
+    last = frame[frame["length"] == n].pivot_table(index=["layer", "head"], columns="metric", values="value")
+    fig = Figure(figsize=(12, 4))
+    ax = fig.subplots()
+    n_heads = int(frame["head"].max()) + 1
+    for (layer, head), row in last.iterrows():
+        x = layer + (head + 0.5) / n_heads - 0.5
+        colour = "C3" if windows[layer] is None else "C0"
+        ax.plot([x, x], [max(row["distance_p50"], 0.5), max(row["distance_p99"], 0.5)], color=colour, lw=1, alpha=0.5)
+        ax.plot([x], [max(row["distance_p90"], 0.5)], "_", color=colour, ms=6)
+        ax.plot([x], [max(row["distance_p50"], 0.5)], "o", color=colour, ms=3)
+    for w in sorted({w for w in windows if w is not None}):
+        ax.axhline(w, color="C0", lw=0.6, ls=":")
+    ax.axhline(n, color="0.4", lw=0.6, ls=":")
+    ax.set_yscale("log")
+    ax.set_xlabel("layer (heads side by side; red: global, blue: sliding window)")
+    ax.set_ylabel("expected distance of a query (tokens)")
+    ax.set_title(f"How far each head looks at {n:,} tokens: p50 (dot), p90 (tick), p99 (line end) over queries",
+                 fontsize=10)
+    ax.set_xticks(range(len(windows)))
+    fig.tight_layout()
+    return fig
+
+
+# ---- the study -------------------------------------------------------------------------------------
+def run_length_study(model, out, tokens: Tensor, lengths: Sequence[int], *, name: str, data_description: str,
+                     data_source: dict | None = None, backend: str = "auto", progress_bar: bool | None = None,
+                     extrapolate: bool = False, from_fraction: float = FROM_FRACTION) -> Path:
+    """Score every head at each length and write DIR/lengths.parquet and .csv, settings.json and the
+    report (report.html, report.md, figures/). Files interp did not write are never replaced
+    (`OutputFolder`). Returns the report's path."""
+    cfg = model.cfg
+    lengths = check_lengths(list(lengths), cfg.n_ctx, extrapolate=extrapolate)
+    folder = OutputFolder(out)
+    folder.check()
+    timings: dict[int, float] = {}
+    start = time.perf_counter()
+    frame = scores_by_length(model, tokens, lengths, from_fraction=from_fraction, backend=backend,
+                             progress_bar=progress_bar, timings=timings)
+    wall = time.perf_counter() - start
+    windows = cfg.windows()
+    settings = {"model": name, "lengths": lengths, "n_sequences": int(tokens.shape[0]), "n_ctx": cfg.n_ctx,
+                "queries_from_fraction": from_fraction, "extrapolated": [n for n in lengths if n > cfg.n_ctx], "data_description": data_description,
+                "data_source": data_source, "layer_windows": windows, "metrics": list(METRICS),
+                "seconds": {str(n): round(s, 2) for n, s in timings.items()}, "compute": compute_record(model.device)}
+    out = Path(out)
+    with folder.writing():
+        folder.claim(*FILES)
+        buf = io.BytesIO()
+        frame.to_parquet(buf, index=False)
+        atomic_write_bytes(out / "lengths.parquet", buf.getvalue())
+        atomic_write_bytes(out / "lengths.csv", frame.to_csv(index=False).encode())
+        atomic_write_bytes(out / "settings.json", (json.dumps(settings, indent=2) + "\n").encode())
+        return write_document(out, f"Head scores by context length: {name}",
+                              report_sections(frame, settings, wall), folder=folder)
+
+
+def report_sections(frame: pd.DataFrame, settings: dict, wall: float | None = None) -> list[Section]:
+    lengths = settings["lengths"]
+    windows = settings["layer_windows"]
+    changes = role_changes(frame) if len(lengths) > 1 else pd.DataFrame()
+    named = list(changes["head"].head(6)) if not changes.empty else []
+    past = settings.get("extrapolated") or []
+    summary = Section("summary", "Summary").add(
+        f"Every head's scores at {', '.join(f'{n:,}' for n in lengths)} tokens: the first L tokens of the same "
+        f"{settings['n_sequences']} sequence(s) at each length ({settings['data_description']}), scored over the queries "
+        f"at positions {settings['queries_from_fraction']:g} L .. L - 1 (so each number describes a model that has read "
+        "about L tokens). One fused forward per "
+        "length; the streaming statistics kernel scores each layer as it is computed, so no n x n pattern exists at "
+        "any length." + (f" Time: {wall:.0f} s in all (" + ", ".join(f"{int(n):,}: {s:.0f} s" for n, s in
+                                                                     settings["seconds"].items()) + ")." if wall else ""),
+        (f"EXTRAPOLATED: {', '.join(f'{n:,}' for n in past)} tokens are past the model's trained context "
+         f"({settings['n_ctx']:,} tokens); those columns describe the model used beyond what it was trained on."
+         if past else None))
+    if named:
+        top = changes.iloc[0]
+        summary.add(f"The head whose role changes most: {top['head']}, whose {top['score'].replace('_', '-')} score "
+                    f"goes from {top.iloc[2]:.3f} at {lengths[0]:,} tokens to {top.iloc[3]:.3f} at {lengths[-1]:,}.")
+    sections = [summary]
+    by_length = Section("by-length", "Scores against context length")
+    if len(lengths) > 1:
+        by_length.add("Each line is one head (dashed: a sliding-window layer); the heads whose role scores move most are "
+                      "in colour. Scores are means over the queries in the scored part of the first L tokens.",
+                      png(plot_by_length(frame, named, windows), "by_length.png"))
+        by_length.add(f"The heads whose role moves most between {lengths[0]:,} and {lengths[-1]:,} tokens (each head by "
+                      "its largest change among sink, previous-token, duplicate-token and induction):",
+                      _rounded(changes))
+    for metric in ("sink", "previous_token", "induction", "distance"):
+        w = wide(frame, metric)
+        top = w[w.columns[-1]].sort_values(ascending=False).head(8)
+        table = w.loc[top.index].reset_index().rename(columns={"index": "head"})
+        table.columns = [str(c) if not isinstance(c, (int, np.integer)) else f"{int(c):,}" for c in table.columns]
+        by_length.add(f"The 8 heads highest in {metric.replace('_', '-')} at {lengths[-1]:,} tokens, at every length:",
+                      _rounded(table))
+    sections.append(by_length)
+    far = Section("how-far", "How far heads look")
+    table = how_far(frame, windows)
+    far.add("Per kind of layer and length: the mean over its heads of the mean attention distance and of the distance "
+            "quantiles over queries (p50, p90, p99 of a query's expected distance), the largest p99 of any head, and the "
+            "mean attention on token 0." + (" A sliding-window layer cannot look past its window; what the global "
+                                             "layers do with the rest of the context is the question."
+                                             if any(w is not None for w in windows) else ""),
+            _rounded(table), png(plot_distance(frame, windows), "distance.png"))
+    sections.append(far)
+    sections.append(Section("settings", "Settings").add("```\n" + json.dumps(settings, indent=2) + "\n```"))
+    return sections
+
+
+def _rounded(table: pd.DataFrame) -> pd.DataFrame:
+    return table.round(4)

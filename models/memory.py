@@ -1,0 +1,95 @@
+"""Will a forward at this length fit? An estimate made from the config alone, before any weight loads.
+
+Long-context work (`interp analyze --seq-len 32768`, `--lengths`, `interp kv --task passkey --lengths`)
+holds the weights, one layer's activations at a time, and nothing of size n x n (the streaming
+statistics, banded sliding windows, slabbed unembedding: `tests/test_long_context.py` holds the
+code to that). What grows with the length is then linear:
+
+    bytes(batch, n) = FIXED + weights + batch * n * per_token
+
+    per_token = 4 * (6 d_mlp + 12 d_model + 4 (heads + 2 kv_heads) d_head) float32 values: the residual
+                stream and its norms, the MLP's hidden activations (gate, input, product and their
+                temporaries), one layer's q, k, v and attention output, and the per-query statistics.
+    FIXED     = 1.5 GiB: torch and the interpreter (~0.5 GiB), the unembedding's logit slabs (two of
+                512 MiB), the tokenizer.
+
+Measured on this project's CPU (peak RSS of `interp analyze`): Gemma 3 270M at 32,768 tokens holds
+about half of the per-token term the formula gives, so it is a ceiling, not a forecast: a length it
+refuses would not have fitted, and one it allows has room to spare.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FIXED_BYTES = 3 * 2**29  # 1.5 GiB
+GiB = 2**30
+
+
+def per_token_bytes(cfg) -> int:
+    """The estimate's bytes per token of one sequence (float32 activations)."""
+    d_mlp = cfg.d_mlp or 0
+    qkv = (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim
+    return 4 * (6 * d_mlp + 12 * cfg.d_model + 4 * qkv)
+
+
+def weight_bytes(cfg, element_size: int = 4) -> int:
+    return cfg.n_params() * element_size
+
+
+def estimate_bytes(cfg, batch: int, length: int, element_size: int = 4) -> int:
+    """Peak bytes of one forward with the long-context analyses over `batch` sequences of `length`."""
+    return FIXED_BYTES + weight_bytes(cfg, element_size) + batch * length * per_token_bytes(cfg)
+
+
+def available_bytes(device: str | torch.device = "cpu") -> int | None:
+    """Memory a new allocation can have on `device`: CUDA's free memory, or the host's MemAvailable
+    (Linux) / what psutil reports; None when it cannot be read (then nothing is refused)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import psutil  # optional: macOS, Windows
+    except ImportError:
+        return None
+    return int(psutil.virtual_memory().available)
+
+
+@dataclass(frozen=True)
+class Fit:
+    needed: int  # estimated bytes
+    available: int | None
+    longest: int | None  # the longest length that fits at this batch (None: unknown)
+
+    @property
+    def fits(self) -> bool:
+        return self.available is None or self.needed <= self.available
+
+
+def check_fits(cfg, batch: int, length: int, device="cpu", *, what: str = "--seq-len", available: int | None = None,
+               element_size: int = 4) -> Fit:
+    """Raise ValueError (one line: the estimate, what is free, the longest length that fits) when a
+    forward over `batch` x `length` tokens would not fit on `device`; return the `Fit` otherwise."""
+    available = available_bytes(device) if available is None else available
+    needed = estimate_bytes(cfg, batch, length, element_size)
+    longest = None
+    if available is not None:
+        room = available - FIXED_BYTES - weight_bytes(cfg, element_size)
+        longest = max(0, room // (batch * per_token_bytes(cfg)))
+    fit = Fit(needed, available, longest)
+    if not fit.fits:
+        where = "this machine's" if torch.device(device).type == "cpu" else f"{device}'s"
+        raise ValueError(f"{what} {length}: about {needed / GiB:.1f} GiB needed for {batch} sequence(s) of {length} "
+                         f"tokens, more than {where} {available / GiB:.1f} GiB free; the longest that fits is about "
+                         f"{longest:,} tokens (or use fewer sequences)")
+    return fit
