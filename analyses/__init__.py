@@ -10,6 +10,7 @@ from .composition import composition_matrix, composition_scores
 from .detect import detect_head, detect_head_frame, detection_pattern
 from .heads import detect_heads, icl_score, induction_scores, repeated_random_tokens
 from .importance import attribution_correlation, head_importance
+from .lengths import how_far, length_scores, role_changes, scores_by_length
 from .plots import plot_composition, plot_curve, plot_head_scores
 from .pruning import pruning_curve
 from .sinks import attention_sinks, sink_rate, sliding_window, window_eval
@@ -37,15 +38,19 @@ __all__ = [
     "detection_pattern",
     "for_each_layer_qk",
     "head_importance",
+    "how_far",
     "icl_score",
     "induction_scores",
     "kv_cache_attention_stats",
+    "length_scores",
     "model_attention_stats",
     "plot_composition",
     "plot_curve",
     "plot_head_scores",
     "pruning_curve",
     "repeated_random_tokens",
+    "role_changes",
+    "scores_by_length",
     "sink_rate",
     "sliding_window",
     "stats_frame",

@@ -189,6 +189,8 @@ def plot_by_length(frame: pd.DataFrame, named: Sequence[str], windows: Sequence[
     colours = dict(zip(named, [f"C{i}" for i in range(10)]))
     for ax, (metric, title) in zip(axes.ravel(), PANELS):
         w = wide(frame, metric)
+        if metric == "distance":  # a log axis; a head that attends to itself has distance 0
+            w = w.clip(lower=0.5)
         for name, values in w.iterrows():
             layer = int(name[1:].split("H")[0])
             style = "--" if kinds[layer] != "global" else "-"
@@ -200,7 +202,7 @@ def plot_by_length(frame: pd.DataFrame, named: Sequence[str], windows: Sequence[
         ax.set_xticks(list(w.columns), [f"{n:,}" for n in w.columns], fontsize=8)
         ax.minorticks_off()
         if metric == "distance":
-            ax.set_yscale("symlog", linthresh=10)
+            ax.set_yscale("log")
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("context length (tokens)", fontsize=8)
     handles, labels = axes[0, 0].get_legend_handles_labels()

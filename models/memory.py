@@ -44,6 +44,18 @@ def estimate_bytes(cfg, batch: int, length: int, element_size: int = 4) -> int:
     return FIXED_BYTES + weight_bytes(cfg, element_size) + batch * length * per_token_bytes(cfg)
 
 
+def meminfo(field: str) -> int | None:
+    """A /proc/meminfo field in bytes (Linux: MemAvailable, MemTotal, ...), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def available_bytes(device: str | torch.device = "cpu") -> int | None:
     """Memory a new allocation can have on `device`: CUDA's free memory, or the host's MemAvailable
     (Linux) / what psutil reports; None when it cannot be read (then nothing is refused)."""
@@ -51,13 +63,9 @@ def available_bytes(device: str | torch.device = "cpu") -> int | None:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    found = meminfo("MemAvailable")
+    if found is not None:
+        return found
     try:
         import psutil  # optional: macOS, Windows
     except ImportError:

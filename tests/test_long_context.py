@@ -224,6 +224,8 @@ def test_cli_refuses_bad_lengths_before_loading(tmp_path, capsys, monkeypatch):
     _one_line(capsys, base + ["--lengths", "64,300000000", "--extrapolate"], "the longest that fits is about", out)
     _one_line(capsys, base + ["--seq-len", "300000000", "--n-seqs", "1", "--extrapolate"], "the longest that fits", out)
     _one_line(capsys, base + ["--lengths", "64,x"], "--lengths takes comma-separated numbers", out)
+    _one_line(capsys, base + ["--lengths", "64,128", "--seq-len", "128"], "drop --seq-len", out)
+    _one_line(capsys, base + ["--lengths", "64,128", "--analyses", "sinks"], "drop --analyses", out)
 
 
 def test_cli_lengths_study_writes_a_length_column_and_marks_extrapolation(tmp_path, capsys):
@@ -247,3 +249,63 @@ def test_sweep_past_the_context_is_marked_in_the_report(tmp_path):
                 "--analyses", "sinks", "--no-progress"]) == 0
     assert "EXTRAPOLATED: rope-gqa-4l was run on 300-token sequences, past its trained context of 256" in \
         (out / "report.md").read_text()
+
+
+# ---- analyses at their own length; policy prefills in pieces --------------------------------------
+def test_pieces_keep_bos_and_the_text_order():
+    from types import SimpleNamespace
+
+    from interp.analyses.registry.base import Context
+
+    tokens = torch.cat([torch.zeros(2, 1, dtype=torch.long), torch.arange(1, 41).view(2, 20)], 1)  # BOS 0, 20 more
+    model = SimpleNamespace(tokenizer=SimpleNamespace(bos_token_id=0))
+    pieces = Context(model=model, tokens=tokens, data=None).pieces(8, max_seqs=5)
+    # each row on its own: 20 tokens after BOS make two pieces of 7 (the 6 left over are dropped)
+    assert pieces.tolist() == [[0, *range(1, 8)], [0, *range(8, 15)], [0, *range(21, 28)], [0, *range(28, 35)]]
+    no_bos = Context(model=SimpleNamespace(tokenizer=None), tokens=tokens[:, 1:], data=None).pieces(8)
+    assert no_bos.tolist() == [list(range(1, 9)), list(range(9, 17)), list(range(21, 29)), list(range(29, 37))]
+    assert Context(model=model, tokens=tokens, data=None).pieces(64).shape == (2, 21)  # short: untouched
+
+
+def test_pruning_past_its_length_runs_on_pieces_and_says_so(tmp_path, capsys, monkeypatch):
+    from types import MappingProxyType
+
+    import interp.analyses.registry.pruning as pruning
+    from interp.analyses.registry import ANALYSES
+
+    out = tmp_path / "whole"
+    assert cli(["analyze", "rope-gqa-4l", "--out", str(out), "--seq-len", "256", "--n-seqs", "2", "--analyses",
+                "pruning", "--no-progress"]) == 0  # 256 <= its 512: the whole sequences, as before
+    table = pd.read_csv(out / "results.csv")
+    assert table.loc[table["metric"] == "pruning_seq_len", "value"].item() == 256
+    assert "note: pruning" not in capsys.readouterr().out
+
+    monkeypatch.setattr(pruning, "PARAMS", MappingProxyType({**pruning.PARAMS, "max_len": 64}))
+    monkeypatch.setitem(ANALYSES, "pruning", dataclasses.replace(ANALYSES["pruning"], max_len=64))
+    out = tmp_path / "pieces"
+    assert cli(["analyze", "rope-gqa-4l", "--out", str(out), "--seq-len", "256", "--n-seqs", "1", "--analyses",
+                "pruning", "--no-progress"]) == 0
+    assert "note: pruning runs on pieces of 64 tokens of the 256-token sequences" in capsys.readouterr().out
+    table = pd.read_csv(out / "results.csv")
+    assert table.loc[table["metric"] == "pruning_seq_len", "value"].item() == 64
+    assert table.loc[table["metric"] == "pruning_n_seqs", "value"].item() == 4  # the zoo has no BOS: 256 / 64
+    assert "It ran at its own length: 4 pieces of 64 tokens of the data's 256-token sequences" in \
+        (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("policy", ["streaming", "window"])
+def test_a_prefill_in_pieces_keeps_what_the_whole_prompt_keeps(policy):
+    from interp.analyses.kv.policies import PolicyRun, _Prefill
+    from interp.models.kv.policies import WINDOW, Streaming
+
+    model = build(dataclasses.replace(GEMMA3_LIKE, n_ctx=1024, sliding_window=16))
+    tokens = torch.randint(0, 50, (1, 300), generator=torch.Generator().manual_seed(0))
+    run = PolicyRun("streaming", Streaming(4, 32)) if policy == "streaming" else PolicyRun(WINDOW, WINDOW)
+    prefill = _Prefill(model, tokens, [run], 320)
+    whole, pieces = run.cache(model, 320), run.cache(model, 320)
+    with torch.no_grad():
+        a, b = prefill._last_logits(whole), prefill._last_logits(pieces, chunk=64)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        assert whole.held_nbytes == pieces.held_nbytes
+        nxt = torch.tensor([[5]])
+        torch.testing.assert_close(model(nxt, kv_cache=whole), model(nxt, kv_cache=pieces), atol=1e-5, rtol=1e-5)

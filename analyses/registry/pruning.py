@@ -13,7 +13,7 @@ from ..pruning import pruning_study
 from .base import Analysis, Context, Metric, ReportSection, RunView, concat, per_model, register
 
 PARAMS = MappingProxyType(dict(split=0.5, seeds=(0, 1, 2), step=0.025, max_fraction=0.2, method="zero",
-                               tolerance=0.05, max_seqs=8, max_len=512))
+                               tolerance=0.05, max_seqs=8, max_len=256))
 
 
 def pruning_metric(order: str, fraction: float, seed: int = 0) -> str:

@@ -35,6 +35,7 @@ import torch
 
 from interp.kernels.stats import attention_stats
 from . import entry
+from .timing import available_bytes
 
 GIB = 2**30
 METHODS = ("materialised", "torch", "triton")
@@ -93,17 +94,6 @@ def materialised_bytes(batch: int, heads: int, n: int) -> int:
     matrices. Measured on CPU with 4 heads: 765 MiB at n=4k (estimate 752), 10.5 GiB at 16k
     (estimate 11.75)."""
     return int(2.5 * 4 * batch * heads * n * n) + 4 * n * n + 3 * batch * n * n
-
-
-def _available_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -263,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             if method == "materialised":
                 need = materialised_bytes(args.batch, args.heads, n)
-                available = None if cuda else _available_bytes()
+                available = None if cuda else available_bytes()
                 limit = args.max_gib * GIB if available is None else min(args.max_gib * GIB, 0.8 * available)
                 if need > limit:
                     row += ["skipped:", f"~{need / GIB:.1f} GiB > {limit / GIB:.1f}"]

@@ -12,6 +12,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from interp.models.memory import meminfo
+
 
 def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
     """Median wall time of `fn()` in seconds over `repeats` runs after `warmup` runs."""
@@ -275,25 +277,11 @@ def _malloc_trim() -> None:
 
 def available_bytes() -> int | None:
     """MemAvailable (Linux), or None."""
-    try:
-        return _meminfo("MemAvailable")
-    except (OSError, KeyError):
-        return None
+    return meminfo("MemAvailable")
 
 
 def total_bytes() -> int | None:
-    try:
-        return _meminfo("MemTotal")
-    except (OSError, KeyError):
-        return None
-
-
-def _meminfo(field: str) -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
+    return meminfo("MemTotal")
 
 
 def fmt_bytes(n: float | None) -> str:

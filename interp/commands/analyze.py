@@ -65,6 +65,13 @@ def run_lengths(args) -> int:
         from interp.models.runs.names import resolve_run
         from .kv import _numbers
 
+        from .choices import ATLAS_ANALYSES
+
+        if args.seq_len is not None:
+            raise ValueError("--lengths sets the lengths (the longest is the sequences' length): drop --seq-len")
+        if args.analyses != ",".join(ATLAS_ANALYSES):
+            raise ValueError("--lengths runs the scores-by-length study (sinks, previous-token, duplicate-token, "
+                             "induction, distance, entropy at each length), not the atlas's analyses: drop --analyses")
         if args.data_file:
             raise ValueError("--lengths reads text (--text-file, default the Python Language Reference) or the zoo "
                              "corpus, not --data-file")

@@ -13,6 +13,7 @@ EPILOG = """examples:
   interp kv smollm2-135m --task passkey --out out/kv-passkey
   interp kv smollm2-135m --task passkey --policies 'full,kivi4,streaming(4,128)' --lengths 1024 --prompts 5 --out DIR
   interp kv smollm2-135m --task needle --out out/kv-needle   # the key hidden in real text, not filler
+  interp kv gemma3-270m --task passkey --lengths 4096,32760 --policies 'full,window' --prompts 1 --out out/kv-long
 
 --task precisions (default) writes kv.parquet, kv_heads.parquet, kv_mixed.parquet, kv_sensitivity.parquet;
 --task passkey / needle writes kv_policies.parquet (policy, selection, budget, seed, length, depth, correct, n,

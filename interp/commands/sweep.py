@@ -53,7 +53,7 @@ def add_sweep_options(p, default_analyses=None) -> None:
                            "pydoc_data.topics, which ships with Python)")
     data.add_argument("--n-seqs", type=int, default=None,
                       help=f"sequences (default {DATA_N_SEQS}; with interp analyze --lengths, 1)")
-    data.add_argument("--seq-len", type=int, default=DATA_SEQ_LEN, help=f"tokens per sequence (default {DATA_SEQ_LEN})")
+    data.add_argument("--seq-len", type=int, default=None, help=f"tokens per sequence (default {DATA_SEQ_LEN})")
     data.add_argument("--seed", type=int, default=DATA_SEED, help=f"data seed (default {DATA_SEED})")
     data.add_argument("--extrapolate", action="store_true",
                       help="allow --seq-len (or --lengths) past the model's trained context (n_ctx); the report marks "
@@ -97,7 +97,8 @@ def settings_from_args(args):
     if kind == "auto" and path:
         kind = "file" if args.data_file else "text"
     n_seqs = DATA_N_SEQS if args.n_seqs is None else args.n_seqs
-    data = DataSpec(kind=kind, n_seqs=n_seqs, seq_len=args.seq_len, seed=args.seed, path=path)
+    seq_len = DATA_SEQ_LEN if args.seq_len is None else args.seq_len
+    data = DataSpec(kind=kind, n_seqs=n_seqs, seq_len=seq_len, seed=args.seed, path=path)
     analyses = resolve_analyses(tuple(a.strip() for a in args.analyses.split(",") if a.strip()))
     return SweepSettings(analyses=analyses, data=data, expensive_on=args.expensive_on, device=args.device,
                          extrapolate=args.extrapolate)
