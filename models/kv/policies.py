@@ -201,7 +201,9 @@ class CacheView:
     keys, values  [b, g, m, d]  the entries held before the call, then the call's own
     slots         [b, g, m]     each entry's cache slot (its token's index); -1 for padding
     queries       [b, g * n_rep, n, d]  the call's queries (None where the policy does not read them)
-    visible       [b, g, n, m]  which entries each of the call's queries saw
+    visible       [b, g, n, m]  which entries each of the call's queries saw, or a function (a, b) -> its rows
+                  [b, g, b - a, m] for query rows a..b-1 (a whole prompt absorbed at once: [n, n] would be
+                  8 GiB of positions at 32k tokens, so the rows are made as `attention` reads them)
     start, n      the call's first slot and its number of tokens
     state         the policy's own values for these heads, kept across calls (SnapKV's "done")
     entries       per-entry values [b, g, m] kept beside each entry (H2O's scores): gathered with the
@@ -212,7 +214,7 @@ class CacheView:
     values: Tensor
     slots: Tensor
     queries: Tensor | None
-    visible: Tensor | None
+    visible: "Tensor | Callable[[int, int], Tensor] | None"
     scale: float
     start: int
     n: int
@@ -246,18 +248,19 @@ class CacheView:
         if self.queries is None:
             raise BadValue("this policy reads the queries' attention, but the call gave none (a prefill absorbed "
                            "from a cache made without capture_queries=True)")
-        q, ok = self.queries, self.visible
-        if last is not None:
-            q, ok = q[:, :, -last:], ok[:, :, -last:]
+        first = 0 if last is None else max(0, self.queries.shape[2] - last)
+        q = self.queries[:, :, first:]
         b, hq, nq, _ = q.shape
         g, m = self.keys.shape[1], self.keys.shape[2]
         K = self.keys.repeat_interleave(self.n_rep, dim=1)
-        hidden = ~ok.repeat_interleave(self.n_rep, dim=1) if ok.shape[1] > 1 else ~ok
         total = torch.zeros(b, g, m, device=q.device)
         step = max(1, (1 << 24) // max(1, b * hq * m))
         for a in range(0, nq, step):
+            rows = (self.visible(first + a, first + min(a + step, nq)) if callable(self.visible)
+                    else self.visible[:, :, first + a : first + a + step])
+            hidden = ~rows.repeat_interleave(self.n_rep, dim=1) if rows.shape[1] > 1 else ~rows
             s = torch.matmul(q[:, :, a : a + step], K.transpose(-1, -2)).float().mul_(self.scale)
-            s.masked_fill_(hidden[:, :, a : a + step], float("-inf"))
+            s.masked_fill_(hidden, float("-inf"))
             total += torch.softmax(s, dim=-1).sum(2).view(b, g, self.n_rep, m).sum(2)
         return total
 

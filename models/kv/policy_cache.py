@@ -115,7 +115,10 @@ class _Group:
               start: int, n: int) -> None:
         """After the call's attention: keep what the policy keeps. q: the group's queries of the call."""
 
-    def visible(self, S: Tensor, start: int, n: int, window: int | None, own_window: int | None) -> Tensor:
+    def visible(self, S: Tensor, start: int, n: int, window: int | None, own_window: int | None,
+                own_at: int | None = None) -> Tensor:
+        """bool [b, g, n, m]: which held entries the queries at slots start..start+n-1 see. The call's queries
+        are the last n entries unless `own_at` says where the first one's own entry is (rows of a longer call)."""
         raise NotImplementedError
 
     def read(self, which: int, length: int) -> Tensor:
@@ -249,7 +252,7 @@ class _SubsetGroup(_Group):
         return (torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2),
                 torch.cat([self.slots.long(), new], dim=2))
 
-    def visible(self, S, start, n, window, own_window):
+    def visible(self, S, start, n, window, own_window, own_at=None):
         q_slots = torch.arange(start, start + n, device=S.device)[:, None]
         rel = q_slots - S[:, :, None, :]  # [b, g, n, m]: p - j
         w, sink = self.policy.visibility(rel, S, window, own_window)
@@ -258,7 +261,8 @@ class _SubsetGroup(_Group):
         empty = ~ok.any(-1, keepdim=True)
         if bool(empty.any()):
             m = S.shape[-1]
-            own = torch.arange(m, device=S.device)[None, :] == (m - n + torch.arange(n, device=S.device))[:, None]
+            first = m - n if own_at is None else own_at  # the entry of the first query's own token
+            own = torch.arange(m, device=S.device)[None, :] == (first + torch.arange(n, device=S.device))[:, None]
             ok = ok | (own & empty)
         return ok
 
@@ -414,7 +418,10 @@ class PolicyKVCache(KVCache):
                 self.queries[layer, :, :, :n] = q
             for g in groups:
                 K, V, S = g.keys(k, v, 0, valid)
-                ok = None if S is None else g.visible(S, 0, n, attn.window, model.cfg.window(layer))
+                ok = None
+                if S is not None:  # the prompt's rows made as they are read, never [n, n] at once
+                    def ok(a, b, g=g, S=S, window=attn.window, own=model.cfg.window(layer)):
+                        return g.visible(S, a, b - a, window, own, own_at=S.shape[-1] - n + a)
                 g.after(None if q is None else q[:, g.q_index], K, V, S, ok, attn.scale, 0, n)
         self.key_valid[:, :n] = valid
         self.tokens[:, :n] = full.tokens[:, :n]
