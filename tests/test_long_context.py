@@ -87,16 +87,27 @@ def long_tokens():
     return torch.randint(1, LONG.d_vocab, (1, N), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("analysis", ["detect_heads", "icl_score", "attention_sinks", "length_scores", "loss"])
+def _policy_prefill(model, tokens, policy):
+    from interp.analyses.kv.policies import PolicyRun, _Prefill
+    from interp.models.kv.policies import parse_policy
+
+    run = PolicyRun(policy, parse_policy(policy))
+    return _Prefill(model, tokens, [run], tokens.shape[1] + 8).cache_for(run)
+
+
+@pytest.mark.parametrize("analysis", ["detect_heads", "icl_score", "attention_sinks", "length_scores", "loss",
+                                      "snapkv(256) prefill", "h2o(256) prefill", "streaming(4,252) prefill"])
 def test_no_analysis_makes_an_n_by_n_tensor(long_model, long_tokens, analysis):
     """At 4,096 tokens an n x n tensor has 16.8M elements (64 MiB of float32 per head; 4 GiB per head
     at 32k): the ceiling is a quarter of that for any tensor an op returns (a streaming tile, a band,
-    a slab of logits)."""
+    a slab of logits, a policy cache's rows of visibility)."""
     run = {"detect_heads": lambda: detect_heads(long_model, long_tokens, method="streaming"),
            "icl_score": lambda: icl_score(long_model, long_tokens, early=50),
            "attention_sinks": lambda: attention_sinks(long_model, long_tokens),
            "length_scores": lambda: length_scores(long_model, long_tokens),
-           "loss": lambda: long_model(long_tokens, return_type="loss")}[analysis]
+           "loss": lambda: long_model(long_tokens, return_type="loss")}.get(analysis)
+    if run is None:
+        run = lambda: _policy_prefill(long_model, long_tokens, analysis.split(" ")[0])  # noqa: E731
     with torch.no_grad(), LargestTensor() as seen:
         run()
     assert seen.largest <= N * N // 4, f"{analysis}: {seen.op} returned {seen.largest:,} elements"

@@ -254,7 +254,7 @@ class CacheView:
         g, m = self.keys.shape[1], self.keys.shape[2]
         K = self.keys.repeat_interleave(self.n_rep, dim=1)
         total = torch.zeros(b, g, m, device=q.device)
-        step = max(1, (1 << 24) // max(1, b * hq * m))
+        step = max(1, (1 << 22) // max(1, b * hq * m))  # scores of at most 4M floats at a time
         for a in range(0, nq, step):
             rows = (self.visible(first + a, first + min(a + step, nq)) if callable(self.visible)
                     else self.visible[:, :, first + a : first + a + step])
