@@ -223,14 +223,6 @@ def _run_policies(args) -> int:
             where = f"{args.data_file}'s rows" if ids is not None else "--seq-len"
             raise ValueError(f"the perplexity text of {n_text} tokens ({where}) is longer than this model's context "
                              f"(n_ctx={cfg.n_ctx}); use --seq-len {cfg.n_ctx} or shorter rows")
-        if selections:  # SnapKV at the selections' bytes: its budget must fit the perplexity text too
-            from interp.analyses.kv.roles import equal_bytes_budget
-
-            need = max(equal_bytes_budget(f, n, args.sinks, args.window) for f in fractions for n in lengths)
-            if need > n_text:
-                raise ValueError(f"--select compares SnapKV at the selections' bytes, {need} tokens per head at the "
-                                 f"longest length and largest fraction, more than the {n_text}-token perplexity text "
-                                 f"holds: pass --seq-len {need} or more, or shorter --lengths or smaller --fractions")
         if ids is not None and int(ids[:1].max()) >= cfg.d_vocab:
             raise ValueError(f"{args.data_file} holds token id {int(ids[:1].max())}, outside the vocabulary "
                              f"[0, {cfg.d_vocab})")
@@ -239,6 +231,14 @@ def _run_policies(args) -> int:
         for run in runs:  # a window or budget beyond the shortest prompt or the text is refused here
             for max_len in (min(lengths) + args.new_tokens, n_text):
                 run.grid_for(cfg, max_len)
+        if selections:  # SnapKV at the selections' bytes: its budget must fit the perplexity text too
+            from interp.analyses.kv.roles import equal_bytes_budget
+
+            need = max(equal_bytes_budget(f, n, args.sinks, args.window) for f in fractions for n in lengths)
+            if need > n_text:
+                raise ValueError(f"--select compares SnapKV at the selections' bytes, {need} tokens per head at the "
+                                 f"longest length and largest fraction, more than the {n_text}-token perplexity text "
+                                 f"holds: pass --seq-len {need} or more, or shorter --lengths or smaller --fractions")
         OutputFolder(args.out).check()
 
     import time
