@@ -6,8 +6,9 @@ Axis names follow `interp.models.config`: batch, pos, layer, head, kv_head, d_he
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import pandas as pd
@@ -130,3 +131,17 @@ def spearman(x: Tensor, y: Tensor) -> float:
     """Spearman's rho: Pearson on average ranks (ties share their mean rank)."""
     rank = lambda t: torch.tensor(pd.Series(to_numpy(t.double())).rank(method="average").to_numpy(dtype=float))
     return pearson(rank(x), rank(y))
+
+
+def stages(timings: dict, log=print) -> Callable:
+    """`stage(label, fn, key=label)`: says "kv: {label} ...", runs fn, records its seconds in timings[key]
+    and returns its result (the long studies' steps, each timed for the report)."""
+
+    def stage(label: str, fn: Callable[[], object], key: str | None = None):
+        log(f"kv: {label} ...")
+        start = time.perf_counter()
+        result = fn()
+        timings[label if key is None else key] = time.perf_counter() - start
+        return result
+
+    return stage

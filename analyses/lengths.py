@@ -303,14 +303,14 @@ def report_sections(frame: pd.DataFrame, settings: dict, wall: float | None = No
                       png(plot_by_length(frame, named, windows), "by_length.png"))
         by_length.add(f"The heads whose role moves most between {lengths[0]:,} and {lengths[-1]:,} tokens (each head by "
                       "its largest change among sink, previous-token, duplicate-token and induction):",
-                      _rounded(changes))
+                      changes.round(4))
     for metric in ("sink", "previous_token", "induction", "distance"):
         w = wide(frame, metric)
         top = w[w.columns[-1]].sort_values(ascending=False).head(8)
         table = w.loc[top.index].reset_index().rename(columns={"index": "head"})
         table.columns = [str(c) if not isinstance(c, (int, np.integer)) else f"{int(c):,}" for c in table.columns]
         by_length.add(f"The 8 heads highest in {metric.replace('_', '-')} at {lengths[-1]:,} tokens, at every length:",
-                      _rounded(table))
+                      table.round(4))
     sections.append(by_length)
     far = Section("how-far", "How far heads look")
     table = how_far(frame, windows)
@@ -319,11 +319,7 @@ def report_sections(frame: pd.DataFrame, settings: dict, wall: float | None = No
             "mean attention on token 0." + (" A sliding-window layer cannot look past its window; what the global "
                                              "layers do with the rest of the context is the question."
                                              if any(w is not None for w in windows) else ""),
-            _rounded(table), png(plot_distance(frame, windows), "distance.png"))
+            table.round(4), png(plot_distance(frame, windows), "distance.png"))
     sections.append(far)
     sections.append(Section("settings", "Settings").add("```\n" + json.dumps(settings, indent=2) + "\n```"))
     return sections
-
-
-def _rounded(table: pd.DataFrame) -> pd.DataFrame:
-    return table.round(4)

@@ -207,7 +207,7 @@ def _check_settings(store: ResultStore, settings: SweepSettings, runs: Sequence[
     record = {"analyses": list(settings.analyses), **settings.meaning(),
               "data_description": settings.data.describe(), "data_source": data_source(settings.data),
               "runs": {r.name: {"source": r.source, "checkpoints": [c.name for c in r.checkpoints],
-                                **_layer_windows(r), **_extrapolated(r, settings.data.seq_len)} for r in runs},
+                                **_run_facts(r, settings.data.seq_len)} for r in runs},
               "versions": versions(), "compute": compute_record(settings.device)}
     if force:
         store.folder.discard()
@@ -371,24 +371,18 @@ def _config_cached(path: str, stamp):
     return read_config(path)
 
 
-def _layer_windows(run: Run) -> dict:
-    """{"layer_windows": [window or None per layer]} for a run whose layers differ in attention window
-    (Gemma's local and global layers), so the report can say where heads live; {} otherwise."""
+def _run_facts(run: Run, seq_len: int) -> dict:
+    """What settings.json records of a run's config, read without weights: {"layer_windows": [window or
+    None per layer]} when its layers differ in attention window (Gemma's local and global layers, so the
+    report can say where heads live), and {"extrapolated_past": n_ctx} when it is analysed past its
+    trained context (`--extrapolate`); {} for neither, or for a config that cannot be read."""
     try:
         cfg = _config_at(str(run.checkpoints[-1].path))
     except (CheckpointError, FileNotFoundError, ValueError, KeyError, ImportError):
         return {}
     windows = cfg.windows()
-    return {"layer_windows": windows} if len(set(windows)) > 1 else {}
-
-
-def _extrapolated(run: Run, seq_len: int) -> dict:
-    """{"extrapolated_past": n_ctx} for a run analysed past its trained context (`--extrapolate`); {} otherwise."""
-    try:
-        n_ctx = _config_at(str(run.checkpoints[-1].path)).n_ctx
-    except (CheckpointError, FileNotFoundError, ValueError, KeyError, ImportError):
-        return {}
-    return {"extrapolated_past": n_ctx} if seq_len > n_ctx else {}
+    return {**({"layer_windows": windows} if len(set(windows)) > 1 else {}),
+            **({"extrapolated_past": cfg.n_ctx} if seq_len > cfg.n_ctx else {})}
 
 
 def check_up_front(settings: SweepSettings, runs: Sequence[Run]) -> None:

@@ -74,27 +74,36 @@ class AttentionMask:
             return False
         return not self.causal or self.n_q == self.n_k or self.n_q == 1
 
+    def pairs(self, q_pos: Tensor, k_pos: Tensor, window: int | None, sink_limit: int | None = None,
+              slopes: Tensor | None = None, dtype: torch.dtype | None = None) -> Tensor:
+        """The mask of queries at absolute positions `q_pos` against keys at `k_pos` (any subsets, on one
+        device): bool [batch or 1, 1, len(q_pos), len(k_pos)], or with `slopes` (ALiBi) the float 0 / -inf
+        mask plus -slope * |p - j| [batch or 1, head, ...] in `dtype`. `sink_limit`: the layer's own window
+        (the model's, before any analysis narrowed it), which the sink keys may not reach past; None: sinks
+        are kept at any distance. The whole mask (`visible`, `bias`) and the bands of a long windowed
+        prefill (`_banded_attention`) are this on their pairs."""
+        rel = q_pos[:, None] - k_pos[None, :]  # p - j
+        sinks = (k_pos < self.n_sink)[None, :] if self.n_sink else None
+        if sinks is not None and sink_limit is not None:
+            sinks = sinks & (rel < sink_limit)
+        ok = visible(rel, causal=self.causal, window=window, sink_key=sinks)[None, None]
+        if self.key_valid is not None:
+            ok = ok & self.key_valid[:, None, None, k_pos.to(self.key_valid.device)].to(k_pos.device)
+            # A row with no visible key would give NaN; let it see its own position instead.
+            ok = ok | ((rel == 0)[None, None] & ~ok.any(-1, keepdim=True))
+        if slopes is None:
+            return ok
+        out = torch.zeros(ok.shape, dtype=dtype, device=k_pos.device).masked_fill(~ok, float("-inf"))
+        return out - slopes.to(device=k_pos.device, dtype=dtype)[None, :, None, None] * rel.abs().to(dtype)
+
     def visible(self, window: int | None, device: torch.device, sink_limit: int | None = None) -> Tensor:  # noqa: F811
-        """bool [batch or 1, 1, n_q, n_k]: True where the query may attend to the key. `sink_limit`:
-        the layer's own window (the model's, before any analysis narrowed it), which the sink keys
-        may not reach past; None: sinks are kept at any distance."""
+        """bool [batch or 1, 1, n_q, n_k]: True where the query may attend to the key (`pairs` on every pair)."""
         if self.explicit is not None:
             return self.explicit.to(device)
         key = ("visible", window, sink_limit, device)
         if key not in self._cache:
-            q_pos = torch.arange(self.offset, self.n_k, device=device)[:, None]
-            k_pos = torch.arange(self.n_k, device=device)[None, :]
-            rel = q_pos - k_pos  # p - j
-            sinks = (k_pos < self.n_sink) if self.n_sink else None
-            if sinks is not None and sink_limit is not None:
-                sinks = sinks & (rel < sink_limit)
-            ok = visible(rel, causal=self.causal, window=window, sink_key=sinks)[None, None]
-            if self.key_valid is not None:
-                ok = ok & self.key_valid[:, None, None, :].to(device)
-                # A row with no visible key would give NaN; let it see its own position instead.
-                own = (rel == 0)[None, None]
-                ok = ok | (own & ~ok.any(-1, keepdim=True))
-            self._cache[key] = ok
+            self._cache[key] = self.pairs(torch.arange(self.offset, self.n_k, device=device),
+                                          torch.arange(self.n_k, device=device), window, sink_limit)
         return self._cache[key]
 
     def bias(self, window: int | None, slopes: Tensor | None, dtype: torch.dtype, device,
@@ -105,14 +114,12 @@ class AttentionMask:
             raise ValueError("ALiBi biases need positions a mask given outright does not carry")
         key = ("bias", window, sink_limit, None if slopes is None else tuple(slopes.tolist()), dtype, device)
         if key not in self._cache:
-            ok = self.visible(window, device, sink_limit)
-            out = torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill(~ok, float("-inf"))
-            if slopes is not None:
-                q_pos = torch.arange(self.offset, self.n_k, device=device)[:, None]
-                k_pos = torch.arange(self.n_k, device=device)[None, :]
-                rel = (q_pos - k_pos).abs().to(dtype)
-                out = out - slopes.to(device=device, dtype=dtype)[None, :, None, None] * rel
-            self._cache[key] = out
+            if slopes is None:
+                ok = self.visible(window, device, sink_limit)
+                self._cache[key] = torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill(~ok, float("-inf"))
+            else:
+                self._cache[key] = self.pairs(torch.arange(self.offset, self.n_k, device=device),
+                                              torch.arange(self.n_k, device=device), window, sink_limit, slopes, dtype)
         return self._cache[key]
 
 
@@ -184,7 +191,7 @@ def banded(mask: AttentionMask, window: int | None) -> bool:
 
 def _banded_attention(q, k, v, mask: AttentionMask, *, scale, window, alibi_slopes, sink_limit, gqa):
     """SDPA band by band: queries [s, e) see keys [p0 - window + 1, p1) (their window) plus the
-    StreamingLLM sink keys before it; the band's mask is the one visibility rule on those pairs, so
+    StreamingLLM sink keys before it; the band's mask is `AttentionMask.pairs` on those pairs, so
     the output equals the whole-mask call's (same keys, same softmax) up to float round-off."""
     band = max(window, BAND_MIN)
     device, off = q.device, mask.offset
@@ -198,20 +205,8 @@ def _banded_attention(q, k, v, mask: AttentionMask, *, scale, window, alibi_slop
         if n_sink:  # sink keys left of the band's reach, kept visible past the window
             k_pos = torch.cat([torch.arange(n_sink, device=device), k_pos])
             ks, vs = torch.cat([k[:, :, :n_sink], ks], 2), torch.cat([v[:, :, :n_sink], vs], 2)
-        rel = torch.arange(off + s, off + e, device=device)[:, None] - k_pos[None, :]
-        sinks = None
-        if mask.n_sink:
-            sinks = (k_pos < mask.n_sink)[None, :]
-            if sink_limit is not None:
-                sinks = sinks & (rel < sink_limit)
-        ok = visible(rel, causal=True, window=window, sink_key=sinks)[None, None]
-        if mask.key_valid is not None:
-            ok = ok & mask.key_valid[:, None, None, k_pos.to(mask.key_valid.device)].to(device)
-            ok = ok | ((rel == 0)[None, None] & ~ok.any(-1, keepdim=True))  # a query seeing no key sees itself
-        attn_mask = ok
-        if alibi_slopes is not None:
-            attn_mask = torch.zeros(ok.shape, dtype=q.dtype, device=device).masked_fill(~ok, float("-inf"))
-            attn_mask = attn_mask - alibi_slopes.to(device=device, dtype=q.dtype)[None, :, None, None] * rel.abs().to(q.dtype)
+        attn_mask = mask.pairs(torch.arange(off + s, off + e, device=device), k_pos, window, sink_limit,
+                               alibi_slopes, q.dtype)
         out[:, :, s:e] = F.scaled_dot_product_attention(q[:, :, s:e], ks, vs, attn_mask=attn_mask, scale=scale, **gqa)
     return out
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -40,7 +39,7 @@ from interp.models.errors import BadValue
 from interp.models.kv.policies import WINDOW, Policy, PolicyMap, is_window, parse_policies, resolve_policies, split_policies
 
 from .. import plots
-from .._common import progress
+from .._common import progress, stages
 from ..document import Section, png, write_document
 from ..store import OutputFolder, atomic_write_text
 from ..sweep_data import source_line
@@ -247,15 +246,13 @@ def measure_runs(model, runs: Sequence[PolicyRun], prompts: Sequence[RetrievalPr
                  timings: dict | None = None) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """Every run's passkey answers and perplexity: (answers, cells as kv_policies.parquet, one summary row
     per run: policy, selection, budget, perplexity, bytes_per_token). Stage times go into `timings`."""
-    timings = {} if timings is None else timings
-    start = time.perf_counter()
-    log(f"kv: passkey over {len(prompts)} prompts x {len(runs)} caches ...")
-    answers = passkey_table(model, prompts, runs, max_new_tokens=max_new_tokens, progress_bar=progress_bar)
-    timings["passkey"] = time.perf_counter() - start
-    start = time.perf_counter()
-    log(f"kv: perplexity over {text_tokens.shape[1]} tokens ...")
-    ppl = policy_perplexity(model, text_tokens, runs, chunk=chunk, progress_bar=progress_bar)
-    timings["perplexity"] = time.perf_counter() - start
+    stage = stages({} if timings is None else timings, log)
+    answers = stage(f"passkey over {len(prompts)} prompts x {len(runs)} caches",
+                    lambda: passkey_table(model, prompts, runs, max_new_tokens=max_new_tokens, progress_bar=progress_bar),
+                    key="passkey")
+    ppl = stage(f"perplexity over {text_tokens.shape[1]} tokens",
+                lambda: policy_perplexity(model, text_tokens, runs, chunk=chunk, progress_bar=progress_bar),
+                key="perplexity")
     summary = pd.DataFrame([dict(policy=r.label, selection=r.selection, budget=r.budget, perplexity=ppl[r.label][0],
                                  bytes_per_token=ppl[r.label][1]) for r in runs])
     return answers, cell_table(answers, ppl), summary

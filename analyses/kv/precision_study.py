@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 from typing import Sequence
 
@@ -23,7 +22,7 @@ import pandas as pd
 import torch
 
 from .. import plots
-from .._common import spearman
+from .._common import spearman, stages
 from ..document import Section, head_name, png, write_document
 from ..heads import detect_heads
 from .precision import head_table, kv_sensitivity, mixed_precision, precision_table, recovered_gap
@@ -56,13 +55,7 @@ def run_study(model, tokens, out, *, precisions: Sequence[str] = ("fp32", "int8"
     folder = OutputFolder(out)
     folder.check()
     timings = {}
-
-    def stage(label, fn):
-        log(f"kv: {label} ...")
-        start = time.perf_counter()
-        result = fn()
-        timings[label] = time.perf_counter() - start
-        return result
+    stage = stages(timings, log)
 
     table = stage("uniform precisions", lambda: precision_table(model, tokens, precisions, progress_bar))
     quantized = [p for p in precisions if p not in ("fp32",)]

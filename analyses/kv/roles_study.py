@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from typing import Sequence
 
@@ -23,6 +22,7 @@ import pandas as pd
 import torch
 
 from .. import plots
+from .._common import stages
 from ..document import Section, head_name, png, write_document
 from .gates import gate_table, train_gates
 from .roles import (
@@ -77,13 +77,7 @@ def score_heads(model, prompts: Sequence[RetrievalPrompt], text: torch.Tensor, s
                 progress_bar=None, log=print, timings: dict | None = None):
     """(query-head table, KV-head table, gate curve or None)."""
     timings = {} if timings is None else timings
-
-    def stage(label, fn):
-        log(f"kv: {label} ...")
-        start = time.perf_counter()
-        out = fn()
-        timings[label] = time.perf_counter() - start
-        return out
+    stage = stages(timings, log)
 
     scoring = scoring_prompts(model, prompts, n_scoring, seed)
     query = stage("retrieval scores", lambda: retrieval_scores(model, scoring, progress_bar=progress_bar))
