@@ -57,7 +57,11 @@ class RopeScaling:
 
 
 _ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM", "llama": "LlamaForCausalLM",
-                  "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                  "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                  # architectures A
+                  # architectures B
+                  # architectures C
+                  }
 
 
 @dataclass(frozen=True)

@@ -8,5 +8,8 @@ from .registry import FAMILIES, Family, get_family, register
 
 # Importing the family modules registers them.
 from . import gemma3, gpt2, llamalike, neox  # noqa: E402,F401
+# families A (data over existing components)
+# families B (soft-capping, interleaved rotary, embedding norm, OLMo 2 norms)
+# families C (mixture of experts, learned sink logits)
 
 __all__ = ["FAMILIES", "Family", "get_family", "register"]
