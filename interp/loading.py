@@ -23,7 +23,8 @@ from interp.models.formats.checkpoint import (  # noqa: F401 - FORMAT_VERSION, C
     load_checkpoint,
     save_model,
 )
-from interp.models.families import get_family
+from interp.models.families import FAMILIES, get_family
+from interp.models.wrapped import WrappedModel, check_wrappable
 from interp.models.processing import check_processing
 from interp.models.runs.names import (  # noqa: F401 - name resolution is the model layer's; re-exported as before
     REAL_MODELS,
@@ -80,10 +81,22 @@ def from_hf(hf_model, *, tokenizer=None, dtype: torch.dtype | None = None, devic
             default_prepend_bos: bool | None = None, fold_ln: bool = False, center_writing_weights: bool = False,
             center_unembed: bool = False, fold_value_biases: bool = False,
             refactor_factored_attn_matrices: bool = False) -> HookedTransformer:
-    """Convert a `transformers` causal-LM object (GPT-2, GPT-NeoX/Pythia, Llama, Mistral, Qwen2, and
-    Gemma 3's text model, `Gemma3ForCausalLM`: model_type "gemma3_text").
-    default_prepend_bos and the weight-processing options are `load`'s."""
+    """A `transformers` causal-LM object as an interp model: converted to our own transformer when its
+    `model_type` is a native family (`interp.models.families.FAMILIES`), else wrapped
+    (`interp.models.wrapped.WrappedModel`: transformers runs it, through interp's attention function,
+    with TransformerLens's hook names; the object itself is `model.hf` and is modified in place to run
+    interp's attention). default_prepend_bos and the weight-processing options are `load`'s (native only)."""
     config = hf_model.config.to_dict()
+    if config.get("model_type") not in FAMILIES:
+        check_wrappable(config.get("model_type"))
+        model = WrappedModel(hf_model, tokenizer=tokenizer, name=getattr(hf_model.config, "name_or_path", None) or None)
+        if dtype is not None or device is not None:
+            model.hf.to(device=device, dtype=dtype)
+            model._refresh_view()
+        return _conventions(model, model.runtime.name, default_prepend_bos, fold_ln=fold_ln,
+                            center_writing_weights=center_writing_weights, center_unembed=center_unembed,
+                            fold_value_biases=fold_value_biases,
+                            refactor_factored_attn_matrices=refactor_factored_attn_matrices)
     family = get_family(config.get("model_type"))
     cfg = family.config(config)
     tensors = dict(hf_model.state_dict())

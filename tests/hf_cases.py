@@ -19,6 +19,7 @@ CASES = {
     "llama-llama3-bias": ("LlamaConfig", "LlamaForCausalLM", dict(num_hidden_layers=2, hidden_size=48, num_attention_heads=6, num_key_value_heads=3, intermediate_size=72, attention_bias=True, mlp_bias=True, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
     "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(num_hidden_layers=2, hidden_size=48, num_attention_heads=6, num_key_value_heads=2, intermediate_size=72, sliding_window=5)),
     "qwen2-window-layers": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_hidden_layers=3, hidden_size=48, num_attention_heads=6, num_key_value_heads=2, intermediate_size=72, use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+    "gemma3-text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(num_hidden_layers=3, hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=8, intermediate_size=72, sliding_window=5, layer_types=["sliding_attention", "sliding_attention", "full_attention"], query_pre_attn_scalar=10, max_position_embeddings=64)),
     # --- cases A ---
     # --- cases B ---
     # --- cases C ---
