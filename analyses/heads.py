@@ -253,8 +253,11 @@ def _nll_at(model, tokens: Tensor, positions, attention_mask: Tensor | None) -> 
     batch, n = tokens.shape
     at = torch.tensor(positions, device=tokens.device)
     with torch.no_grad():
-        resid = model(tokens, attention_mask=attention_mask, stop_at_layer=model.cfg.n_layers)
-        logits = model.unembed(model.ln_final(resid[:, at - 1]))  # [batch, len(at), vocab]
+        if getattr(model, "native", True):
+            resid = model(tokens, attention_mask=attention_mask, stop_at_layer=model.cfg.n_layers)
+            logits = model.unembed(model.ln_final(resid[:, at - 1]))  # [batch, len(at), vocab]
+        else:  # a wrapped model's logits are transformers' (with its own final scalings): all rows, then picked
+            logits = model(tokens, attention_mask=attention_mask)[:, at - 1]
         picked = torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, at, None].to(logits.device))[..., 0]
     nll = torch.zeros(batch, n - 1, device=picked.device)
     nll[:, at - 1] = -picked

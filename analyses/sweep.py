@@ -42,7 +42,7 @@ from .executors import ExecutorSettings, make_executor
 from .registry import ANALYSES, Context, as_output, resolve_analyses
 from .report import write_report
 from interp.models.formats import checkpoint  # checkpoint.load_checkpoint looked up at call time: tests monkeypatch it
-from interp.models.formats.checkpoint import CheckpointError, read_config
+from interp.models.formats.checkpoint import CheckpointError, is_wrapped, read_config
 from interp.models.device import compute_record, installed_version, resolve_device
 from interp.models.memory import check_fits
 from interp.models.formats.folder import refuse_code_in
@@ -186,14 +186,17 @@ def versions() -> dict:
     return out
 
 
-def plan(runs: Sequence[Run], settings: SweepSettings, done: set) -> tuple[list[CheckpointTask], int]:
-    """The checkpoint tasks still to do, and how many (checkpoint, analysis) pairs are already done."""
+def plan(runs: Sequence[Run], settings: SweepSettings, done: set,
+         wrapped: frozenset = frozenset()) -> tuple[list[CheckpointTask], int]:
+    """The checkpoint tasks still to do, and how many (checkpoint, analysis) pairs are already done.
+    Runs named in `wrapped` (models transformers runs, `interp.models.wrapped`) skip native-only analyses."""
     tasks, skipped = [], 0
     for run in runs:
         last = run.checkpoints[-1]
         for ckpt in run.checkpoints:
             wanted = [a for a in settings.analyses
-                      if not ANALYSES[a].expensive or settings.expensive_on == "all" or ckpt == last]
+                      if (not ANALYSES[a].expensive or settings.expensive_on == "all" or ckpt == last)
+                      and not (ANALYSES[a].native_only and run.name in wrapped)]
             pending = tuple(a for a in wanted if (run.name, ckpt.name, a) not in done)
             skipped += len(wanted) - len(pending)
             if pending:
@@ -276,11 +279,16 @@ def sweep(
         if own is not None and settings.data.seq_len > own:
             log(f"note: {name} runs on pieces of {own} tokens of the {settings.data.seq_len}-token sequences (its own "
                 "length; recorded in its rows and report section)")
+    wrapped = frozenset(r.name for r in found if _wrapped(r))
+    skip = [a for a in settings.analyses if ANALYSES[a].native_only]
+    if wrapped and skip:
+        log(f"note: {', '.join(skip)} need interp's own implementation of the model; skipped for "
+            f"{', '.join(sorted(wrapped))} (wrapped: transformers runs it, interp hooks its attention)")
     with store.writing():  # created, locked against a second sweep, its manifest started
         record = _check_settings(store, settings, found, force)
         store.read_json("timing.json")  # damaged: said now, in one line, not after the work
         store.write_json("settings.json", record)
-        tasks, skipped = plan(found, settings, store.done())
+        tasks, skipped = plan(found, settings, store.done(), wrapped)
         store.claim_tasks((t.checkpoint.run, t.checkpoint.name, a) for t in tasks for a in (*t.analyses, LOAD))
         if tasks and (tokens := prebuild_tokens(settings.data)) is not None:
             tasks = [dataclasses.replace(t, tokens=tokens) for t in tasks]
@@ -369,6 +377,14 @@ def _config_at(path: str):
 @functools.lru_cache(maxsize=64)
 def _config_cached(path: str, stamp):
     return read_config(path)
+
+
+def _wrapped(run: Run) -> bool:
+    """Whether a run's model is one transformers runs (no native family for its model_type)."""
+    try:
+        return is_wrapped(str(run.checkpoints[-1].path))
+    except (CheckpointError, FileNotFoundError, ValueError, KeyError, ImportError):
+        return False
 
 
 def _run_facts(run: Run, seq_len: int) -> dict:

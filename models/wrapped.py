@@ -580,13 +580,61 @@ def config_from_raw(raw: dict) -> ModelConfig:
     return wrapped_config(c, config_windows(c, _first(c, "num_hidden_layers", "n_layer", "num_layers")))
 
 
+# The causal LMs the issue tracker listed, in its order: `interp info --architectures` and the README's table.
+LISTED = ("gpt2", "gpt_neox", "llama", "mistral", "qwen2", "gemma3_text", "gemma", "gemma2", "qwen3", "olmo", "olmo2",
+          "phi", "phi3", "gptj", "gpt_neo", "opt", "bloom", "falcon", "mpt", "stablelm", "starcoder2", "cohere",
+          "granite", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "codegen", "gpt_bigcode", "exaone", "glm",
+          "glm4", "smollm3", "apertus", "arcee", "ministral", "seed_oss", "nemotron", "xglm", "openai-gpt")
+
+
+def architecture(model_type: str) -> tuple[str, str]:
+    """(how interp runs `model_type`: "native", "wrapped" or "refused", and why, in a few words)."""
+    if model_type in FAMILIES:
+        return "native", f"converted by models/families ({FAMILIES[model_type].name})"
+    try:
+        check_wrappable(model_type)
+    except UserError as e:
+        reason = "no transformers causal LM" if causal_lm_class(model_type) is None else \
+            "attention computed outside transformers' attention interface"
+        return "refused", reason if "transformers" not in str(e) or "pip install" not in str(e) else "needs transformers"
+    return "wrapped", f"transformers' {causal_lm_class(model_type).__name__}, interp's attention function"
+
+
+def architecture_table(model_types=LISTED) -> str:
+    """A Markdown table: model_type, transformers' class, how interp runs it and why."""
+    rows = ["| model_type | transformers class | interp | how |", "|---|---|---|---|"]
+    for t in model_types:
+        status, why = architecture(t)
+        cls = causal_lm_class(t)
+        rows.append(f"| {t} | {cls.__name__ if cls else '-'} | {status} | {why} |")
+    counts = {s: sum(architecture(t)[0] == s for t in model_types) for s in ("native", "wrapped", "refused")}
+    rows.append("")
+    rows.append(f"{counts['native']} native, {counts['wrapped']} wrapped, {counts['refused']} refused.")
+    return "\n".join(rows)
+
+
+def every_causal_lm() -> dict[str, int]:
+    """How many of the installed transformers' causal-LM model types interp runs, by how."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    counts = {"native": 0, "wrapped": 0, "refused": 0}
+    for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        try:
+            counts[architecture(t)[0]] += 1
+        except Exception:  # a model file transformers cannot import here (a missing optional dependency)
+            counts["refused"] += 1
+    return counts
+
+
 def load_wrapped(path, raw: dict, *, dtype, device, tokenizer) -> WrappedModel:
     """A Hugging Face folder of a non-native architecture, loaded by transformers (never its own code)
     and wrapped. Weights that do not match the config are refused, naming the tensor."""
     check_wrappable(raw.get("model_type"))
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     register_interface()
+    hf_logging.disable_progress_bar()  # one line per load is ours to print, not a bar per weight file
     hf, info = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, trust_remote_code=False,
                                                     output_loading_info=True, attn_implementation="sdpa"
                                                     if getattr(causal_lm_class(raw["model_type"]), "_supports_sdpa", False)

@@ -119,6 +119,9 @@ class Analysis:
     # Runs on pieces of at most this many tokens of the sweep's sequences (`Context.pieces`): an analysis
     # whose forwards are too many for long sequences. The sweep says so, in one line, when the data is longer.
     max_len: int | None = None
+    # Needs interp's own implementation of the model (its weights, its KV cache), not only its hooks: a
+    # wrapped model (`interp.models.wrapped`) skips it, and the sweep says so in one line.
+    native_only: bool = False
     metrics: tuple[Metric, ...] = ()
     section: ReportSection | None = None  # its own section of the report
     # Sections only a sweep over several checkpoints has (figures across training), placed after the

@@ -73,7 +73,7 @@ def section(v: RunView) -> list:
 
 register(Analysis(
     "composition", run, "Q-, K-, V-composition (Elhage et al.) from the top previous-token heads to the top induction "
-    "heads, with a random-matrix baseline", PARAMS,
+    "heads, with a random-matrix baseline", PARAMS, native_only=True,
     metrics=(Metric("composition/<kind>/<A>-><B>", "model", "composition score of one pair"),
              Metric("composition_mean/<kind>", "model", "mean over all pairs (layer A < layer B)"),
              Metric("composition_baseline", "model", "mean score of random matrices of the same shapes")),

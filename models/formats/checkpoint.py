@@ -30,7 +30,7 @@ from ..tensor_files import FORMAT_VERSION, read_state_dict, save_model
 from ..transformer import HookedTransformer
 
 __all__ = ["CheckpointError", "FORMAT_VERSION", "OwnCodeRefused", "build_model", "check_finite", "convert_weights",
-           "load_checkpoint", "local_tokenizer", "read_config", "read_state_dict", "save_model"]
+           "is_wrapped", "load_checkpoint", "local_tokenizer", "read_config", "read_state_dict", "save_model"]
 
 
 def _format_of(path, *, tokenizer_given: bool):
@@ -63,6 +63,13 @@ def load_checkpoint(path, *, dtype: torch.dtype = torch.float32, device: torch.d
     or a llama-architecture `.gguf` file (`interp.models.formats.gguf`)."""
     fmt, path, raw = _format_of(path, tokenizer_given=tokenizer is not None)
     return fmt.load(path, raw, dtype=dtype, device=device, tokenizer=tokenizer)
+
+
+def is_wrapped(path) -> bool:
+    """Whether the checkpoint at `path` is a Hugging Face folder of an architecture no native family
+    converts: transformers runs it, wrapped (`interp.models.wrapped`). Reads config.json only."""
+    fmt, _, raw = _format_of(path, tokenizer_given=False)
+    return fmt is format_hf and not format_hf.native(raw)
 
 
 def read_config(path) -> ModelConfig:
