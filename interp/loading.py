@@ -91,8 +91,7 @@ def from_hf(hf_model, *, tokenizer=None, dtype: torch.dtype | None = None, devic
         check_wrappable(config.get("model_type"))
         model = WrappedModel(hf_model, tokenizer=tokenizer, name=getattr(hf_model.config, "name_or_path", None) or None)
         if dtype is not None or device is not None:
-            model.hf.to(device=device, dtype=dtype)
-            model._refresh_view()
+            model.to(device=device, dtype=dtype)  # cfg.device / cfg.dtype follow
         return _conventions(model, model.runtime.name, default_prepend_bos, fold_ln=fold_ln,
                             center_writing_weights=center_writing_weights, center_unembed=center_unembed,
                             fold_value_biases=fold_value_biases,

@@ -24,7 +24,10 @@ On top sit TransformerLens's hook names, fired from the model's own modules:
     blocks.{l}.hook_attn_out         the attention module's output (before a post-attention norm, where the
                                      model has one); blocks.{l}.hook_mlp_out: the MLP module's output
     blocks.{l}.hook_resid_post       the decoder layer's output
-    ln_final.hook_normalized         the final norm's output
+
+There is no `ln_final.hook_normalized`: TransformerLens's is the normalised stream before the norm's
+weight, which a wrapped norm module does not expose (its output is after the weight), and a hook of the
+same name with another meaning would be a silent error.
 
 Everything that reads only hooks works on a wrapped model: `run_with_cache`, `run_with_hooks`, head
 ablation through hook_z, `attention_stats` (the streaming kernel on the q/k attention received), the
@@ -182,8 +185,10 @@ class WrappedAttention(nn.Module):
         return cap or getattr(getattr(self._module, "config", None), "attn_logit_softcapping", None) or None
 
     @property
-    def has_sinks(self) -> bool:
-        return isinstance(getattr(self._module, "sinks", None), Tensor)
+    def sinks(self) -> Tensor | None:
+        """The layer's learned sink logits [head] (gpt-oss), None without."""
+        sinks = getattr(self._module, "sinks", None)
+        return sinks if isinstance(sinks, Tensor) else None
 
     def __getattr__(self, name: str):
         try:
@@ -246,12 +251,6 @@ class WrappedBlock(nn.Module):
         if has_mlp:
             self.hook_mlp_out = HookPoint()
         self.hook_resid_post = HookPoint()
-
-
-class _FinalNorm(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.hook_normalized = HookPoint()
 
 
 class _Stop(Exception):
@@ -388,7 +387,6 @@ class WrappedModel(HookedTransformer):
             s.__dict__["config_window"] = w
         self.hook_embed = HookPoint()  # before the blocks: hook_dict follows the order of computation
         self.blocks = nn.ModuleList(WrappedBlock(s, m is not None) for s, m in zip(sites, mlps))
-        self.ln_final = _FinalNorm()
         self._backend = "auto"
         self.runtime = Runtime(tokenizer=tokenizer)
         self.cfg = wrapped_config(hf.config, [s.window for s in sites])
@@ -436,7 +434,6 @@ class WrappedModel(HookedTransformer):
             n = len(layers)
             handles.append(final_norm.register_forward_pre_hook(
                 resid_pre(HookPoint(), lambda: self._stop == n), with_kwargs=True))
-            handles.append(final_norm.register_forward_hook(output(self.ln_final.hook_normalized)))
         self._final_norm = final_norm
         self._handles = handles
 
@@ -462,7 +459,7 @@ class WrappedModel(HookedTransformer):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name.startswith(("W_", "b_")) or name in ("embed", "pos_embed", "unembed", "QK", "OV"):
+            if name.startswith(("W_", "b_")) or name in ("embed", "pos_embed", "unembed", "ln_final", "QK", "OV"):
                 raise native_only(f"model.{name} (interp's weight views)", self.cfg.model_type) from None
             raise
 
@@ -519,9 +516,6 @@ class WrappedModel(HookedTransformer):
     def attention_stats(self, tokens=None, *, kv_cache=None, **kwargs) -> dict:
         if kv_cache is not None:
             raise native_only("statistics from an interp KV cache", self.cfg.model_type)
-        for b in self.blocks:
-            if b.attn.softcap is not None or b.attn.has_sinks:
-                raise native_only("streaming statistics of soft-capped or sink-logit attention", self.cfg.model_type)
         return super().attention_stats(tokens, **kwargs)
 
     @torch.no_grad()
@@ -569,14 +563,9 @@ def config_windows(c, n: int) -> list[int | None]:
     return [window] * n
 
 
-def config_from_raw(raw: dict) -> ModelConfig:
-    """`wrapped_config` from a config.json's contents, without weights (transformers' config class fills
-    its defaults, so the windows per layer are the model's)."""
-    check_wrappable(raw.get("model_type"))
-    from transformers import AutoConfig
-
-    fields = {k: v for k, v in raw.items() if k != "model_type"}
-    c = _text_config(AutoConfig.for_model(raw["model_type"], **fields))
+def config_from_hf(hf_config) -> ModelConfig:
+    """`wrapped_config` of a transformers config object, its windows per layer as the config states them."""
+    c = _text_config(hf_config)
     return wrapped_config(c, config_windows(c, _first(c, "num_hidden_layers", "n_layer", "num_layers")))
 
 
@@ -624,28 +613,3 @@ def every_causal_lm() -> dict[str, int]:
         except Exception:  # a model file transformers cannot import here (a missing optional dependency)
             counts["refused"] += 1
     return counts
-
-
-def load_wrapped(path, raw: dict, *, dtype, device, tokenizer) -> WrappedModel:
-    """A Hugging Face folder of a non-native architecture, loaded by transformers (never its own code)
-    and wrapped. Weights that do not match the config are refused, naming the tensor."""
-    check_wrappable(raw.get("model_type"))
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    register_interface()
-    hf_logging.disable_progress_bar()  # one line per load is ours to print, not a bar per weight file
-    hf, info = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, trust_remote_code=False,
-                                                    output_loading_info=True, attn_implementation="sdpa"
-                                                    if getattr(causal_lm_class(raw["model_type"]), "_supports_sdpa", False)
-                                                    else "eager")
-    problems = [f"{what} {names[0] if isinstance(names[0], str) else names[0][0]!r}" + (f" (+{len(names) - 1} more)" if len(names) > 1 else "")
-                for what, names in (("missing tensor", sorted(info.get("missing_keys") or [])),
-                                    ("unexpected tensor", sorted(info.get("unexpected_keys") or [])),
-                                    ("tensor of the wrong shape", list(info.get("mismatched_keys") or [])))
-                if names]
-    if problems:
-        raise CheckpointError(f"{path}: the weights do not match config.json: {'; '.join(problems)}")
-    if device is not None:
-        hf = hf.to(device)
-    return WrappedModel(hf, tokenizer=tokenizer, name=str(path))

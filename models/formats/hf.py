@@ -8,13 +8,55 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .build import build_model, convert_weights
+from .build import build_model, check_finite, convert_weights
 from ..config import ModelConfig
+from ..errors import CheckpointError
 from ..families import FAMILIES, get_family
 from .folder import local_tokenizer
 from ..tensor_files import read_state_dict
 from ..transformer import HookedTransformer
 from .. import wrapped
+
+
+def config_from_raw(raw: dict) -> ModelConfig:
+    """`wrapped_config` from a config.json's contents, without weights (transformers' config class fills
+    its defaults, so the windows per layer are the model's)."""
+    wrapped.check_wrappable(raw.get("model_type"))
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in raw.items() if k != "model_type"}
+    return wrapped.config_from_hf(AutoConfig.for_model(raw["model_type"], **fields))
+
+
+
+def load_wrapped(path, raw: dict, *, dtype, device, tokenizer) -> wrapped.WrappedModel:
+    """A Hugging Face folder of a non-native architecture, loaded by transformers (never its own code)
+    and wrapped. Weights that do not match the config are refused, naming the tensor."""
+    wrapped.check_wrappable(raw.get("model_type"))
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    wrapped.register_interface()
+    hf_logging.disable_progress_bar()  # one line per load is ours to print, not a bar per weight file
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its loading report: the problems are said below, in one line
+    try:
+        hf, info = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=dtype, trust_remote_code=False, output_loading_info=True, ignore_mismatched_sizes=True,
+            attn_implementation="sdpa" if getattr(wrapped.causal_lm_class(raw["model_type"]), "_supports_sdpa", False) else "eager")
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    problems = [f"{what} {names[0] if isinstance(names[0], str) else names[0][0]!r}" + (f" (+{len(names) - 1} more)" if len(names) > 1 else "")
+                for what, names in (("missing tensor", sorted(info.get("missing_keys") or [])),
+                                    ("unexpected tensor", sorted(info.get("unexpected_keys") or [])),
+                                    ("tensor of the wrong shape", list(info.get("mismatched_keys") or [])))
+                if names]
+    if problems:
+        raise CheckpointError(f"{path}: the weights do not match config.json: {'; '.join(problems)}")
+    check_finite(dict(hf.state_dict()), str(path))
+    if device is not None:
+        hf = hf.to(device)
+    return wrapped.WrappedModel(hf, tokenizer=tokenizer, name=str(path))
 
 
 def native(raw: dict) -> bool:
@@ -24,13 +66,13 @@ def native(raw: dict) -> bool:
 
 def config(path: Path, raw: dict) -> ModelConfig:
     if not native(raw):
-        return wrapped.config_from_raw(raw)
+        return config_from_raw(raw)
     return get_family(raw.get("model_type")).config(raw)
 
 
 def load(path: Path, raw: dict, *, dtype, device, tokenizer) -> HookedTransformer:
     if not native(raw):
-        return wrapped.load_wrapped(path, raw, dtype=dtype, device=device,
+        return load_wrapped(path, raw, dtype=dtype, device=device,
                                     tokenizer=tokenizer if tokenizer is not None else local_tokenizer(path))
     family = get_family(raw.get("model_type"))
     cfg = family.config(raw)
