@@ -29,6 +29,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
+from interp.models.transformer import lm_loss
 from interp.models.weights import stored
 
 from ._common import HeadList, progress, resolve_heads, token_input, valid_mask
@@ -136,16 +137,27 @@ class AblationRunner:
         def keep(x, hook):
             store[hook.name] = x.detach()
 
+        # A wrapped model (transformers runs it) cannot resume mid-model: each ablation is one whole forward
+        # with hook_z replaced (`_run_whole`), the same numbers at the cost of the layers below.
+        self.whole = not getattr(model, "native", True)
         # With sandwich norms hook_attn_out is after ln1_post: the attention output is recomputed from z
         # (`attention_output`, in `run`) instead of cached.
         names = ("hook_resid_pre", "attn.hook_z") + (() if model.cfg.sandwich_norms else ("hook_attn_out",))
+        if self.whole:
+            names = ("attn.hook_z",)
         # base replacements first, so the cached z / attn_out already include them
         hooks = self._base_hooks(0) + [(f"blocks.{l}.{n}", keep) for l in range(n_layers) for n in names]
         with torch.no_grad():
-            resid = model.run_with_hooks(tokens, fwd_hooks=hooks, attention_mask=attention_mask, stop_at_layer=n_layers)
-            self.clean = self._metric(resid)
-        self.resid, self.z, *attn_out = ([store[f"blocks.{l}.{n}"] for l in range(n_layers)] for n in names)
-        self.attn_out: list[Tensor] | None = attn_out[0] if attn_out else None
+            if self.whole:
+                self.clean = self._metric_of(model.run_with_hooks(tokens, fwd_hooks=hooks, attention_mask=attention_mask))
+                self.resid, self.attn_out = None, None
+                self.z = [store[f"blocks.{l}.attn.hook_z"] for l in range(n_layers)]
+            else:
+                resid = model.run_with_hooks(tokens, fwd_hooks=hooks, attention_mask=attention_mask,
+                                             stop_at_layer=n_layers)
+                self.clean = self._metric(resid)
+                self.resid, self.z, *attn_out = ([store[f"blocks.{l}.{n}"] for l in range(n_layers)] for n in names)
+                self.attn_out: list[Tensor] | None = attn_out[0] if attn_out else None
         if values is None:
             self.values = values_from_z(self.z, method, valid=self.valid, seed=seed)
 
@@ -162,9 +174,25 @@ class AblationRunner:
         logits = self.model(final_resid, "logits", start_at_layer=n_layers, attention_mask=self.attention_mask)
         return float(self.metric(logits, self.tokens))
 
+    def _metric_of(self, logits: Tensor) -> float:
+        """The metric of a whole forward's logits (a wrapped model's)."""
+        if self.metric == "loss":
+            return float(lm_loss(logits, self.tokens, None if self.attention_mask is None else self.valid))
+        return float(self.metric(logits, self.tokens))
+
+    def _run_whole(self, layer: int, heads_of_copy: list[list[int]]) -> list[float]:
+        out = []
+        for heads in heads_of_copy:
+            hooks = self._base_hooks(0) + [(f"blocks.{layer}.attn.hook_z", _replace_heads(self.values[layer], heads))]
+            out.append(self._metric_of(self.model.run_with_hooks(self.tokens, fwd_hooks=hooks,
+                                                                 attention_mask=self.attention_mask)))
+        return out
+
     @torch.no_grad()
     def run(self, layer: int, heads_of_copy: list[list[int]]) -> list[float]:
         """Metric with, in copy i, the heads heads_of_copy[i] of `layer` ablated (on top of the base set)."""
+        if self.whole:
+            return self._run_whole(layer, heads_of_copy)
         model, b, c = self.model, self.tokens.shape[0], len(heads_of_copy)
         attn = model.blocks[layer].attn
         W_O = attn.W_O  # [head, d_head, d_model]

@@ -183,3 +183,22 @@ def test_readme_architecture_table_is_generated():
                       README.read_text(), re.S)
     assert block, "README.md lost its generated architecture table"
     assert block.group(1).strip() == architecture_table().strip(), "regenerate it: interp info --architectures"
+
+
+def test_wrapped_and_native_give_the_same_analyses():
+    """The same Llama weights run natively and wrapped (forced): head ablation (exact per-head resumption
+    natively, one whole forward per head wrapped), streaming statistics and the ICL score agree."""
+    from hf_cases import build_hf
+    from interp.analyses import ablate_heads, icl_score
+
+    native, wrapped = interp.from_hf(build_hf("llama-gqa")), WrappedModel(build_hf("llama-gqa"))
+    assert native.native and not wrapped.native
+    t = toks(2, 16)
+    a, b = ablate_heads(native, t, method="mean"), ablate_heads(wrapped, t, method="mean")
+    assert float((torch.tensor(a["delta"].to_numpy()) - torch.tensor(b["delta"].to_numpy())).abs().max()) < 1e-5
+    sa, sb = native.attention_stats(t), wrapped.attention_stats(t)
+    for layer in sa:
+        for name in ("sink", "previous", "duplicate", "induction", "entropy", "max", "distance"):
+            assert torch.allclose(getattr(sa[layer], name), getattr(sb[layer], name), atol=1e-5, equal_nan=True)
+    ia, ib = icl_score(native, t, early=2, late=14), icl_score(wrapped, t, early=2, late=14)
+    assert abs(float(ia["icl_score"][0]) - float(ib["icl_score"][0])) < 1e-5
