@@ -32,12 +32,12 @@ from .components import (
     TiedUnembed,
     Unembed,
     init_weights,
-    make_mlp,
     make_norm,
 )
 from .config import ModelConfig
 from .generate import generate as _generate
 from .positions import Rotary
+from .moe import make_mlp
 from .processing import process_weights
 from .runtime import Runtime
 from .stats import kv_cache_attention_stats, model_attention_stats
@@ -69,14 +69,16 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer = layer
         self.hook_resid_pre = HookPoint()  # declared first: hook_dict follows the order of computation
-        self.ln1 = make_norm(cfg)
+        # Without pre_norms (OLMo 2) attention and MLP read the stream as it is: ln1 / ln2 are identities.
+        pre_norm = make_norm if cfg.pre_norms else lambda cfg: nn.Identity()
+        self.ln1 = pre_norm(cfg)
         self.attn = Attention(cfg, layer)
         # Sandwich norms (Gemma 2 / 3): ln1_post and ln2_post normalise the attention and MLP outputs before
         # they join the residual stream; hook_attn_out and hook_mlp_out read them after these norms, as
         # TransformerLens's (its names ln1_post / ln2_post).
         self.ln1_post = make_norm(cfg) if cfg.sandwich_norms else None
         self.mlp = make_mlp(cfg)
-        self.ln2 = make_norm(cfg) if self.mlp is not None else None
+        self.ln2 = pre_norm(cfg) if self.mlp is not None else None
         self.ln2_post = make_norm(cfg) if cfg.sandwich_norms and self.mlp is not None else None
         self.parallel = cfg.parallel_attn_mlp and self.mlp is not None
         self.hook_attn_out = HookPoint()
@@ -157,6 +159,8 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
     `interp.from_hf(hf_model)`.
     """
 
+    native = True  # interp's own implementation (a `WrappedModel` is transformers' model with our hooks)
+
     def __init__(self, cfg: ModelConfig, *, seed: int | None = 0, tokenizer=None) -> None:
         super().__init__()
         self.cfg = cfg
@@ -164,6 +168,8 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
         # switches, processing), in one visible place; `cfg` presents TransformerLens's view of it.
         self.runtime = Runtime(tokenizer=tokenizer)
         self.embed = Embed(cfg)
+        # Bloom's norm of the token embeddings (TransformerLens's `embed_ln`); hook_embed reads its output.
+        self.embed_ln = make_norm(cfg) if cfg.post_embedding_ln else None
         self.hook_embed = HookPoint()
         self.pos_embed = {"learned": PosEmbed, "sinusoidal": SinusoidalPosEmbed}.get(cfg.positional, lambda c: None)(cfg)
         if self.pos_embed is not None:
@@ -256,8 +262,11 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
                                   **_ignored) -> "HookedTransformer":
         """TransformerLens 4's `TransformerBridge.enable_compatibility_mode`, so its tutorials run with
         only the model line changed: its weight processing (`process_weights_` with TransformerLens's
-        defaults) unless `no_processing`. Our hook names and aliases need no switching. Returns the model."""
-        return self if no_processing else self.process_weights_()
+        defaults) unless `no_processing`, centring the unembedding only where the logits are not soft-capped
+        (as its bridge). Our hook names and aliases need no switching. Returns the model."""
+        if no_processing:
+            return self
+        return self.process_weights_(center_unembed=self.cfg.output_logits_soft_cap is None)
 
     # ---- TransformerLens's optional hook points ---------------------------------------------------
     def set_use_split_qkv_input(self, use_split_qkv_input: bool) -> None:
@@ -439,7 +448,8 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
         mask = AttentionMask(n_q=n, n_k=past + n, key_valid=key_valid, n_sink=kv_cache.n_sink if kv_cache is not None else 0)
 
         if start_at_layer is None:
-            resid = self.hook_embed(self.embed(tokens))
+            resid = self.embed(tokens)
+            resid = self.hook_embed(resid if self.embed_ln is None else self.embed_ln(resid))
             if self.pos_embed is not None:
                 resid = resid + self.hook_pos_embed(self.pos_embed(positions))
         else:
