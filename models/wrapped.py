@@ -161,7 +161,8 @@ class WrappedAttention(nn.Module):
         self.layer = layer
         self.backend = "auto"
         self.__dict__["_module"] = module  # not a submodule: the HF model owns it
-        module.__dict__["_interp_site"] = self
+        for m in module.modules():  # whichever of them calls the attention function (BERT-like: an inner one)
+            m.__dict__["_interp_site"] = self
         for name in ("hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_z"):
             setattr(self, name, HookPoint())
         self.called = False
@@ -276,8 +277,8 @@ def _decoder_layers(hf) -> tuple[nn.Module, nn.ModuleList]:
         if isinstance(mod, nn.ModuleList) and len(mod) == n and name.rsplit(".", 1)[-1] in ("layers", "h", "blocks", "layer"):
             parent = hf.get_submodule(name.rsplit(".", 1)[0]) if "." in name else hf
             return parent, mod
-    raise Bypasses(f"cannot find the {n} decoder layers of {type(hf).__name__}; interp wraps causal LMs whose layers "
-                   "are a ModuleList called layers / h / blocks")
+    raise refusal(_text_config(hf.config).model_type, f"interp finds no ModuleList of its {n} decoder layers "
+                  "(called layers / h / blocks) in {type(hf).__name__}")
 
 
 def _child(module: nn.Module, names) -> tuple[str, nn.Module] | tuple[None, None]:
@@ -310,9 +311,17 @@ def causal_lm_class(model_type: str):
     return getattr(transformers, name, None) if name else None
 
 
+def refusal(model_type, why: str) -> Bypasses:
+    """The one line for an architecture interp cannot run: what, why, and what does run."""
+    return Bypasses(f"unsupported architecture model_type={model_type!r}: {why}; interp converts "
+                    f"{native_families()} natively and wraps any transformers causal LM whose attention goes through "
+                    "its attention interface (interp info --architectures)")
+
+
 def check_wrappable(model_type: str | None) -> None:
     """Raise `Bypasses` (one line) unless transformers has a causal LM for `model_type` whose attention
-    goes through its attention interface. Needs transformers; reads no weights."""
+    goes through its attention interface. Needs transformers; reads no weights (`check_structure` then
+    checks the model itself, built on the meta device where no weights exist yet)."""
     try:
         import transformers  # noqa: F401 - optional: only wrapped models need it
     except ImportError:
@@ -320,15 +329,35 @@ def check_wrappable(model_type: str | None) -> None:
                         "running it wrapped needs transformers: pip install 'interp[hf]'") from None
     cls = causal_lm_class(model_type) if model_type else None
     if cls is None:
-        raise Bypasses(f"transformers has no causal language model for model_type {model_type!r}; interp runs causal "
-                       f"LMs: native {', '.join(native_families())}, or any transformers causal LM whose attention "
-                       "uses its attention interface")
-    module = sys.modules[cls.__module__]
-    if "ALL_ATTENTION_FUNCTIONS" not in vars(module):
-        raise Bypasses(
-            f"{cls.__name__} ({model_type}) computes attention in its own code, not through transformers' attention "
-            f"interface, so interp cannot hook it; native families: {', '.join(native_families())}; "
-            "wrapped: any transformers causal LM that uses the interface (see `interp info --architectures`)")
+        raise refusal(model_type, "transformers has no causal language model for it")
+    if "ALL_ATTENTION_FUNCTIONS" not in vars(sys.modules[cls.__module__]):
+        raise refusal(model_type, f"{cls.__name__} computes attention in its own code, not through transformers' "
+                                  "attention interface, so interp cannot hook it")
+
+
+def check_structure(hf) -> tuple[nn.Module, nn.ModuleList, list[nn.Module], list[nn.Module | None]]:
+    """(the module holding the decoder layers, the layers, each layer's attention and MLP modules) of a
+    transformers model, or `Bypasses`: no decoder layers, an attention module that bypasses the
+    interface, or attention that is not causal (an encoder such as BERT, whose causal-LM head is a
+    decoder only when its config says so)."""
+    model_type = str(_text_config(hf.config).model_type)
+    base, layers = _decoder_layers(hf)
+    attns, mlps = [], []
+    for l, layer in enumerate(layers):
+        attn = _child(layer, _ATTN_NAMES)[1]
+        if attn is None:
+            raise refusal(model_type, f"{type(layer).__name__} (layer {l}) has no attention module called "
+                                      f"{' / '.join(_ATTN_NAMES)}")
+        if not uses_interface(type(attn)):
+            raise refusal(model_type, f"{type(attn).__name__} computes attention in its own code, not through "
+                                      "transformers' attention interface")
+        both_ways = [m for m in attn.modules() if getattr(m, "is_causal", True) is False]
+        if both_ways:
+            raise refusal(model_type, f"{type(both_ways[0]).__name__} attends both ways (is_causal=False): interp "
+                                      "studies causal language models")
+        attns.append(attn)
+        mlps.append(_child(layer, _MLP_NAMES)[1])
+    return base, layers, attns, mlps
 
 
 # ---- the model -----------------------------------------------------------------------------------
@@ -368,19 +397,8 @@ class WrappedModel(HookedTransformer):
         register_interface()
         hf.eval()
         self.hf = hf
-        base, layers = _decoder_layers(hf)
         model_type = str(_text_config(hf.config).model_type)
-        attns, mlps = [], []
-        for l, layer in enumerate(layers):
-            attn_name, attn = _child(layer, _ATTN_NAMES)
-            if attn is None:
-                raise Bypasses(f"{type(layer).__name__} (layer {l}) has no attention module called "
-                               f"{' / '.join(_ATTN_NAMES)}; interp cannot hook {model_type}")
-            if not uses_interface(type(attn)):
-                raise Bypasses(f"{type(attn).__name__} ({model_type}) computes attention in its own code, not through "
-                               f"transformers' attention interface; native families: {', '.join(native_families())}")
-            attns.append(attn)
-            mlps.append(_child(layer, _MLP_NAMES)[1])
+        base, layers, attns, mlps = check_structure(hf)
         sites = [WrappedAttention(a, l) for l, a in enumerate(attns)]
         for s, w in zip(sites, config_windows(_text_config(hf.config), len(sites))):
             s._model_type = model_type
@@ -503,8 +521,8 @@ class WrappedModel(HookedTransformer):
         logits = self.hf(input_ids=toks, **kwargs).logits
         missed = [b.attn.layer for b in self.blocks if not b.attn.called]
         if missed:
-            raise Bypasses(f"{type(self.hf).__name__}'s layers {missed} did not call transformers' attention interface, "
-                           "so interp cannot hook them")
+            raise refusal(self.cfg.model_type, f"{type(self.hf).__name__}'s layers {missed} did not call transformers' "
+                                               "attention interface, so interp cannot hook them")
         if return_type is None:
             return None
         if return_type == "logits":

@@ -57,10 +57,10 @@ def test_an_architecture_outside_the_interface_is_refused_before_any_weight(tmp_
     """openai-gpt computes attention in its own code: one line, naming it and what works, read from
     config.json alone (the folder has no weights at all)."""
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "openai-gpt", "vocab_size": 97}))
-    with pytest.raises(Bypasses, match="OpenAIGPTLMHeadModel.*attention interface.*native families: .*llama"):
+    with pytest.raises(Bypasses, match="model_type='openai-gpt': OpenAIGPTLMHeadModel .*attention interface.*'llama'"):
         interp.load(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_model"}))
-    with pytest.raises(Bypasses, match="no causal language model for model_type 'no_such_model'"):
+    with pytest.raises(Bypasses, match="model_type='no_such_model': transformers has no causal language model"):
         interp.load(tmp_path)
 
 

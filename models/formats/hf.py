@@ -18,21 +18,31 @@ from ..transformer import HookedTransformer
 from .. import wrapped
 
 
+def _structure(raw: dict):
+    """The transformers config of a non-native config.json, after checking that interp can wrap its model:
+    a causal LM whose attention goes through transformers' attention interface (`wrapped.check_wrappable`),
+    built on the meta device (no memory, no weights) to check its layers (`wrapped.check_structure`)."""
+    wrapped.check_wrappable(raw.get("model_type"))
+    import torch
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"})
+    with torch.device("meta"):
+        wrapped.check_structure(wrapped.causal_lm_class(raw["model_type"])(config))
+    return config
+
+
 def config_from_raw(raw: dict) -> ModelConfig:
     """`wrapped_config` from a config.json's contents, without weights (transformers' config class fills
     its defaults, so the windows per layer are the model's)."""
-    wrapped.check_wrappable(raw.get("model_type"))
-    from transformers import AutoConfig
-
-    fields = {k: v for k, v in raw.items() if k != "model_type"}
-    return wrapped.config_from_hf(AutoConfig.for_model(raw["model_type"], **fields))
-
+    return wrapped.config_from_hf(_structure(raw))
 
 
 def load_wrapped(path, raw: dict, *, dtype, device, tokenizer) -> wrapped.WrappedModel:
     """A Hugging Face folder of a non-native architecture, loaded by transformers (never its own code)
-    and wrapped. Weights that do not match the config are refused, naming the tensor."""
-    wrapped.check_wrappable(raw.get("model_type"))
+    and wrapped. Everything that can be refused is refused before a weight is read; weights that do not
+    match the config are refused after, naming the tensor."""
+    _structure(raw)
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -40,13 +50,17 @@ def load_wrapped(path, raw: dict, *, dtype, device, tokenizer) -> wrapped.Wrappe
     hf_logging.disable_progress_bar()  # one line per load is ours to print, not a bar per weight file
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its loading report: the problems are said below, in one line
+    sdpa = getattr(wrapped.causal_lm_class(raw["model_type"]), "_supports_sdpa", False)
     try:
         hf, info = AutoModelForCausalLM.from_pretrained(
             str(path), dtype=dtype, trust_remote_code=False, output_loading_info=True, ignore_mismatched_sizes=True,
-            attn_implementation="sdpa" if getattr(wrapped.causal_lm_class(raw["model_type"]), "_supports_sdpa", False) else "eager")
+            attn_implementation="sdpa" if sdpa else "eager")
+    except OSError as e:  # no weight file, an unreadable one
+        raise CheckpointError(f"{path}: {str(e).splitlines()[0]}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
-    problems = [f"{what} {names[0] if isinstance(names[0], str) else names[0][0]!r}" + (f" (+{len(names) - 1} more)" if len(names) > 1 else "")
+    problems = [f"{what} {names[0] if isinstance(names[0], str) else names[0][0]!r}"
+                + (f" (+{len(names) - 1} more)" if len(names) > 1 else "")
                 for what, names in (("missing tensor", sorted(info.get("missing_keys") or [])),
                                     ("unexpected tensor", sorted(info.get("unexpected_keys") or [])),
                                     ("tensor of the wrong shape", list(info.get("mismatched_keys") or [])))
