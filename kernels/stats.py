@@ -78,6 +78,8 @@ def attention_stats(
     scale: float | None = None,
     key_padding_mask: Tensor | None = None,
     alibi_slopes: Tensor | None = None,
+    softcap: float | None = None,
+    sink_logits: Tensor | None = None,
     backend: Backend = "auto",
     block_q: int | None = None,
     block_k: int | None = None,
@@ -102,6 +104,12 @@ def attention_stats(
         key_padding_mask: bool ``[batch, n_k]``, True for a real token; None for all real.
         alibi_slopes: float ``[heads]``; adds ``-slope[h] * |p - j|`` to every score (the
             model's ALiBi; the absolute value only matters for future keys when ``causal=False``).
+        softcap: Gemma 2's soft-capping: the scaled scores become ``softcap * tanh(scores / softcap)``
+            before ALiBi and the mask, as the model computes them; None for none.
+        sink_logits: float ``[heads]``, learned sink logits (gpt-oss): each joins its head's softmax
+            denominator, ``P_ij = exp(s_ij) / (exp(sink_h) + sum_j exp(s_ij))``, and is no key, so the
+            statistics are of a pattern whose rows sum to less than 1. Torch tiles only (``"auto"``
+            runs them on any device; ``"triton"`` is refused). None for none.
         backend: ``"auto"`` (the default: Triton for CUDA inputs when Triton is installed, else
             torch; :func:`resolve_backend` says which), ``"torch"`` (tiled, any device), or
             ``"triton"`` (CUDA tensors, or CPU tensors with ``TRITON_INTERPRET=1`` set before the
@@ -140,8 +148,11 @@ def attention_stats(
         ValueError / TypeError: on malformed inputs (messages name the offending shapes).
         ImportError: ``backend="triton"`` without Triton installed.
     """
+    if sink_logits is not None:  # the torch tiles only: "auto" runs them, "triton" is refused
+        sink_logits = _check_sink_logits(sink_logits, q, backend)
+        backend = "torch" if backend == "auto" else backend
     backend = resolve_backend(backend, q.device)
-    args = validate(q, k, tokens, n_sink, window, scale, key_padding_mask, alibi_slopes)
+    args = validate(q, k, tokens, n_sink, window, scale, key_padding_mask, alibi_slopes, softcap)
     if backend == "triton":
         # Imported here because it imports triton, an optional third-party package (GPU path).
         from .stats_triton import attention_stats_triton
@@ -152,8 +163,23 @@ def attention_stats(
         block_q, block_k = block_q or default_q, block_k or default_k
         if block_q < 1 or block_k < 1:
             raise ValueError(f"block sizes must be positive, got block_q={block_q}, block_k={block_k}")
-        stacked = _attention_stats_torch(q, k, causal=causal, block_q=block_q, block_k=block_k, **args)
+        stacked = _attention_stats_torch(q, k, causal=causal, block_q=block_q, block_k=block_k,
+                                         sink_logits=sink_logits, **args)
     return AttentionStats.from_stacked(stacked)
+
+
+def _check_sink_logits(sink_logits, q: Tensor, backend: str) -> Tensor:
+    """Learned sink logits [heads] as float32 on q's device; refused with the Triton kernel, which lacks them."""
+    if backend == "triton":
+        raise ValueError("learned sink logits (gpt-oss) are in the torch statistics kernel only: pass "
+                         "backend='torch' or 'auto'")
+    heads = q.shape[1] if isinstance(q, Tensor) and q.ndim == 4 else None
+    if not isinstance(sink_logits, Tensor) or sink_logits.shape != (heads,):
+        shape = list(sink_logits.shape) if isinstance(sink_logits, Tensor) else type(sink_logits).__name__
+        raise ValueError(f"sink_logits must be a tensor [heads] = [{heads}], got {shape}")
+    if not bool(torch.isfinite(sink_logits).all()):
+        raise ValueError("sink_logits must be finite")
+    return sink_logits.detach().to(device=q.device, dtype=torch.float32)
 
 
 def resolve_backend(backend: str = "auto", device: torch.device | str = "cpu") -> str:
@@ -210,8 +236,10 @@ def _attention_stats_torch(
     scale: float,
     key_padding_mask: Tensor | None,
     alibi_slopes: Tensor | None,
+    softcap: float | None,
     block_q: int,
     block_k: int,
+    sink_logits: Tensor | None = None,
 ) -> Tensor:
     """Tiled streaming statistics; returns ``[len(STAT_NAMES), batch, heads, n_q]`` float32.
 
@@ -222,6 +250,10 @@ def _attention_stats_torch(
 
     Scores are kept in base 2 (``log2(e)`` folded into the scale, ``exp2`` instead of ``exp``,
     as the Triton tutorial does): exp2 is ~1.6x faster than exp on CPU and exp dominates a tile.
+
+    Learned sink logits (`sink_logits` [heads], gpt-oss) add one term, exp2(sink - m), to each row's
+    normaliser at the end, and no feature: the statistics are those of the pattern over the real keys,
+    whose rows then sum to less than 1 (as the model's hook_pattern shows it).
     """
     batch, heads, n_q, d = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
@@ -235,6 +267,7 @@ def _attention_stats_torch(
     qf = (q.to(f32) * (scale * LOG2E)).reshape(batch, kv_heads, group, n_q, d)
     k_t = k.to(f32).transpose(-1, -2)  # [batch, kv_heads, d, n_k]
     slopes = None if alibi_slopes is None else (alibi_slopes * LOG2E).view(1, heads, 1, 1)
+    sink2 = None if sink_logits is None else (sink_logits * LOG2E).view(1, heads, 1)  # base 2, like the scores
     if tokens is not None:
         tokens_prev = torch.cat([tokens[:, :1], tokens[:, :-1]], dim=1)  # tokens[j - 1]; j=0 masked
     if key_padding_mask is not None:
@@ -275,6 +308,8 @@ def _attention_stats_torch(
             below = ke - 1 < p0  # every key strictly before every query
 
             s = torch.matmul(q_blk, k_t[..., ks:ke]).view(batch, heads, bq, bk)
+            if softcap is not None:  # cap * tanh(score / cap), the score in nats, kept in base 2
+                s = torch.tanh(s.mul_(1.0 / (softcap * LOG2E))).mul_(softcap * LOG2E)
             delta = rel[:bq, :bk] + float(p0 - ks)  # [bq, bk] p - j
             if slopes is not None:
                 s.addcmul_(slopes, delta.abs(), value=-1.0)  # ALiBi: -slope * |p - j|, as the model
@@ -327,14 +362,22 @@ def _attention_stats_torch(
             m = m_new
 
         seen = l > 0  # False: the query saw no key -> NaN everywhere
-        inv_l = torch.where(seen, 1.0 / l, float("nan"))
+        if sink2 is None:
+            inv_l = torch.where(seen, 1.0 / l, float("nan"))
+            entropy = torch.log(l) - acc[_ENT] * inv_l * LN2  # ln l - E[s - m], s back in nats
+        else:  # normaliser l + exp2(sink - m), rescaled to the larger of m and the sink
+            top = torch.maximum(m, sink2)
+            shrink = torch.exp2(m - top)
+            inv_l = torch.where(seen, shrink / (l * shrink + torch.exp2(sink2 - top)), float("nan"))
+            # -sum_j P_j ln P_j with ln P_j = ln 2 (s_j - m) + ln inv_l and sum_j P_j = l * inv_l
+            entropy = -torch.log(inv_l) * l * inv_l - acc[_ENT] * inv_l * LN2
         blk = out[..., qs:qe]
         blk[0] = acc[_SINK] * inv_l
         blk[1] = acc[_PREV] * inv_l
         if tokens is not None:
             blk[2] = acc[_DUP] * inv_l
             blk[3] = acc[_IND] * inv_l
-        blk[4] = torch.log(l) - acc[_ENT] * inv_l * LN2  # ln l - E[s - m], s back in nats
-        blk[5] = inv_l  # the top weight is exp2(m - m) / l
+        blk[4] = entropy
+        blk[5] = inv_l  # the top weight is exp2(m - m) / l (/ the sink's normaliser)
         blk[6] = acc[_DIST] * inv_l
     return out

@@ -127,7 +127,7 @@ class AttentionStats:
         return "\n".join(lines) + ")"
 
 
-def validate(q, k, tokens, n_sink, window, scale, key_padding_mask, alibi_slopes) -> dict:
+def validate(q, k, tokens, n_sink, window, scale, key_padding_mask, alibi_slopes, softcap=None) -> dict:
     """Check shapes and dtypes; return the normalised keyword arguments of the kernels."""
     if not (isinstance(q, Tensor) and isinstance(k, Tensor)):
         raise TypeError(f"q and k must be tensors, got {type(q).__name__} and {type(k).__name__}")
@@ -186,6 +186,9 @@ def validate(q, k, tokens, n_sink, window, scale, key_padding_mask, alibi_slopes
         raise ValueError(f"n_sink must be an int >= 0, got {n_sink!r}")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be None or an int >= 1, got {window!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not math.isfinite(softcap) or softcap <= 0):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
     return dict(
         tokens=tokens,
         n_sink=n_sink,
@@ -193,4 +196,5 @@ def validate(q, k, tokens, n_sink, window, scale, key_padding_mask, alibi_slopes
         scale=1.0 / math.sqrt(d) if scale is None else float(scale),
         key_padding_mask=key_padding_mask,
         alibi_slopes=alibi_slopes,
+        softcap=None if softcap is None else float(softcap),
     )

@@ -37,7 +37,7 @@ def previous_detection_pattern(n: int) -> torch.Tensor:
 
 def reference_stats(
     q, k, tokens=None, *, n_sink=1, causal=True, window=None, scale=None,
-    key_padding_mask=None, alibi_slopes=None,
+    key_padding_mask=None, alibi_slopes=None, softcap=None, sink_logits=None,
 ) -> dict[str, torch.Tensor]:
     """Statistics from the materialised float64 pattern, on the host; [batch, heads, n_q] each, float64.
     Arguments as :func:`interp.kernels.attention_stats`."""
@@ -50,6 +50,8 @@ def reference_stats(
     scale = d**-0.5 if scale is None else scale
     k_full = k.double().repeat_interleave(heads // kv_heads, dim=1)
     scores = q.double() @ k_full.transpose(-1, -2) * scale  # [b, h, n_q, n_k]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     pos = torch.arange(n_k - n_q, n_k)[:, None]
     key = torch.arange(n_k)[None, :]
     delta = (pos - key).double()  # p - j
@@ -62,7 +64,13 @@ def reference_stats(
         visible &= (pos - key) < window
     if key_padding_mask is not None:
         visible &= key_padding_mask[:, None, None, :]
-    pattern = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)  # NaN rows if none
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sink_logits is None:
+        pattern = torch.softmax(scores, dim=-1)  # NaN rows if none
+    else:  # one more column per head in every softmax, dropped after: rows sum to < 1
+        sinks = sink_logits.detach().cpu().double()[None, :, None, None].expand(batch, heads, n_q, 1)
+        pattern = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+        pattern = pattern.masked_fill(~visible.any(-1, keepdim=True), float("nan"))  # no key seen: NaN, as without
 
     rows = slice(n_k - n_q, n_k)  # detection patterns are [n_k, n_k]; take the query rows
     out = {

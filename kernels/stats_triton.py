@@ -43,6 +43,20 @@ __all__ = ["attention_stats_triton"]
 
 
 @triton.jit
+def _tanh(x):
+    """tanh in float32 from exp2 (Triton's interpreter has no tanh): odd, (1 - e) / (1 + e) with
+    e = exp(-2|x|), which never overflows; below |x| = 1/8 its Taylor series to x^5 instead, where
+    1 - e would cancel (both within ~1e-7 of tanh)."""
+    a = tl.abs(x)
+    e = tl.exp2(a * -2.8853900817779268)  # exp(-2|x|): 2 log2(e)
+    far = (1.0 - e) / (1.0 + e)
+    a2 = a * a
+    near = a * (1.0 - a2 * (0.3333333333333333 - a2 * 0.13333333333333333))
+    t = tl.where(a < 0.125, near, far)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _attention_stats_kernel(
     Q, K, TOKENS, KPM, SLOPES, OUT,  # pointers (TOKENS / KPM / SLOPES: dummies when unused)
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -52,11 +66,13 @@ def _attention_stats_kernel(
     stride_os, stride_ob, stride_oh, stride_om,
     n_q, n_k, d, heads, group, n_sink, window,
     qk_scale,  # scale * log2(e): scores are kept in base 2
+    cap_scale,  # softcap * log2(e): the soft cap in base 2 (unused without HAS_SOFTCAP)
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_TOKENS: tl.constexpr,
     HAS_KPM: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -118,6 +134,8 @@ def _attention_stats_kernel(
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * qk_scale
+        if HAS_SOFTCAP:  # cap * tanh(score / cap), in base 2 like the scores
+            s = cap_scale * _tanh(s / cap_scale)
         delta = pos[:, None] - offs_n[None, :]  # p - j
         delta_f = delta.to(tl.float32)
         if HAS_ALIBI:
@@ -203,6 +221,7 @@ def attention_stats_triton(
     scale: float,
     key_padding_mask: Tensor | None,
     alibi_slopes: Tensor | None,
+    softcap: float | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
     num_warps: int = 8,
@@ -211,7 +230,8 @@ def attention_stats_triton(
 
     Arguments are those of :func:`interp.kernels.attention_stats`, already validated by it
     (shapes: q ``[batch, heads, n_q, d]``, k ``[batch, kv_heads, n_k, d]``, tokens int
-    ``[batch, n_k]``, key_padding_mask bool ``[batch, n_k]``, alibi_slopes ``[heads]``).
+    ``[batch, n_k]``, key_padding_mask bool ``[batch, n_k]``, alibi_slopes ``[heads]``, softcap a
+    float or None).
     ``block_q`` / ``block_k`` are the kernel's BLOCK_M / BLOCK_N (powers of two, >= 16, the
     minimum ``tl.dot`` tile); None picks :func:`default_blocks`.
     """
@@ -251,11 +271,13 @@ def attention_stats_triton(
         *q.stride(), *k.stride(), *tok_strides, *kpm_strides, *out.stride(),
         n_q, n_k, d, heads, heads // kv_heads, n_sink, window or 0,
         scale * LOG2E,
+        (softcap or 1.0) * LOG2E,
         CAUSAL=causal,
         HAS_WINDOW=window is not None,
         HAS_TOKENS=tokens is not None,
         HAS_KPM=key_padding_mask is not None,
         HAS_ALIBI=alibi_slopes is not None,
+        HAS_SOFTCAP=softcap is not None,
         IEEE_DOT=dtype == torch.float32,
         BLOCK_M=block_q,
         BLOCK_N=block_k,

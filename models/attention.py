@@ -17,9 +17,9 @@ from torch import Tensor, nn
 from .hooks import HookPoint
 from interp.kernels.attention import AttentionBackend, AttentionMask, Needs, choose
 
-from .components import RMSNorm
+from .components import ProjectionRMSNorm, RMSNorm
 from .config import ModelConfig
-from .positions import Rotary, alibi_slopes
+from .positions import alibi_slopes, rotation
 from .weights import OptionalBias, stored
 
 if TYPE_CHECKING:
@@ -44,7 +44,13 @@ class Attention(nn.Module):
         self.b_qkv = nn.Parameter(torch.zeros((h + 2 * kv) * dh)) if cfg.qkv_bias else None
         self.W_O_flat = nn.Parameter(torch.empty(h * dh, cfg.d_model))
         self.b_O = nn.Parameter(torch.zeros(cfg.d_model)) if cfg.attn_out_bias else None
+        # Learned sink logits (gpt-oss), one per head: each joins its head's softmax denominator and gives no
+        # value (`cfg.learned_sinks`; the backends' `sink_logits`). None: none.
+        self.sinks = nn.Parameter(torch.zeros(h)) if cfg.learned_sinks else None
         self.rotary = cfg.positional == "rotary"
+        self.rotate = rotation(cfg)  # rotate half, or adjacent pairs (GPT-J)
+        # Gemma 2's soft-capping of the scores (cap * tanh(scores / cap)); None: none.
+        self.softcap = cfg.attn_scores_soft_cap
         if cfg.positional == "alibi":
             self.register_buffer("alibi_slopes", alibi_slopes(h), persistent=False)
         else:
@@ -52,13 +58,17 @@ class Attention(nn.Module):
         self.backend: BackendChoice = "auto"
 
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
-        # QK-norm (Gemma 3): RMSNorm over d_head of each query and key head, after hook_q / hook_k and
-        # before RoPE. TransformerLens's names: the norms `q_norm` / `k_norm` (with their hook_scale and
+        # QK-norm: RMSNorm over d_head of each query and key head (Gemma 3), or over the whole query and
+        # key projections (OLMo 2, `qk_norm_over="projection"`), after hook_q / hook_k and before RoPE.
+        # TransformerLens's names: the norms `q_norm` / `k_norm` (with their hook_scale and
         # hook_normalized, as its HookedTransformer) and their outputs `hook_q_normed` / `hook_k_normed`
         # (as its TransformerBridge).
         self.qk_norm = cfg.qk_norm
-        if cfg.qk_norm:
+        if cfg.qk_norm and cfg.qk_norm_over == "head":
             self.q_norm, self.k_norm = RMSNorm(cfg, length=dh), RMSNorm(cfg, length=dh)
+        elif cfg.qk_norm:
+            self.q_norm, self.k_norm = ProjectionRMSNorm(cfg, h * dh), ProjectionRMSNorm(cfg, kv * dh)
+        if cfg.qk_norm:
             self.hook_q_normed, self.hook_k_normed = HookPoint(), HookPoint()
         if self.rotary:
             self.hook_rot_q, self.hook_rot_k = HookPoint(), HookPoint()
@@ -110,6 +120,7 @@ class Attention(nn.Module):
         """What this layer's next call asks of a backend: its hooks, window, sinks, ALiBi, device."""
         return Needs(pattern=self.hook_attn_scores.active or self.hook_pattern.active, window=self.window is not None,
                      sinks=bool(n_sink) and self.window is not None, alibi=self.alibi_slopes is not None,
+                     softcap=self.softcap is not None, sink_logits=self.sinks is not None,
                      device=torch.device(device).type)
 
     def backend_now(self, device: torch.device | str | None = None, n_sink: int = 0) -> AttentionBackend:
@@ -156,8 +167,8 @@ class Attention(nn.Module):
             k = self.hook_k_normed(self.k_norm(k))
         if self.rotary:
             cos, sin = rope
-            q = self.hook_rot_q(Rotary.rotate(q, cos, sin))
-            k = self.hook_rot_k(Rotary.rotate(k, cos, sin))
+            q = self.hook_rot_q(self.rotate(q, cos, sin))
+            k = self.hook_rot_k(self.rotate(k, cos, sin))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [batch, head, pos, d_head]
         backend = self.backend_now(q.device, mask.n_sink)  # asked once per call
         hooks = {}
@@ -165,9 +176,12 @@ class Attention(nn.Module):
             hooks = dict(scores_hook=self.hook_attn_scores if self.hook_attn_scores.active else None,
                          pattern_hook=self.hook_pattern if self.hook_pattern.active else None)
 
-        def run(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask) -> Tensor:
+        def run(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, heads=None) -> Tensor:
+            # heads: which query heads q holds, when a cache attends a group of them at a time (their sinks)
+            sinks = self.sinks if self.sinks is None or heads is None else self.sinks[heads]
             return backend(q, k, v, mask, scale=self.scale, window=self.window, alibi_slopes=self.alibi_slopes,
-                           sink_limit=self.cfg.window(self.layer) if mask.n_sink else None, **hooks)
+                           sink_limit=self.cfg.window(self.layer) if mask.n_sink else None, softcap=self.softcap,
+                           sink_logits=sinks, **hooks)
 
         if kv_cache is None:
             z = run(q, k, v, mask)

@@ -96,6 +96,18 @@ class RMSNorm(nn.Module):
         return self.hook_normalized(self.w * (h / scale).to(dtype))
 
 
+class ProjectionRMSNorm(RMSNorm):
+    """RMSNorm over a whole projection [..., head, d_head] at once, the heads flattened (OLMo 2's QK-norm:
+    over n_heads * d_head of the queries, kv_heads * d_head of the keys); hook_scale and hook_normalized
+    see the flat [..., head * d_head], as Hugging Face's norm does."""
+
+    def __init__(self, cfg: ModelConfig, length: int) -> None:
+        super().__init__(cfg, length=length)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x.flatten(-2)).view_as(x)
+
+
 def make_norm(cfg: ModelConfig) -> nn.Module:
     return {"layernorm": LayerNorm, "rmsnorm": RMSNorm, None: lambda cfg: nn.Identity()}[cfg.normalization](cfg)
 
@@ -186,20 +198,31 @@ def make_mlp(cfg: ModelConfig) -> nn.Module | None:
     return GatedMLP(cfg) if cfg.gated_mlp else MLP(cfg)
 
 
+def _capped(logits: Tensor, cap: float | None) -> Tensor:
+    """Gemma 2's final soft-capping, cap * tanh(logits / cap) (divide, tanh, multiply, as Hugging Face's);
+    the logits as they are without a cap."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
 class Unembed(nn.Module):
+    """logits = x W_U (+ b_U), soft-capped when `cfg.output_logits_soft_cap` is set (Gemma 2): every path
+    to the logits (forward, the loss in slabs, generation, an analysis calling `model.unembed`) caps
+    them. W_U stays the linear map before the cap (direct logit attribution reads it)."""
+
     b_U = OptionalBias("W_U")  # zeros without an unembedding bias, as the bridge's
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.W_U = nn.Parameter(torch.empty(cfg.d_model, cfg.d_vocab))
         self.b_U = nn.Parameter(torch.zeros(cfg.d_vocab)) if cfg.unembed_bias else None
+        self.soft_cap = cfg.output_logits_soft_cap
 
     def forward(self, x: Tensor) -> Tensor:
-        return _affine(x, self.W_U, stored(self, "b_U"))
+        return _capped(_affine(x, self.W_U, stored(self, "b_U")), self.soft_cap)
 
 
 class TiedUnembed(nn.Module):
-    """Unembedding that shares the embedding matrix: logits = x W_E^T (+ b_U)."""
+    """Unembedding that shares the embedding matrix: logits = x W_E^T (+ b_U), soft-capped as `Unembed`'s."""
 
     b_U = OptionalBias("W_U")
 
@@ -207,13 +230,14 @@ class TiedUnembed(nn.Module):
         super().__init__()
         self._embed = [embed]  # a list, so the shared parameter is registered once (under embed)
         self.b_U = nn.Parameter(torch.zeros(cfg.d_vocab)) if cfg.unembed_bias else None
+        self.soft_cap = cfg.output_logits_soft_cap
 
     @property
     def W_U(self) -> Tensor:
         return self._embed[0].W_E.T
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self._embed[0].W_E, stored(self, "b_U"))
+        return _capped(F.linear(x, self._embed[0].W_E, stored(self, "b_U")), self.soft_cap)
 
 
 def _affine(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:

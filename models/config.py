@@ -28,7 +28,8 @@ Activation = Literal["gelu", "gelu_new", "gelu_fast", "relu", "silu"]
 Normalization = Literal["layernorm", "rmsnorm"]
 Positional = Literal["learned", "sinusoidal", "rotary", "alibi"]
 LayerType = Literal["full", "sliding"]
-RopeKind = Literal["linear", "dynamic", "ntk", "yarn", "llama3"]
+QKNormOver = Literal["head", "projection"]
+RopeKind = Literal["linear", "dynamic", "ntk", "yarn", "llama3", "longrope"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,10 @@ class RopeScaling:
         `factor`-interpolated frequencies with ramp (beta_fast, beta_slow), and an attention
         temperature `attention_factor` (default 0.1 * ln(factor) + 1) applied to cos/sin.
       - "llama3": Llama-3.1's piecewise frequency scaling (low_freq_factor, high_freq_factor).
+      - "longrope": LongRoPE (Ding et al. 2024; Phi-3): frequency i is divided by `short_factor[i]`
+        while the sequence fits `original_max_position`, by `long_factor[i]` once it is longer (chosen
+        per call from the longest position, as Hugging Face does); cos/sin scaled by `attention_factor`
+        (default sqrt(1 + ln(factor) / ln(original_max_position)), 1 when factor <= 1).
     """
 
     kind: RopeKind
@@ -54,13 +59,26 @@ class RopeScaling:
     attention_factor: float | None = None
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
+    # longrope's per-frequency divisors ([rotary_dim / 2] each); tuples, so the config stays hashable
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+    # yarn: whether the correction range (from beta_fast, beta_slow) is rounded out to whole dimensions;
+    # gpt-oss sets False (Hugging Face's `truncate`)
+    truncate: bool = True
 
 
 _ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM", "llama": "LlamaForCausalLM",
                   "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                   # architectures A
+                  "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gpt_neo": "GPTNeoForCausalLM",
+                  "opt": "OPTForCausalLM", "falcon": "FalconForCausalLM", "mpt": "MptForCausalLM",
+                  "xglm": "XGLMForCausalLM",
                   # architectures B
+                  "gemma2": "Gemma2ForCausalLM", "gptj": "GPTJForCausalLM", "bloom": "BloomForCausalLM",
+                  "olmo2": "Olmo2ForCausalLM",
                   # architectures C
+                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                  "olmoe": "OlmoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
                   }
 
 
@@ -105,6 +123,9 @@ class ModelConfig:
     positional: Positional | None = "learned"
     rotary_dim: int | None = None  # None: the whole head (partial rotary for GPT-NeoX/Pythia)
     rotary_base: float = 10000.0
+    # Which dimensions rotate together: False, the two halves of the rotary dims (GPT-NeoX, Llama: "rotate
+    # half"); True, adjacent pairs (2i, 2i + 1) ("rotate every two": GPT-J, CodeGen). TransformerLens's name.
+    rotary_adjacent_pairs: bool = False
     rope_scaling: RopeScaling | None = None
     # The RoPE base of the sliding-window layers when it differs from the full layers' (Gemma 3: 1e4 on
     # local layers, 1e6 on global ones), unscaled; None: every layer uses rotary_base (and rope_scaling).
@@ -113,14 +134,50 @@ class ModelConfig:
     sliding_window: int | None = None  # a query sees keys p - window < j <= p (Hugging Face's rule)
     layer_types: tuple[LayerType, ...] | None = None  # per layer; None: every layer "sliding" if a window is set
     parallel_attn_mlp: bool = False  # GPT-NeoX / GPT-J: x + attn(ln1(x)) + mlp(ln2(x))
-    # RMSNorm over d_head of every head's query and key, before RoPE (Gemma 3; `attn.q_norm`, `attn.k_norm`).
+    # RMSNorm of the queries and keys, before RoPE (Gemma 3, OLMo 2; `attn.q_norm`, `attn.k_norm`).
     qk_norm: bool = False
+    # What QK-norm normalises over: "head", each head's d_head (Gemma 3); "projection", the whole query
+    # projection (n_heads * d_head) and the whole key projection (kv_heads * d_head), as OLMo 2.
+    qk_norm_over: QKNormOver = "head"
     # "Sandwich" norms (Gemma 2 / 3): the attention and MLP outputs are normalised again (`ln1_post`,
     # `ln2_post`) before they join the residual stream: x + ln1_post(attn(ln1(x))), then the same for the MLP.
     sandwich_norms: bool = False
+    # Whether attention and MLP read the stream through a norm (`ln1`, `ln2`). False: they read it as it is,
+    # and with sandwich_norms only the norms after them remain (OLMo 2: x + ln1_post(attn(x)), then the MLP's).
+    pre_norms: bool = True
+    # A norm of `normalization`'s kind on the token embeddings before the first block (`embed_ln`; Bloom's
+    # word_embeddings_layernorm); `hook_embed` reads its output, as TransformerLens's. TransformerLens's name.
+    post_embedding_ln: bool = False
+    # Soft-capping (Gemma 2): attention scores, after the query scale and before masking (and ALiBi), become
+    # cap * tanh(scores / cap); the final logits become cap * tanh(logits / cap). None: no cap.
+    # TransformerLens's names (it writes -1.0 for none).
+    attn_scores_soft_cap: float | None = None
+    output_logits_soft_cap: float | None = None
     qkv_bias: bool = True
     attn_out_bias: bool = True
-    mlp_bias: bool = True
+    mlp_bias: bool = True  # with experts: each expert's biases (gpt-oss)
+    # Mixture of experts (Shazeer et al. 2017; Mixtral, Jiang et al. 2024; `interp.models.moe`): with
+    # num_experts set, every block's MLP is num_experts experts (each an MLP of width d_mlp, gated or not
+    # as gated_mlp) and a linear router (`mlp.W_gate` [d_model, num_experts], TransformerLens's name) that
+    # sends each token to its experts_per_token best experts, weighted by the router's softmax over all
+    # experts, renormalised over the chosen ones when norm_topk_prob. None: a dense MLP. TransformerLens's
+    # names (its HookedTransformer's MoE).
+    num_experts: int | None = None
+    experts_per_token: int | None = None
+    norm_topk_prob: bool = True  # Mixtral, gpt-oss; Qwen-MoE and OLMoE configs say False
+    router_bias: bool = False  # the router adds a bias (`mlp.b_gate`; gpt-oss)
+    # Qwen2-MoE's shared expert: one more gated MLP of this width that every token goes through, its output
+    # scaled by sigmoid(x W_shared_gate) (`mlp.shared_expert`, `mlp.W_shared_gate` [d_model, 1]). None: none.
+    d_mlp_shared: int | None = None
+    # gpt-oss's clamped SwiGLU experts: the gate clamped to <= swiglu_limit and the linear branch to
+    # [-limit, limit], then gate * sigmoid(swiglu_alpha * gate) * (linear + 1). None (both): act_fn's GLU.
+    swiglu_limit: float | None = None
+    swiglu_alpha: float | None = None
+    # Learned attention-sink logits (gpt-oss): one per head (`attn.sinks` [n_heads]) that joins each query's
+    # softmax denominator and takes mass without giving a value: P_ij = exp(s_ij) / (exp(sink_h) + sum_j
+    # exp(s_ij)), so a row of hook_pattern sums to less than 1 (as Hugging Face's eager attention shows
+    # it). Not StreamingLLM's sink keys (a KV cache's n_sink), which are real tokens kept past a window.
+    learned_sinks: bool = False
     unembed_bias: bool = False
     tie_embeddings: bool = False
     # Token embeddings are multiplied by this (Gemma: sqrt(d_model)), rounded to the embedding's dtype first
@@ -164,6 +221,13 @@ class ModelConfig:
                 problems.append(f"rope_scaling.factor must be > 0, got {s.factor}")
             if s.kind == "llama3" and s.original_max_position is None:
                 problems.append("llama3 rope scaling needs original_max_position (HF: original_max_position_embeddings)")
+            if s.kind == "longrope":
+                if s.original_max_position is None:
+                    problems.append("longrope rope scaling needs original_max_position (HF: original_max_position_embeddings)")
+                for name in ("short_factor", "long_factor"):
+                    f = getattr(s, name)
+                    if not isinstance(f, tuple) or len(f) != self.rot_dim // 2:
+                        problems.append(f"longrope {name} must be a tuple of rotary_dim / 2 = {self.rot_dim // 2} numbers, got {f!r}")
         if self.d_head is None and self.d_model % self.n_heads:
             problems.append(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; set d_head")
         if self.n_heads % self.kv_heads:
@@ -176,14 +240,21 @@ class ModelConfig:
             problems.append(f"rotary_base_local is set but positional={self.positional!r}; it needs positional='rotary'")
         if self.sandwich_norms and self.normalization is None:
             problems.append("sandwich_norms needs a normalization (the post-attention and post-MLP norms are of that kind)")
+        if self.post_embedding_ln and self.normalization is None:
+            problems.append("post_embedding_ln needs a normalization (the embedding norm is of that kind)")
+        if self.qk_norm_over not in get_args(QKNormOver):
+            problems.append(f"qk_norm_over={self.qk_norm_over!r} is not one of {list(get_args(QKNormOver))}")
+        if self.rotary_adjacent_pairs and self.positional != "rotary":
+            problems.append(f"rotary_adjacent_pairs is set but positional={self.positional!r}; it needs positional='rotary'")
         if self.layer_types is not None and len(self.layer_types) != self.n_layers:
             problems.append(f"layer_types has {len(self.layer_types)} entries for {self.n_layers} layers")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             problems.append(f"sliding_window must be >= 1 (an integer), got {self.sliding_window!r}")
+        problems += self._expert_and_sink_problems()
         # Every real number the forward divides by or exponentiates: a NaN or a negative here gives NaN
         # or wrong logits silently, so it is refused wherever the config came from (ours, HF, GGUF).
         reals = dict(norm_eps=self.norm_eps, rotary_base=self.rotary_base)
-        for name in ("attn_scale", "rotary_base_local", "embed_scale"):
+        for name in ("attn_scale", "rotary_base_local", "embed_scale", "attn_scores_soft_cap", "output_logits_soft_cap"):
             if getattr(self, name) is not None:
                 reals[name] = getattr(self, name)
         for name, value in reals.items():
@@ -193,6 +264,36 @@ class ModelConfig:
             raise ValueError("invalid ModelConfig: " + "; ".join(problems))
         if self.d_head is None:  # resolved once, so `cfg.d_head` (read by TransformerLens code) is never None
             object.__setattr__(self, "d_head", self.d_model // self.n_heads)
+
+    def _expert_and_sink_problems(self) -> list[str]:
+        """What is wrong with the mixture-of-experts fields (num_experts and what goes with it) and with
+        learned_sinks."""
+        problems = []
+        if self.learned_sinks and self.attn_scores_soft_cap is not None:
+            problems.append("learned_sinks with attn_scores_soft_cap is not supported (no architecture has both)")
+        e, k = self.num_experts, self.experts_per_token
+        if (e is None) != (k is None):
+            return problems + ["num_experts and experts_per_token go together: set both (a mixture of experts) or neither"]
+        if e is None:
+            extras = [n for n in ("router_bias", "d_mlp_shared", "swiglu_limit", "swiglu_alpha") if getattr(self, n)]
+            return problems + ([f"{', '.join(extras)} describe experts, but num_experts is None"] if extras else [])
+        for name, value in (("num_experts", e), ("experts_per_token", k), ("d_mlp_shared", self.d_mlp_shared)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                problems.append(f"{name} must be a positive integer, got {value!r}")
+        if not problems and k > e:
+            problems.append(f"experts_per_token={k} exceeds num_experts={e}")
+        if self.d_mlp is None:
+            problems.append("num_experts is set but d_mlp is None: experts are MLPs of width d_mlp")
+        if (self.swiglu_limit is None) != (self.swiglu_alpha is None):
+            problems.append("swiglu_limit and swiglu_alpha go together (gpt-oss's clamped SwiGLU): set both or neither")
+        elif self.swiglu_limit is not None:
+            if not self.gated_mlp:
+                problems.append("swiglu_limit / swiglu_alpha describe gated experts: set gated_mlp=True")
+            for name in ("swiglu_limit", "swiglu_alpha"):
+                value = getattr(self, name)
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                    problems.append(f"{name} must be a finite number > 0, got {value!r}")
+        return problems
 
     # ---- resolved sizes -------------------------------------------------------------------
     @property
@@ -254,9 +355,6 @@ class ModelConfig:
         return self.view.default_padding_side if self.view is not None else "right"
 
     attention_dir = "causal"
-    post_embedding_ln = False
-    output_logits_soft_cap = -1.0
-    attn_scores_soft_cap = -1.0
     seed = None
     checkpoint_index = None
 
@@ -371,22 +469,32 @@ class ModelConfig:
         embed  = vocab * d_model  (+ n_ctx * d_model if learned positions)
         attn   = d_model * (n_heads + 2 * kv_heads) * d_head + n_heads * d_head * d_model
                  (+ (n_heads + 2 * kv_heads) * d_head qkv bias, + d_model out bias)
-        mlp    = (3 if gated else 2) * d_model * d_mlp (+ d_mlp * (2 if gated else 1) + d_model biases)
+        mlp    = (3 if gated else 2) * d_model * d_mlp (+ d_mlp * (2 if gated else 1) + d_model biases); with
+                 experts, num_experts of those + the router d_model * num_experts (+ num_experts bias) + the
+                 shared expert (an MLP of d_mlp_shared) and its gate (d_model)
+        sinks  = n_heads per block with learned_sinks
         norm   = 2 * d_model for LayerNorm, d_model for RMSNorm; two per block (one if attn-only), one final;
-                 twice that per block with sandwich norms; + 2 * d_head per block with QK-norm
+                 twice that per block with sandwich norms, none before attention / MLP without pre_norms;
+                 + 2 * d_head per block with QK-norm per head, (n_heads + kv_heads) * d_head over the projections;
+                 + one more with post_embedding_ln
         unembed= d_model * vocab unless tied (+ vocab bias)
         """
         d, h, kv, dh = self.d_model, self.n_heads, self.kv_heads, self.head_dim
         norm = {"layernorm": 2 * d, "rmsnorm": d, None: 0}[self.normalization]
         attn = d * (h + 2 * kv) * dh + h * dh * d
         attn += (h + 2 * kv) * dh * self.qkv_bias + d * self.attn_out_bias
-        norms = 2 if self.sandwich_norms else 1
-        block = attn + norms * norm + 2 * dh * self.qk_norm
+        norms = int(self.pre_norms) + int(self.sandwich_norms)
+        qk = 2 * dh if self.qk_norm_over == "head" else (h + kv) * dh
+        block = attn + norms * norm + qk * self.qk_norm
+        block += h * self.learned_sinks
         if not self.attn_only:
             n_in = 2 if self.gated_mlp else 1
-            block += (n_in + 1) * d * self.d_mlp + norms * norm
-            block += (n_in * self.d_mlp + d) * self.mlp_bias
-        total = self.d_vocab * d + self.n_layers * block + norm
+            mlp = lambda width: (n_in + 1) * d * width + (n_in * width + d) * self.mlp_bias  # noqa: E731
+            block += mlp(self.d_mlp) * (self.num_experts or 1) + norms * norm
+            if self.num_experts:  # the router (+ its bias), and the shared expert with its gate
+                block += (d + self.router_bias) * self.num_experts
+                block += (mlp(self.d_mlp_shared) + d) if self.d_mlp_shared else 0
+        total = self.d_vocab * d + self.n_layers * block + norm * (1 + self.post_embedding_ln)
         total += self.n_ctx * d * (self.positional == "learned")
         total += d * self.d_vocab * (not self.tie_embeddings) + self.d_vocab * self.unembed_bias
         return total
@@ -404,7 +512,8 @@ class ModelConfig:
         attention (per layer) = 2 * d_model * (n_heads + 2 * kv_heads) * d_head    (q, k, v projections)
                               + 2 * n_heads * d_head * d_model                     (output projection)
                               + 2 * 2 * n_heads * d_head * context                 (q k^T and pattern @ v)
-        mlp (per layer)       = 2 * (3 if gated else 2) * d_model * d_mlp
+        mlp (per layer)       = 2 * (3 if gated else 2) * d_model * d_mlp, times experts_per_token with
+                                experts, + 2 * d_model * num_experts (router) + the shared expert's
         unembed               = 2 * d_model * vocab
         Norms, softmax, activations and biases are not counted (they are O(d) per token).
         """
@@ -412,6 +521,9 @@ class ModelConfig:
         d, h, kv, dh = self.d_model, self.n_heads, self.kv_heads, self.head_dim
         attn = 2 * d * (h + 2 * kv) * dh + 2 * h * dh * d + 4 * h * dh * context
         mlp = 0 if self.attn_only else 2 * (3 if self.gated_mlp else 2) * d * self.d_mlp
+        if self.num_experts and not self.attn_only:  # the chosen experts, the router, the shared expert
+            mlp = mlp * self.experts_per_token + 2 * d * self.num_experts
+            mlp += 2 * (3 if self.gated_mlp else 2) * d * self.d_mlp_shared + 2 * d if self.d_mlp_shared else 0
         out = {"attention": self.n_layers * attn, "mlp": self.n_layers * mlp, "unembed": 2 * d * self.d_vocab}
         out["total"] = sum(out.values())
         return out
@@ -434,7 +546,8 @@ class ModelConfig:
             raise ValueError(f"unknown ModelConfig fields {unknown}; known fields: {sorted(known)}")
         data = dict(data)
         if data.get("rope_scaling") is not None and not isinstance(data["rope_scaling"], RopeScaling):
-            data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+            scaling = {k: tuple(v) if isinstance(v, list) else v for k, v in data["rope_scaling"].items()}  # JSON lists
+            data["rope_scaling"] = RopeScaling(**scaling)
         if data.get("layer_types") is not None:
             data["layer_types"] = tuple(data["layer_types"])
         return cls(**data)

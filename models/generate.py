@@ -71,6 +71,15 @@ def _check_room(model: "HookedTransformer", prompt_len: int, max_new_tokens: int
                          f"{cfg.positional} position table (n_ctx={cfg.n_ctx}): {fix}")
 
 
+def _rope_switches(model: "HookedTransformer", cache: "KVCache") -> bool:
+    """Whether the next token is the first past a LongRoPE model's original context (Phi-3): from there
+    its long factors rotate every position, so the keys cached with the short ones are recomputed from
+    the whole sequence, as transformers' Phi-3 generation drops its cache at that step. (A forward with
+    a cache keeps what it cached, as transformers' forward does.)"""
+    after = getattr(model.rotary, "long_after", None)
+    return after is not None and int(cache.n_seen.max()) == after
+
+
 @torch.no_grad()
 def generate(
     model: "HookedTransformer",
@@ -191,13 +200,16 @@ def generate(
             done |= torch.isin(nxt, stops)
         if bool(done.all()) or step == max_new_tokens - 1:
             break
-        if cache is not None:
+        if cache is not None and not _rope_switches(model, cache):
             logits = model(nxt[:, None], kv_cache=cache)[:, -1]
         else:
             seq = torch.cat(out, dim=1)
             mask = None if attention_mask is None else torch.cat(
                 [attention_mask.to(model.device), torch.ones_like(seq[:, n:])], dim=1)
-            logits = model(seq, attention_mask=mask)[:, -1]
+            if cache is not None:  # rebuilt from the whole sequence (see _rope_switches)
+                cache = model.new_kv_cache(batch, n + max_new_tokens, capture_queries=capture_queries,
+                                           precision=kv_precision, policy=kv_policy)
+            logits = model(seq, attention_mask=mask, kv_cache=cache)[:, -1]
     if verbose:
         steps.close()
     result = torch.cat(out, dim=1)

@@ -9,15 +9,19 @@ fold_ln       A norm's weight (and a LayerNorm's bias) moves into every matrix t
               W' = diag(w) W, b' = b + b_norm W. The norm then only normalises (weight 1, bias 0:
               TransformerLens's "LNPre" / "RMSPre"). For LayerNorm the reading matrices are also
               centred over d_model (their input has mean zero, so the mean row is never read).
-              ln1 -> W_Q, W_K, W_V (and their biases); ln2 -> W_in, W_gate; ln_final -> W_U, b_U.
+              ln1 -> W_Q, W_K, W_V (and their biases); ln2 -> W_in, W_gate (a mixture of experts: the
+              router W_gate, every expert's W_in and W_gate, the shared expert and its gate; refused
+              with LayerNorm); ln_final -> W_U, b_U.
 center_writing_weights (LayerNorm models only: an RMSNorm input is not mean-free)
               Everything written into the residual stream loses its mean over d_model: W_E, W_pos,
               W_O, b_O, W_out, b_out. The next LayerNorm subtracts that mean anyway.
 center_unembed W_U and b_U lose their mean over the vocabulary: logits shift by a constant per position.
+              Refused where the logits are soft-capped (Gemma 2): the cap is not shift-invariant.
 fold_value_biases
               b_V is constant over positions and the pattern sums to 1, so its contribution is a
               constant b_V W_O per head: it moves into b_O (summed over the query heads sharing a
               KV head under GQA) and b_V becomes 0. hook_v and hook_z change; hook_attn_out does not.
+              Refused with learned sink logits (gpt-oss), whose patterns sum to less than 1.
 refactor_factored_attn_matrices
               Per head, W_Q W_K^T (with biases, as [d_model + 1] x [d_model + 1]) is re-factored by
               SVD into balanced factors U sqrt(S), V sqrt(S), and W_V W_O into U S, V^T (the same
@@ -42,10 +46,30 @@ from .components import Unembed
 STEPS = ("fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases", "refactor_factored_attn_matrices")
 
 
-def check_processing(cfg, *, refactor_factored_attn_matrices=False, **_) -> None:
+def check_processing(cfg, *, refactor_factored_attn_matrices=False, center_unembed=False, fold_ln=False,
+                     center_writing_weights=False, fold_value_biases=False, **_) -> None:
     """Raise a ValueError naming the fix when this architecture cannot take a requested step. (Steps
     that have nothing to act on are skipped, as TransformerLens skips them: folding a model without
-    norms, centring the writing weights of an RMSNorm model.)"""
+    norms, or the norms a block lacks (OLMo 2's before attention and MLP), centring the writing weights
+    of an RMSNorm model.)"""
+    if center_unembed and cfg.output_logits_soft_cap is not None:
+        raise ValueError(
+            f"center_unembed=True: this model soft-caps its logits (output_logits_soft_cap={cfg.output_logits_soft_cap}), "
+            "so shifting them by a constant changes its probabilities (TransformerLens skips the step too): "
+            "pass center_unembed=False"
+        )
+    if fold_value_biases and cfg.learned_sinks and cfg.qkv_bias:
+        raise ValueError(
+            "fold_value_biases=True: this model's learned attention-sink logits take part of each query's "
+            "attention, so b_V adds (1 - the sink's share) b_V W_O, which differs by query, not a constant for "
+            "b_O: pass fold_value_biases=False"
+        )
+    if (fold_ln or center_writing_weights) and cfg.num_experts is not None and cfg.normalization == "layernorm":
+        raise ValueError(
+            "fold_ln / center_writing_weights on a mixture of experts with LayerNorm (folding its bias into the "
+            "router and every expert, centring every expert's output) is not implemented: pass fold_ln=False "
+            "and center_writing_weights=False"
+        )
     if refactor_factored_attn_matrices:
         if cfg.positional in ("rotary", "alibi"):
             raise ValueError(
@@ -70,7 +94,8 @@ def process_weights(model, *, fold_ln: bool = True, center_writing_weights: bool
     Steps this architecture has no use for are skipped as TransformerLens skips them (centring the
     writing weights of an RMSNorm model); the refactoring raises where it cannot apply."""
     cfg = model.cfg
-    check_processing(cfg, refactor_factored_attn_matrices=refactor_factored_attn_matrices)
+    check_processing(cfg, refactor_factored_attn_matrices=refactor_factored_attn_matrices, center_unembed=center_unembed,
+                     fold_ln=fold_ln, center_writing_weights=center_writing_weights, fold_value_biases=fold_value_biases)
     fold_ln = fold_ln and cfg.normalization is not None
     center_writing_weights = center_writing_weights and cfg.normalization == "layernorm"
     dtype = model.dtype
@@ -80,7 +105,10 @@ def process_weights(model, *, fold_ln: bool = True, center_writing_weights: bool
     if fold_ln:
         for l, block in enumerate(model.blocks):
             sd.fold_norm(f"blocks.{l}.ln1", [(f"blocks.{l}.attn.W_qkv", f"blocks.{l}.attn.b_qkv")], layernorm)
-            if block.mlp is not None:
+            if block.mlp is not None and hasattr(block.mlp, "input_weights"):  # experts: the router and each expert
+                m = f"blocks.{l}.mlp."
+                sd.fold_norm(f"blocks.{l}.ln2", [(m + w, b and m + b) for w, b in block.mlp.input_weights()], layernorm)
+            elif block.mlp is not None:
                 readers = [(f"blocks.{l}.mlp.W_in", f"blocks.{l}.mlp.b_in")]
                 if hasattr(block.mlp, "W_gate"):
                     readers.append((f"blocks.{l}.mlp.W_gate", f"blocks.{l}.mlp.b_gate"))
@@ -132,6 +160,8 @@ class _Weights:
             self.p["unembed.W_U"] = self.p["embed.W_E"].T.clone()
 
     def fold_norm(self, norm: str, readers: list[tuple[str, str]], layernorm: bool) -> None:
+        if f"{norm}.w" not in self.p:  # a norm this block does not have (OLMo 2's ln1 / ln2)
+            return
         w = self.p[f"{norm}.w"]
         b = self.p.get(f"{norm}.b")
         for W_name, b_name in readers:

@@ -27,6 +27,7 @@ import numpy as np
 import pandas as pd
 
 from interp.kernels import AttentionStats, attention_stats
+from interp.kernels.attention import soft_cap
 from interp.kernels.visibility import visible
 
 from .device import to_numpy
@@ -36,7 +37,8 @@ LayerFn = Callable[[int, Tensor, Tensor, Tensor], None]
 
 def _layer_geometry(model, layer: int) -> dict:
     attn = model.blocks[layer].attn
-    return dict(scale=attn.scale, window=attn.window, alibi_slopes=attn.alibi_slopes)
+    return dict(scale=attn.scale, window=attn.window, alibi_slopes=attn.alibi_slopes, softcap=attn.softcap,
+                sink_logits=None if attn.sinks is None else attn.sinks.detach())
 
 
 @torch.no_grad()
@@ -133,15 +135,19 @@ def kv_cache_attention_stats(model, cache, *, layers=None, n_sink: int = 1, back
 # ---- exact single pattern entries in O(n) memory ------------------------------------------------
 
 
-def _scores(q: Tensor, k: Tensor, p: Tensor, j: Tensor, *, scale, window, alibi_slopes, key_padding_mask) -> Tensor:
+def _scores(q: Tensor, k: Tensor, p: Tensor, j: Tensor, *, scale, window, alibi_slopes, key_padding_mask,
+            softcap=None) -> Tensor:
     """Masked float32 scores [batch, head, len(p), len(j)] for query positions p and key positions j
-    (absolute positions; queries are the last n_q of the n_k keys)."""
+    (absolute positions; queries are the last n_q of the n_k keys), soft-capped before ALiBi and the
+    mask as the model's (`softcap`)."""
     batch, heads, n_q, d = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
     group = heads // kv_heads
     qi = p - (n_k - n_q)
     qs = q[:, :, qi].float().view(batch, kv_heads, group * len(p), d)
     s = torch.matmul(qs, k[:, :, j].float().transpose(-1, -2)).view(batch, heads, len(p), len(j)) * scale
+    if softcap is not None:
+        s = soft_cap(s, softcap)
     rel = (p[:, None] - j[None, :]).float()
     if alibi_slopes is not None:
         s = s - alibi_slopes.float().view(1, heads, 1, 1) * rel
@@ -154,14 +160,16 @@ def _scores(q: Tensor, k: Tensor, p: Tensor, j: Tensor, *, scale, window, alibi_
 @torch.no_grad()
 def attention_logsumexp(
     q: Tensor, k: Tensor, *, scale: float | None = None, window: int | None = None, alibi_slopes: Tensor | None = None,
-    key_padding_mask: Tensor | None = None, budget: int = 1 << 22,
+    key_padding_mask: Tensor | None = None, softcap: float | None = None, sink_logits: Tensor | None = None,
+    budget: int = 1 << 22,
 ) -> Tensor:
     """log sum_j exp(score) per query, float32 [batch, head, n_q] (-inf for a query with no visible key).
 
     q [batch, head, n_q, d], k [batch, kv_head, n_k, d] (GQA: head h reads kv head h // group),
     causal with the queries the last n_q keys. Query blocks are sized so that one block's scores hold
     about `budget` floats (under a window, a block of at most `window` queries reaches 2 x window keys):
-    O(n) memory, one attention pass of compute."""
+    O(n) memory, one attention pass of compute. `sink_logits` [head] (gpt-oss's learned sinks): each
+    head's sink logit is one more term in the sum (the model's softmax denominator)."""
     batch, heads, n_q, d = q.shape
     n_k = k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -175,8 +183,11 @@ def attention_logsumexp(
         p = torch.arange(offset + qs, offset + min(qs + block, n_q), device=q.device)
         lo = 0 if window is None else max(0, int(p[0]) - window + 1)
         j = torch.arange(lo, int(p[-1]) + 1, device=q.device)
-        s = _scores(q, k, p, j, scale=scale, window=window, alibi_slopes=alibi_slopes, key_padding_mask=key_padding_mask)
+        s = _scores(q, k, p, j, scale=scale, window=window, alibi_slopes=alibi_slopes, key_padding_mask=key_padding_mask,
+                    softcap=softcap)
         out[:, :, qs : qs + len(p)] = torch.logsumexp(s, dim=-1)
+    if sink_logits is not None:  # learned sink logits (gpt-oss): one more term in every row's sum
+        out = torch.logaddexp(out, sink_logits.float().to(out.device)[None, :, None])
     return out
 
 
@@ -184,17 +195,20 @@ def attention_logsumexp(
 def attention_weights_at(
     q: Tensor, k: Tensor, lse: Tensor, keys: Tensor | None = None, *, scale: float | None = None,
     window: int | None = None, alibi_slopes: Tensor | None = None, key_padding_mask: Tensor | None = None,
+    softcap: float | None = None, sink_logits: Tensor | None = None,
 ) -> Tensor:
     """Exact attention weights P[b, h, i, j] = exp(score - lse) at chosen keys, without the pattern.
 
     keys: long [m] absolute key positions -> [batch, head, n_q, m] (a few columns, e.g. the sink keys);
           None -> the diagonal P[b, h, i, p_i] (each query's weight on its own position), [batch, head, n_q].
-    Entries a query cannot see are 0. `lse` comes from `attention_logsumexp` with the same arguments."""
+    Entries a query cannot see are 0. `lse` comes from `attention_logsumexp` with the same arguments
+    (`sink_logits` is taken so that they can be the same, and read there: `lse` holds the sinks' share)."""
     batch, heads, n_q, d = q.shape
     n_k = k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     p = torch.arange(n_k - n_q, n_k, device=q.device)
-    geometry = dict(scale=scale, window=window, alibi_slopes=alibi_slopes, key_padding_mask=key_padding_mask)
+    geometry = dict(scale=scale, window=window, alibi_slopes=alibi_slopes, key_padding_mask=key_padding_mask,
+                    softcap=softcap)
     if keys is not None:
         s = _scores(q, k, p, keys.to(q.device), **geometry)
         w = torch.exp(s - lse[..., None])
@@ -202,6 +216,8 @@ def attention_weights_at(
         group = heads // k.shape[1]
         k_own = k[:, :, p].float().repeat_interleave(group, dim=1)  # [batch, head, n_q, d]
         s = (q.float() * k_own).sum(-1) * scale  # ALiBi adds -slope * (p - p) = 0 here
+        if softcap is not None:
+            s = soft_cap(s, softcap)
         if key_padding_mask is not None:
             s = s.masked_fill(~key_padding_mask[:, None, p], float("-inf"))
         w = torch.exp(s - lse)

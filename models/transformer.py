@@ -562,6 +562,9 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
         if self.cfg.positional == "alibi" and not all(p.holds_all for row in cache.policies for p in row):
             raise ValueError("per-head cache policies that drop tokens mask by cache slot and do not carry ALiBi's "
                              "distances; this model uses ALiBi (precisions and KIVI work)")
+        if self.cfg.attn_scores_soft_cap is not None and any(p.reads_queries for row in cache.policies for p in row):
+            raise ValueError("cache policies that choose by attention (H2O, SnapKV, TOVA) score keys without soft-capping; "
+                             "this model soft-caps its attention scores (precisions, KIVI, streaming and KNorm work)")
         return cache
 
     def window_policy(self, max_len: int) -> dict:

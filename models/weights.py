@@ -164,11 +164,15 @@ class WeightViews:
                 pre + "attn.W_O": a.W_O, pre + "attn.b_Q": a.b_Q, pre + "attn.b_K": expand(a.b_K),
                 pre + "attn.b_V": expand(a.b_V), pre + "attn.b_O": a.b_O,
             })
+            if a.sinks is not None:  # learned sink logits (gpt-oss), [head]
+                out[pre + "attn.sinks"] = a.sinks
             for norm in ("q_norm", "k_norm"):  # QK-norm (Gemma 3): one weight of d_head, shared by the heads
                 module = getattr(a, norm, None)
                 for k, v in (module.named_parameters() if module is not None else ()):
                     out[f"{pre}attn.{norm}.{k}"] = v
-            if block.mlp is not None:
+            if block.mlp is not None and hasattr(block.mlp, "experts"):  # a mixture: TransformerLens's MoE names
+                out.update({f"{pre}mlp.{k}": v for k, v in block.mlp.named_parameters()})  # mlp.W_gate: the router
+            elif block.mlp is not None:
                 m = block.mlp
                 out[pre + "mlp.W_in"], out[pre + "mlp.W_out"] = m.W_in, m.W_out
                 out[pre + "mlp.b_in"], out[pre + "mlp.b_out"] = m.b_in, m.b_out

@@ -336,11 +336,11 @@ def _native_worker() -> None:
     configs = (("fp16", torch.float16, 64), ("bf16", torch.bfloat16, 128), ("fp32", torch.float32, 128))
     for dt, torch_dtype, d in configs:
         block_m, block_n = default_blocks(torch_dtype, d)
-        constexprs = dict(CAUSAL=True, HAS_WINDOW=True, HAS_TOKENS=True, HAS_KPM=True, HAS_ALIBI=True,
+        constexprs = dict(CAUSAL=True, HAS_WINDOW=True, HAS_TOKENS=True, HAS_KPM=True, HAS_ALIBI=True, HAS_SOFTCAP=True,
                           IEEE_DOT=dt == "fp32", BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=d)
         signature = {
             name: pointers[name].format(dt=dt) if name in pointers
-            else "constexpr" if name in constexprs else "fp32" if name == "qk_scale" else "i32"
+            else "constexpr" if name in constexprs else "fp32" if name in ("qk_scale", "cap_scale") else "i32"
             for name in kernel.arg_names
         }
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),

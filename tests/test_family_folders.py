@@ -9,9 +9,10 @@ import torch
 
 from interp.cli import main as cli
 from interp.models.families import FAMILIES
-from test_architectures import COVERED, builder
 
 pytest.importorskip("transformers")
+from arch_cases import COVERED, builder  # noqa: E402 - needs transformers
+
 NATIVE = [t for t in COVERED if t in FAMILIES]
 
 

@@ -122,7 +122,10 @@ def test_qwen2_per_layer_windows():
 
 
 # One case per family: a checkpoint directory written by Hugging Face loads without transformers' help.
-FAMILY_CASES = ["gpt2", "neox", "llama-gqa", "mistral-window", "qwen2-window-layers"]
+FAMILY_CASES = ["gpt2", "neox", "llama-gqa", "mistral-window", "qwen2-window-layers",
+                "gemma2", "gptj", "bloom", "olmo2"]  # families B
+FAMILY_CASES += ["qwen3-qknorm-window", "phi3-longrope", "gpt-neo-local", "opt", "falcon-40b-style", "mpt", "xglm"]  # families A
+FAMILY_CASES += ["mixtral-window", "qwen2-moe-shared", "qwen3-moe-window", "olmoe", "gpt-oss"]  # families C
 
 
 @pytest.mark.parametrize("name", FAMILY_CASES)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -70,26 +72,42 @@ def rotary_from_hf(d: dict[str, Any], head_dim: int, n_ctx: int) -> dict[str, An
     out: dict[str, Any] = {"rotary_base": float(base), "rotary_dim": int(head_dim * partial)}
     if kind == "default":
         return out
-    kinds = {"linear": "linear", "dynamic": "dynamic", "yarn": "yarn", "llama3": "llama3"}
+    kinds = {"linear": "linear", "dynamic": "dynamic", "yarn": "yarn", "llama3": "llama3", "longrope": "longrope"}
     if kind not in kinds:
         raise NotImplementedError(f"rope type {kind!r} is not supported; interp supports {sorted(kinds)}")
     orig = params.get("original_max_position_embeddings")
     if kind == "dynamic":
         orig = n_ctx  # Hugging Face's dynamic NTK scales relative to max_position_embeddings
+    factor = params.get("factor", 1.0)
+    short = long = None
+    if kind == "longrope":
+        if params.get("short_factor") is None or params.get("long_factor") is None:
+            raise NotImplementedError("rope type 'longrope' needs both short_factor and long_factor")
+        # As Hugging Face: a top-level original_max_position_embeddings (Phi-3's) wins over the rope
+        # parameters' one, and a missing factor is max_position_embeddings / original_max_position_embeddings.
+        orig = d.get("original_max_position_embeddings") or orig or n_ctx
+        factor = params.get("factor") or n_ctx / orig
+        short, long = tuple(map(float, params["short_factor"])), tuple(map(float, params["long_factor"]))
     out["rope_scaling"] = RopeScaling(
         kind=kinds[kind],
-        factor=float(params.get("factor", 1.0)),
+        factor=float(factor),
         original_max_position=orig,
         beta_fast=float(params.get("beta_fast") or 32.0),
         beta_slow=float(params.get("beta_slow") or 1.0),
         attention_factor=params.get("attention_factor"),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        short_factor=short,
+        long_factor=long,
     )
-    if kind == "yarn" and (params.get("mscale") or params.get("mscale_all_dim")) and params.get("attention_factor") is None:
-        raise NotImplementedError("YaRN with mscale / mscale_all_dim is not supported; set attention_factor explicitly")
-    if kind == "yarn" and params.get("truncate", True) is False:
-        raise NotImplementedError("YaRN with truncate=False (an unrounded correction range) is not supported")
+    if kind == "yarn":
+        attention = params.get("attention_factor")
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if attention is None and mscale and mscale_all_dim:  # DeepSeek's form, as Hugging Face computes it
+            ratio = lambda m: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0  # noqa: E731
+            attention = ratio(mscale) / ratio(mscale_all_dim)
+        out["rope_scaling"] = dataclasses.replace(out["rope_scaling"], attention_factor=attention,
+                                                  truncate=bool(params.get("truncate", True)))
     return out
 
 

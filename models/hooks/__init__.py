@@ -93,7 +93,7 @@ class HookPoint(nn.Module):
                 if out.shape != x.shape:
                     raise ValueError(f"forward hook on {self.name} changed the shape {tuple(x.shape)} -> {tuple(out.shape)}")
                 x = out
-        if self._bwd and torch.is_grad_enabled():
+        if self._bwd and torch.is_grad_enabled() and x.is_floating_point():  # not integer ones (expert indices)
             if not x.requires_grad:
                 # Frozen weights (model.requires_grad_(False), attribution) or a buffer (sinusoidal
                 # positions): make the activation a leaf that needs a gradient, so the hook still

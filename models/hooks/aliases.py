@@ -35,6 +35,9 @@ from typing import Iterable, Mapping
 # ---- the bridge's second names ---------------------------------------------------------------------
 # our name -> the bridge's other names for the same hook point (inside a block: after `blocks.L.`).
 MODEL_ALIASES = {"hook_embed": ("embed.hook_out",), "hook_pos_embed": ("pos_embed.hook_out",)}
+# A model with an embedding norm (Bloom's `embed_ln`): hook_embed reads its output, as the bridge's hook_embed
+# (`embed_ln.hook_out`); the bridge's `embed.hook_out` is the embedding before it, a hook point we do not have.
+EMBED_LN_ALIASES = {"hook_embed": ("embed_ln.hook_out",)}
 BLOCK_ALIASES = {
     "hook_resid_pre": ("hook_in",),
     "hook_resid_mid": ("ln2.hook_in",),  # sequential blocks only: parallel ones have no resid_mid
@@ -79,7 +82,8 @@ def hook_aliases(names: Iterable[str]) -> dict[str, str]:
             if prefix + "ln2_post" in post_norms:
                 table.update(SANDWICH_MLP_ALIASES)
         else:
-            prefix, rel, table = "", own, MODEL_ALIASES
+            embed_ln = "embed_ln.hook_normalized" in names
+            prefix, rel, table = "", own, {**MODEL_ALIASES, **EMBED_LN_ALIASES} if embed_ln else MODEL_ALIASES
         for alias in table.get(rel, ()):
             out[prefix + alias] = own
     return out

@@ -382,7 +382,7 @@ class PolicyKVCache(KVCache):
             else:
                 ok = g.visible(S, start, n, window, own_window)
                 m = AttentionMask(n_q=n, n_k=K.shape[2], explicit=g.per_query_head(ok))
-            z[:, g.q_index] = run(qg, K, V, m)
+            z[:, g.q_index] = run(qg, K, V, m, heads=g.q_index)
             g.after(qg, K, V, S, ok, scale, start, n)
         return z
 

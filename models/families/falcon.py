@@ -1,0 +1,135 @@
+"""Falcon (Almazrouei et al. 2023; Hugging Face `model_type` "falcon"): rotary, LayerNorm, GELU, one
+fused `query_key_value` projection, `bias` on every projection or none, tied unembedding. Three
+layouts of the fused projection and the norms:
+
+- Falcon-7B style (`multi_query`): one KV head; rows [q_1 .. q_h, k, v]; attention and MLP in
+  parallel off ONE shared `input_layernorm` (our ln1 and ln2 hold the same weights).
+- Falcon-40B style (`new_decoder_architecture`): `num_kv_heads` grouped KV heads; rows laid out per
+  KV group [q_1 .. q_g, k, v] (g = n_heads / num_kv_heads), always parallel, with two input norms
+  `ln_attn` / `ln_mlp` (`num_ln_in_parallel_attn` 2, the default) or one shared (1).
+- neither: multi-head, rows per head [q, k, v] (as GPT-NeoX); `parallel_attn=False` runs attention
+  then the MLP, each after its own norm (`input_layernorm`, `post_attention_layernorm`).
+
+Refused, in one line: `alibi=True` (Falcon scales its ALiBi bias by 1/sqrt(d_head) with the scores,
+unlike ours). Hugging Face's Falcon does not use transformers' attention interface, so this family is
+how it runs on our backends.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..config import ModelConfig
+from .registry import Family, TensorGetter, register, reject, require, rotary_from_hf, t
+
+MT = "falcon"
+_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
+
+
+def _get(d: dict, key: str, legacy: str):
+    """A size under its name or its older Falcon name (n_head, n_layer)."""
+    return d[key] if d.get(key) is not None else require(d, legacy, MT)
+
+
+def _norms(d: dict) -> str:
+    """How a block normalises: "two" (ln_attn, ln_mlp), "shared" (input_layernorm for both, parallel) or
+    "sequential" (input_layernorm, then post_attention_layernorm), as FalconDecoderLayer builds them."""
+    new, parallel = bool(d.get("new_decoder_architecture")), d.get("parallel_attn", True) is not False
+    n_ln = d.get("num_ln_in_parallel_attn") or (2 if new else 1)
+    if not parallel:
+        if new:  # transformers' FalconDecoderLayer cannot run this either (it always adds the MLP in parallel)
+            raise NotImplementedError(f"{MT} config sets new_decoder_architecture with parallel_attn=False, which "
+                                      "interp does not support")
+        return "sequential"
+    if n_ln == 2 and not new:
+        raise NotImplementedError(f"{MT} config sets num_ln_in_parallel_attn=2 without new_decoder_architecture, "
+                                  "which interp does not support")
+    return "two" if n_ln == 2 else "shared"
+
+
+def config(d: dict) -> ModelConfig:
+    reject(d, MT, alibi=bool)  # Falcon's ALiBi is scaled by 1/sqrt(d_head) along with the scores; ours is not
+    d_model = d["hidden_size"] if d.get("hidden_size") is not None else require(d, "n_embed", MT)
+    n_heads = _get(d, "num_attention_heads", "n_head")
+    if d.get("new_decoder_architecture"):
+        n_kv = d.get("num_kv_heads") or n_heads
+    elif d.get("multi_query", True):
+        n_kv = 1
+    else:
+        n_kv = n_heads
+        if d.get("num_kv_heads") not in (None, n_heads):
+            raise NotImplementedError(f"{MT} config sets num_kv_heads={d['num_kv_heads']} without new_decoder_architecture "
+                                      "or multi_query, which interp does not support")
+    act = d.get("activation", "gelu")
+    if act not in _ACTIVATIONS:
+        raise NotImplementedError(f"{MT} config sets activation={act!r}; interp supports {sorted(_ACTIVATIONS)}")
+    n_ctx = d.get("max_position_embeddings", 2048)
+    rotary = rotary_from_hf(d, d_model // n_heads, n_ctx)
+    if rotary["rotary_dim"] != d_model // n_heads:
+        raise NotImplementedError(f"{MT} config asks for partial rotary; Falcon rotates the whole head")
+    bias = bool(d.get("bias", False))
+    return ModelConfig(
+        n_layers=_get(d, "num_hidden_layers", "n_layer"),
+        d_model=d_model,
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        d_vocab=require(d, "vocab_size", MT),
+        n_ctx=n_ctx,
+        d_mlp=d.get("ffn_hidden_size") or 4 * d_model,
+        act_fn=_ACTIVATIONS[act],
+        normalization="layernorm",
+        norm_eps=d.get("layer_norm_epsilon", 1e-5),
+        positional="rotary",
+        **rotary,
+        parallel_attn_mlp=_norms(d) != "sequential",
+        qkv_bias=bias,
+        attn_out_bias=bias,
+        mlp_bias=bias,
+        tie_embeddings=bool(d.get("tie_word_embeddings", True)),
+        model_type=MT,
+    )
+
+
+def _split_qkv(x: Tensor, cfg: ModelConfig) -> Tensor:
+    """The fused projection's rows (a weight [rows, d_model] or a bias [rows, 1]) in our order [q | k | v]."""
+    h, kv, dh = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    if kv == h:  # multi-head: rows per head [q, k, v]
+        w = x.reshape(h, 3, dh, -1)
+        return torch.cat([w[:, i].reshape(h * dh, -1) for i in range(3)])
+    g = h // kv  # grouped (new_decoder_architecture) or one KV head (multi_query): rows per group [q_1..q_g, k, v]
+    w = x.reshape(kv, g + 2, dh, -1)
+    return torch.cat([w[:, :g].reshape(h * dh, -1), w[:, g].reshape(kv * dh, -1), w[:, g + 1].reshape(kv * dh, -1)])
+
+
+def weights(cfg: ModelConfig, get: TensorGetter) -> dict:
+    sd = {"embed.W_E": get("transformer.word_embeddings.weight")}
+    # Parallel blocks read `ln_attn` / `ln_mlp` where the checkpoint has two norms, else the one shared
+    # `input_layernorm` as both our ln1 and ln2 (copies: each can be edited or folded on its own).
+    if cfg.parallel_attn_mlp:
+        names = (("ln_attn", "input_layernorm"), ("ln_mlp", "input_layernorm"))
+    else:
+        names = (("input_layernorm",), ("post_attention_layernorm",))
+    for l in range(cfg.n_layers):
+        p, o = f"transformer.h.{l}.", f"blocks.{l}."
+        a, m = p + "self_attention.", p + "mlp."
+        for ours, theirs in zip(("ln1", "ln2"), names):
+            for leaf, their_leaf in (("w", "weight"), ("b", "bias")):
+                sd[f"{o}{ours}.{leaf}"] = get(*(f"{p}{n}.{their_leaf}" for n in theirs)).clone()
+        sd |= {
+            o + "attn.W_qkv": t(_split_qkv(get(a + "query_key_value.weight"), cfg)),
+            o + "attn.W_O_flat": t(get(a + "dense.weight")),
+            o + "mlp.W_in": t(get(m + "dense_h_to_4h.weight")),
+            o + "mlp.W_out": t(get(m + "dense_4h_to_h.weight")),
+        }
+        if cfg.qkv_bias:
+            sd[o + "attn.b_qkv"] = _split_qkv(get(a + "query_key_value.bias")[:, None], cfg)[:, 0]
+            sd[o + "attn.b_O"] = get(a + "dense.bias")
+            sd |= {o + "mlp.b_in": get(m + "dense_h_to_4h.bias"), o + "mlp.b_out": get(m + "dense_4h_to_h.bias")}
+    sd |= {"ln_final.w": get("transformer.ln_f.weight"), "ln_final.b": get("transformer.ln_f.bias")}
+    if not cfg.tie_embeddings:
+        sd["unembed.W_U"] = t(get("lm_head.weight"))
+    return sd
+
+
+register(Family("falcon", (MT,), config, weights))

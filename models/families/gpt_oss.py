@@ -1,0 +1,113 @@
+"""gpt-oss (OpenAI 2025; Hugging Face `model_type` "gpt_oss"): a Llama-like block (RMSNorm, rotary, GQA)
+with attention biases, learned attention-sink logits (one per head in every softmax denominator:
+`learned_sinks`), sliding-window (128) and full layers alternating (`layer_types`), YaRN rotary with an
+unrounded correction range (`truncate=False`), and a mixture of experts whose router has a bias and
+whose experts are a clamped SwiGLU with biases: gate clamped to <= swiglu_limit, linear branch to
+[-limit, limit], out = gate * sigmoid(swiglu_alpha * gate) * (linear + 1) (`interp.models.moe`).
+
+Hugging Face stores the experts input-major and fused: `mlp.experts.gate_up_proj` [experts, d_model,
+2 d_mlp] with gate and linear columns interleaved (gate at even columns), its bias likewise, and
+`mlp.experts.down_proj` [experts, d_mlp, d_model]. Checkpoints quantized to MXFP4 (the released ones:
+`quantization_config`, `*_blocks` / `*_scales`) are refused: dequantize them first (transformers'
+`Mxfp4Config(dequantize=True)`, then `save_pretrained`).
+
+Its RMSNorm multiplies the weight in float32 before casting back; ours casts first (Llama's order):
+the same in float32, one rounding apart in half precision. Defaults for absent keys are Hugging Face's
+(`GptOssConfig`).
+"""
+
+from __future__ import annotations
+
+from ..config import ModelConfig
+from .registry import Family, TensorGetter, qkv, register, require, rotary_from_hf, t
+
+MT = "gpt_oss"
+_LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
+_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+         "original_max_position_embeddings": 4096, "rope_theta": 150000.0}  # GptOssConfig's default
+
+
+def config(d: dict) -> ModelConfig:
+    if d.get("quantization_config") is not None:
+        method = (d["quantization_config"] or {}).get("quant_method", "quantized")
+        raise NotImplementedError(f"{MT} config sets quantization_config ({method} experts), which interp does "
+                                  "not load: dequantize first (transformers' Mxfp4Config(dequantize=True), "
+                                  "save_pretrained)")
+    n_layers = require(d, "num_hidden_layers", MT)
+    head_dim = d.get("head_dim") or 64
+    n_ctx = d.get("max_position_embeddings", 131072)
+    default_types = ["sliding_attention" if l % 2 == 0 else "full_attention" for l in range(n_layers)]
+    layer_types = d.get("layer_types") or default_types  # GptOssConfig's: sliding first, then alternating
+    unknown = sorted(set(layer_types) - set(_LAYER_TYPES))
+    if unknown:
+        raise NotImplementedError(f"{MT} config sets layer_types {unknown}; interp knows {sorted(_LAYER_TYPES)}")
+    given = d.get("rope_parameters") or d.get("rope_scaling") or d.get("rope_theta")
+    rope = d if given else {**d, "rope_parameters": _ROPE}
+    bias = bool(d.get("attention_bias", True))
+    return ModelConfig(
+        n_layers=n_layers,
+        d_model=require(d, "hidden_size", MT),
+        n_heads=require(d, "num_attention_heads", MT),
+        d_head=head_dim,
+        n_kv_heads=d.get("num_key_value_heads", 8),
+        d_vocab=require(d, "vocab_size", MT),
+        n_ctx=n_ctx,
+        d_mlp=require(d, "intermediate_size", MT),
+        act_fn="silu",  # unused: the experts are the clamped SwiGLU below
+        gated_mlp=True,
+        normalization="rmsnorm",
+        norm_eps=d.get("rms_norm_eps", 1e-5),
+        positional="rotary",
+        **rotary_from_hf(rope, head_dim, n_ctx),
+        sliding_window=None if d.get("sliding_window", 128) is None else int(d.get("sliding_window", 128)),
+        layer_types=tuple(_LAYER_TYPES[k] for k in layer_types),
+        qkv_bias=bias,
+        attn_out_bias=bias,
+        mlp_bias=True,
+        num_experts=require(d, "num_local_experts", MT),
+        experts_per_token=require(d, "num_experts_per_tok", MT),
+        norm_topk_prob=True,  # a softmax over the chosen experts' logits
+        router_bias=True,
+        swiglu_limit=float(d.get("swiglu_limit", 7.0)),
+        swiglu_alpha=float(d.get("swiglu_alpha", 1.702)),
+        learned_sinks=True,
+        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+        model_type=MT,
+    )
+
+
+def weights(cfg: ModelConfig, get: TensorGetter) -> dict:
+    sd = {"embed.W_E": get("model.embed_tokens.weight")}
+    for l in range(cfg.n_layers):
+        p, o = f"model.layers.{l}.", f"blocks.{l}."
+        a, m = p + "self_attn.", p + "mlp."
+        sd |= {
+            o + "ln1.w": get(p + "input_layernorm.weight"),
+            o + "attn.W_qkv": qkv(get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")),
+            o + "attn.W_O_flat": t(get(a + "o_proj.weight")),
+            o + "attn.sinks": get(a + "sinks"),
+            o + "ln2.w": get(p + "post_attention_layernorm.weight"),
+            o + "mlp.W_gate": t(get(m + "router.weight")),
+            o + "mlp.b_gate": get(m + "router.bias"),
+        }
+        if cfg.qkv_bias:
+            sd[o + "attn.b_qkv"] = qkv(get(a + "q_proj.bias")[:, None], get(a + "k_proj.bias")[:, None],
+                                       get(a + "v_proj.bias")[:, None])[0]
+        if cfg.attn_out_bias:
+            sd[o + "attn.b_O"] = get(a + "o_proj.bias")
+        gate_up, gate_up_bias = get(m + "experts.gate_up_proj"), get(m + "experts.gate_up_proj_bias")
+        down, down_bias = get(m + "experts.down_proj"), get(m + "experts.down_proj_bias")
+        for e in range(cfg.num_experts):
+            x = f"{o}mlp.experts.{e}."
+            sd |= {  # input-major already; gate and linear columns interleaved
+                x + "W_gate": gate_up[e][:, 0::2].contiguous(), x + "b_gate": gate_up_bias[e][0::2].contiguous(),
+                x + "W_in": gate_up[e][:, 1::2].contiguous(), x + "b_in": gate_up_bias[e][1::2].contiguous(),
+                x + "W_out": down[e].contiguous(), x + "b_out": down_bias[e].contiguous(),
+            }
+    sd["ln_final.w"] = get("model.norm.weight")
+    if not cfg.tie_embeddings:
+        sd["unembed.W_U"] = t(get("lm_head.weight"))
+    return sd
+
+
+register(Family(MT, (MT,), config, weights))
