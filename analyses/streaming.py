@@ -31,7 +31,7 @@ from torch import Tensor
 
 from interp.models import lm_loss
 from interp.models.attention import narrow_windows
-from interp.models.positions import Rotary
+from interp.kernels.attention import soft_cap
 
 from ._common import token_batch, valid_mask
 
@@ -105,9 +105,12 @@ def _cache_position_hooks(model, window: int, n_sink: int) -> list:
         p = torch.arange(n, device=q.device)
         slot = p.clamp(max=n_sink + window - 1)
         cos, sin = model.rotary.cos_sin(slot[None].expand(b, n), q.dtype, layer=int(layer))
-        q_slot = Rotary.rotate(q, cos, sin).transpose(1, 2)  # [b, h, pos, dh]
+        attn = model.blocks[int(layer)].attn
+        q_slot = attn.rotate(q, cos, sin).transpose(1, 2)  # [b, h, pos, dh]; the layer's rotary layout
         k_sink = k[:, :n_sink].transpose(1, 2).repeat_interleave(group, dim=1)  # [b, h, n_sink, dh]
-        sink = torch.matmul(q_slot, k_sink.transpose(-1, -2)).float() * model.blocks[int(layer)].attn.scale
+        sink = torch.matmul(q_slot, k_sink.transpose(-1, -2)).float() * attn.scale
+        if attn.softcap is not None:  # the scores hooked are soft-capped (Gemma 2): so are these
+            sink = soft_cap(sink, attn.softcap)
         delta = p[:, None] - torch.arange(min(n_sink, n), device=q.device)[None]  # [pos, n_sink]
         own = model.cfg.window(int(layer))  # a sink outside the layer's own window stays invisible
         visible = (delta >= 0) if own is None else (delta >= 0) & (delta < own)

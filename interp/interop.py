@@ -170,6 +170,7 @@ def _weight_pairs(model, bridge):
     # The bridge's Gemma norms hold Hugging Face's w and multiply by (1 + w) (`cfg.rmsnorm_uses_offset`);
     # ours hold the multiplier itself (as `models/families/gemma3.py` loads them).
     offset = bool(getattr(getattr(bridge, "cfg", None), "rmsnorm_uses_offset", False))
+    norms.append(("embed_ln", model.embed_ln, _maybe(bridge, "embed_ln")))  # Bloom's embedding norm, where it is
     for name, ours, theirs in [*norms, ("ln_final", model.ln_final, bridge.ln_final)]:
         if ours is not None and hasattr(ours, "w"):
             w = _maybe(theirs, "w")

@@ -116,6 +116,9 @@ def _check_model(model) -> None:
     if model.cfg.positional == "alibi":
         raise BadValue("gated attention computes the streaming branch without ALiBi's distance biases; "
                        "this model uses ALiBi, so its gates cannot be trained here")
+    if model.cfg.attn_scores_soft_cap is not None:
+        raise BadValue("gated attention computes the streaming branch with SDPA, which cannot soft-cap scores; "
+                       "this model soft-caps them (Gemma 2), so its gates cannot be trained here")
 
 
 def _check_gates(model, gates) -> Tensor:
