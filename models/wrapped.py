@@ -620,14 +620,26 @@ def architecture_table(model_types=LISTED) -> str:
     return "\n".join(rows)
 
 
-def every_causal_lm() -> dict[str, int]:
-    """How many of the installed transformers' causal-LM model types interp runs, by how."""
+def every_causal_lm() -> dict[str, list[str]]:
+    """Every causal-LM model type of the installed transformers, by how interp runs it: "native";
+    "wrapped" (its model, built on the meta device from its default config, passes `check_structure`);
+    "refused" (attention outside the interface, or a structure interp cannot hook: recurrent or
+    linear-attention hybrids, cross-attention layers, encoders); "unchecked" (its default config does not
+    build, or its model file does not import here)."""
+    import torch
+    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    counts = {"native": 0, "wrapped": 0, "refused": 0}
+    out: dict[str, list[str]] = {"native": [], "wrapped": [], "refused": [], "unchecked": []}
     for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         try:
-            counts[architecture(t)[0]] += 1
-        except Exception:  # a model file transformers cannot import here (a missing optional dependency)
-            counts["refused"] += 1
-    return counts
+            status = architecture(t)[0]
+            if status == "wrapped":
+                with torch.device("meta"):
+                    check_structure(causal_lm_class(t)(AutoConfig.for_model(t)))
+        except UserError:
+            status = "refused"
+        except Exception:  # noqa: BLE001 - a default config that does not build, a missing optional dependency
+            status = "unchecked"
+        out[status].append(t)
+    return out

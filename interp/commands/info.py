@@ -27,7 +27,7 @@ def run(args) -> int:
     if args.architectures:
         from interp.models.wrapped import architecture_table, every_causal_lm
 
-        print(architecture_table())
+        print(architecture_table(), flush=True)
         try:
             counts = every_causal_lm()
         except ImportError:
@@ -36,8 +36,11 @@ def run(args) -> int:
             return 0
         import transformers
 
-        print(f"Every causal LM of transformers {transformers.__version__}: {sum(counts.values())} model types, "
-              f"{counts['native']} native, {counts['wrapped']} wrapped, {counts['refused']} refused.")
+        n = {k: len(v) for k, v in counts.items()}
+        print(f"\nEvery causal LM of transformers {transformers.__version__}: {sum(n.values())} model types; "
+              f"{n['native']} native, {n['wrapped']} wrapped (each built on the meta device from its default config "
+              f"and checked), {n['refused']} refused, {n['unchecked']} unchecked (default config does not build here).")
+        print(f"  refused: {', '.join(counts['refused'])}")
         return 0
     if args.model is None:
         raise UserError("interp info needs a MODEL (a checkpoint folder, .gguf file, zoo or real-model name), or "

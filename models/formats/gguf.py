@@ -1,26 +1,29 @@
-"""GGUF files (llama.cpp's format): llama-architecture models and Gemma 3, dequantized, with their tokenizer.
+"""GGUF files (llama.cpp's format): the architectures below, dequantized, with their tokenizer.
 
 A GGUF file holds metadata (`llama.block_count`, `tokenizer.ggml.tokens`, ...) and tensors named
 the llama.cpp way (`blk.3.attn_q.weight`), possibly quantized. `load_gguf` reads both with our
 container reader (`gguf_file.py`), dequantizes every tensor to the requested dtype with the `gguf`
-package's dequantizers (PyPI, published by llama.cpp), renames the tensors to Hugging Face's names, undoes what llama.cpp's converter changed (the row
-permutation of Q and K for its RoPE layout in llama files; the 1 it adds to every Gemma norm weight),
-writes a Hugging Face config from the metadata, and hands both to the family of that `model_type`
-(`families/llamalike.py`, `families/gemma3.py`): the same converter as a Hugging Face folder.
+package's dequantizers (PyPI, published by llama.cpp), renames the tensors to Hugging Face's names,
+undoes what llama.cpp's converter changed (the row permutation of Q and K for its RoPE layout in
+llama files; the 1 it adds to every Gemma norm weight; Falcon's and BLOOM's fused QKV rows regrouped
+as [q | k | v]; GPT-2's Conv1D weights transposed; Qwen 3 MoE's experts split into stacked gate and up
+tensors), writes a Hugging Face config from the metadata, and hands both to the family of that
+`model_type` (`families/`): the same converter as a Hugging Face folder.
 
 Each architecture declares its layout (`_LAYOUTS`: metadata keys, tensor names, what the converter
-changed); a Gemma 3 metadata key the layout does not know raises, naming the key, instead of loading
-a silently different model. What the metadata leaves out is llama.cpp's (and transformers') fixed
-choice for that architecture: Gemma 3's global layer every 6th, RoPE base 1e4 on local layers, query
-scale d_head ** -0.5.
+changed); for every architecture but llama, mistral and qwen2, a metadata key the layout does not know
+raises, naming the key, instead of loading a silently different model, and so does a tensor it has
+no place for. What the metadata leaves out is llama.cpp's (and transformers') fixed choice for that
+architecture: Gemma 3's global layer every 6th, RoPE base 1e4 on local layers; Gemma 2's even layers
+local; the Gemmas' query scale d_head ** -0.5; Qwen 3 MoE's renormalised expert weights; Phi-3 without
+its sliding window (llama.cpp turns it off).
 
-The tokenizer is rebuilt from the file's `tokenizer.ggml.*` fields with the `tokenizers` library: a
-byte-level BPE ("gpt2": vocabulary, merges, special tokens, the pre-tokenizer `tokenizer.ggml.pre`
-names) or Gemma's SentencePiece BPE ("llama" in a Gemma file: byte fallback, merges rebuilt from the
-vocabulary's order); transformers' own GGUF loading is the test oracle for its ids.
+The tokenizer is rebuilt from the file's `tokenizer.ggml.*` fields (`gguf_tokenizer.py`).
 
-Supported: architectures llama, mistral, qwen2, gemma3 (their metadata prefixes); every tensor type
+Supported: architectures llama, mistral, qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3 (partial rotary,
+LongRoPE), falcon (7B, 11B and 40B layouts), bloom, gpt2 (their metadata prefixes); every tensor type
 the `gguf` package can dequantize (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, ...).
+Not read: llama-architecture files with experts (Mixtral), olmo2, mpt, gpt-oss.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from ..config import ModelConfig
 from ..errors import CheckpointError
 from ..families import get_family
 from .gguf_file import GGUFFile
+from .gguf_tokenizer import gguf_tokenizer
 from ..transformer import HookedTransformer
 
 # llama.cpp tensor names -> Hugging Face llama names ({l} is the layer).
@@ -76,7 +80,8 @@ _GEMMA3_LAYER_NAMES = {
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 # ... Gemma 2's: Gemma 3's without QK-norm.
-_GEMMA2_LAYER_NAMES = {k: v for k, v in _GEMMA3_LAYER_NAMES.items() if k not in ("attn_q_norm.weight", "attn_k_norm.weight")}
+_GEMMA2_LAYER_NAMES = {k: v for k, v in _GEMMA3_LAYER_NAMES.items()
+                       if k not in ("attn_q_norm.weight", "attn_k_norm.weight")}
 # ... Qwen 3's: llama's with a QK-norm per head.
 _QWEN3_LAYER_NAMES = _LLAMA_LAYER_NAMES | {"attn_q_norm.weight": "self_attn.q_norm.weight",
                                            "attn_k_norm.weight": "self_attn.k_norm.weight"}
@@ -115,11 +120,11 @@ _GPT2_LAYER_NAMES = _weight_and_bias({
 
 
 def _falcon_layer_names(config: dict) -> dict[str, str]:
-    """Falcon's: attn_norm is the one shared input_layernorm (7B, 11B), or ln_attn beside attn_norm_2 =
-    ln_mlp (40B, 180B)."""
+    """Falcon's: attn_norm is the one shared input_layernorm (7B, 11B); with two norms (40B, 180B) llama.cpp
+    runs attention off attn_norm_2 (ln_attn) and the MLP off attn_norm (ln_mlp)."""
     two = config.get("num_ln_in_parallel_attn") == 2
     return _weight_and_bias({
-        "attn_norm": "ln_attn" if two else "input_layernorm", "attn_norm_2": "ln_mlp",
+        "attn_norm": "ln_mlp" if two else "input_layernorm", "attn_norm_2": "ln_attn",
         "attn_qkv": "self_attention.query_key_value", "attn_output": "self_attention.dense",
         "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h",
     })
@@ -498,8 +503,9 @@ def _falcon_qkv(x: Tensor, config: dict) -> Tensor:
     h = config["num_attention_heads"]
     kv = 1 if config["multi_query"] else config["num_kv_heads"]
     dh = config["hidden_size"] // h
+    rest = x.shape[1:]
     q, k, v = x.split([h * dh, kv * dh, kv * dh])
-    parts = (q.reshape(kv, h // kv * dh, *x.shape[1:]), k.reshape(kv, dh, *x.shape[1:]), v.reshape(kv, dh, *x.shape[1:]))
+    parts = (q.reshape(kv, h // kv * dh, *rest), k.reshape(kv, dh, *rest), v.reshape(kv, dh, *rest))
     return torch.cat(parts, dim=1).reshape(x.shape)
 
 
@@ -688,8 +694,9 @@ def load(path: Path, raw=None, *, dtype, device, tokenizer) -> HookedTransformer
 
 
 def load_gguf(path, *, dtype: torch.dtype = torch.float32, device=None, tokenizer=None) -> HookedTransformer:
-    """A GGUF file (llama, mistral, qwen2, gemma3) as a HookedTransformer (weights dequantized to
-    `dtype`), with the tokenizer rebuilt from the file unless `tokenizer` is given."""
+    """A GGUF file (llama, mistral, qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3, falcon, bloom, gpt2) as a
+    HookedTransformer (weights dequantized to `dtype`), with the tokenizer rebuilt from the file unless
+    `tokenizer` is given."""
     path = Path(path)
     source = str(path)
     reader = _reader(path)
@@ -702,97 +709,3 @@ def load_gguf(path, *, dtype: torch.dtype = torch.float32, device=None, tokenize
     model = build_model(cfg, sd, source, dtype, device, fresh=True)
     model.tokenizer = tokenizer if tokenizer is not None else gguf_tokenizer(reader, source)
     return model
-
-
-# ---- the tokenizer ----------------------------------------------------------------------------
-# tokenizer.ggml.pre names llama.cpp's pre-tokenizer regex. We follow transformers' GGUF loading (the
-# oracle of our tests), which splits byte-level BPE input with GPT-2's regex for all of these; note
-# that llama.cpp's own "smollm" regex also splits digits one by one, which differs from it only for
-# whitespace right before a digit.
-_BYTE_LEVEL_PRE = ("gpt2", "default", "smollm", "starcoder", "refact", "smaug-bpe", "qwen2", "llama-bpe")
-
-
-def gguf_tokenizer(reader, source: str = "GGUF file"):
-    """A `transformers.PreTrainedTokenizerFast` over a `tokenizers` BPE built from the file's
-    `tokenizer.ggml.*` fields, or None when the file has none: byte-level BPE ("gpt2"), or Gemma's
-    SentencePiece BPE ("llama" in a gemma3 file)."""
-    model_kind = _field(reader, "tokenizer.ggml.model")
-    if model_kind is None:
-        return None
-    arch = _field(reader, "general.architecture")
-    builders = {"gpt2": _byte_level_bpe}
-    if arch == "gemma3":
-        builders["llama"] = _gemma_bpe
-    if model_kind not in builders:
-        raise NotImplementedError(
-            f"{source}: GGUF tokenizer model {model_kind!r} is not supported for {arch!r} (byte-level BPE 'gpt2', "
-            "and Gemma's 'llama' SentencePiece BPE, are); pass tokenizer=... to interp.load"
-        )
-    from tokenizers import AddedToken
-    from transformers import PreTrainedTokenizerFast
-
-    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
-    types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
-    bpe = builders[model_kind](reader, tokens, types, source)
-    # Control tokens (type 3: <bos>, <|endoftext|>) stay whole and are special.
-    bpe.add_special_tokens([AddedToken(tok, special=True, normalized=False) for tok, kind in zip(tokens, types) if kind == 3])
-
-    def tok_at(key: str):
-        i = _field(reader, key)
-        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
-
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token=tok_at("tokenizer.ggml.bos_token_id"), eos_token=tok_at("tokenizer.ggml.eos_token_id"),
-        unk_token=tok_at("tokenizer.ggml.unknown_token_id"), pad_token=tok_at("tokenizer.ggml.padding_token_id"),
-        clean_up_tokenization_spaces=False,
-    )
-    template = _field(reader, "tokenizer.chat_template")
-    if template:
-        fast.chat_template = template
-    return fast
-
-
-def _byte_level_bpe(reader, tokens: list[str], types: list[int], source: str):
-    """GPT-2's byte-level BPE: the file's vocabulary and merges, split by the pre-tokenizer it names."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    bpe = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    pre = _field(reader, "tokenizer.ggml.pre", "default")
-    if pre not in _BYTE_LEVEL_PRE:
-        raise NotImplementedError(f"{source}: GGUF pre-tokenizer {pre!r} is not supported; pass tokenizer=... to interp.load")
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(
-        add_prefix_space=bool(_field(reader, "tokenizer.ggml.add_space_prefix", False)), use_regex=True)
-    bpe.decoder = decoders.ByteLevel()
-    return bpe
-
-
-def _gemma_bpe(reader, tokens: list[str], types: list[int], source: str):
-    """Gemma's SentencePiece BPE as `tokenizers` runs it (Hugging Face's GemmaTokenizer): spaces become
-    "\u2581", no prefix space, unknown characters fall back to their UTF-8 bytes (<0x41>).
-
-    A Gemma file lists no merges; they are rebuilt from the vocabulary: every split of a token into two
-    tokens, ranked by the token's place in the file (Gemma's scores do not follow its merge order, the
-    order does), longer left part first, as transformers' GGUF loading rebuilds them. A token of two or
-    more blanks is stored with real spaces but looked up as "\u2581"s, so it is renamed first."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
-
-    blank = "\u2581"
-    spelled = [blank * len(t) if " " in t and not t.strip() else t for t in tokens]
-    vocab = {tok: i for i, tok in enumerate(spelled)}
-    merges = []
-    for tok in sorted(vocab, key=vocab.__getitem__):
-        merges += [(tok[:i], tok[i:]) for i in range(len(tok) - 1, 0, -1) if tok[:i] in vocab and tok[i:] in vocab]
-    unk = _field(reader, "tokenizer.ggml.unknown_token_id")
-    if unk is None or not 0 <= unk < len(tokens):
-        raise CheckpointError(f"{source}: a Gemma tokenizer needs tokenizer.ggml.unknown_token_id; the file has none")
-    bpe = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token=tokens[unk], byte_fallback=True))
-    bpe.normalizer = normalizers.Replace(" ", blank)
-    bpe.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
-    bpe.decoder = decoders.Sequence([decoders.Replace(blank, " "), decoders.ByteFallback(), decoders.Fuse()])
-    # User-defined tokens (type 4: <start_of_image>, [multimodal], ...) stay whole but are text, as
-    # llama.cpp and transformers treat them.
-    bpe.add_tokens([AddedToken(tok, special=False, normalized=False) for tok, kind in zip(tokens, types)
-                    if kind == 4 and tok in vocab])
-    return bpe
