@@ -408,7 +408,6 @@ class WrappedModel(HookedTransformer):
         self._backend = "auto"
         self.runtime = Runtime(tokenizer=tokenizer)
         self.cfg = wrapped_config(hf.config, [s.window for s in sites])
-        self._layers, self._handles = list(layers), []
         self._plumb(hf.get_input_embeddings(), layers, attns, mlps, _child(base, _NORM_NAMES)[1])
         for sub in hf.modules():  # every config the model holds (a multimodal one's text config too)
             cfg = getattr(sub, "config", None)
@@ -452,8 +451,7 @@ class WrappedModel(HookedTransformer):
             n = len(layers)
             handles.append(final_norm.register_forward_pre_hook(
                 resid_pre(HookPoint(), lambda: self._stop == n), with_kwargs=True))
-        self._final_norm = final_norm
-        self._handles = handles
+        self.__dict__["_handles"] = handles  # the plumbing's hook handles (kept, never a submodule)
 
     _stop: int | None = None
 
