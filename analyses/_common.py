@@ -133,12 +133,12 @@ def spearman(x: Tensor, y: Tensor) -> float:
     return pearson(rank(x), rank(y))
 
 
-def stages(timings: dict, log=print) -> Callable:
-    """`stage(label, fn, key=label)`: says "kv: {label} ...", runs fn, records its seconds in timings[key]
-    and returns its result (the long studies' steps, each timed for the report)."""
+def stages(timings: dict, log=print, prefix: str = "kv") -> Callable:
+    """`stage(label, fn, key=label)`: says "{prefix}: {label} ...", runs fn, records its seconds in
+    timings[key] and returns its result (a study's steps, each timed for its report: `study.run`)."""
 
     def stage(label: str, fn: Callable[[], object], key: str | None = None):
-        log(f"kv: {label} ...")
+        log(f"{prefix}: {label} ...")
         start = time.perf_counter()
         result = fn()
         timings[label if key is None else key] = time.perf_counter() - start

@@ -121,38 +121,78 @@ def detect_heads(
     return pd.concat(frames, ignore_index=True)[["layer", "head", "kind", "score", *settings]]
 
 
-def _streaming_scores(model, tokens, valid, kinds, xb, xc, measure, attention_mask, backend) -> dict[str, Tensor]:
-    cfg = model.cfg
-    out = {k: torch.empty(cfg.n_layers, cfg.n_heads) for k in kinds}
-    padding = None if bool(valid.all()) else valid
-    count = earlier_occurrences(tokens).float()
-    qmask = valid[:, None].float()  # [batch, 1, pos]
-    size = valid.sum(-1, keepdim=True).float()  # [batch, 1]
+# The statistics the detection scores read: mass on key 0 (sink, n_sink=1), previous, duplicate, induction.
+DETECT_STATS = ("sink", "previous", "duplicate", "induction")
 
-    def fn(layer, q, k, v):
-        geometry = _layer_geometry(model, layer)
-        st = attention_stats(q, k, tokens, n_sink=1, key_padding_mask=padding, backend=backend, **geometry)
+
+class DetectStream:
+    """The streaming detection scores, one layer at a time: `layer(layer, q, k, st, padding)` with `st` the
+    layer's `attention_stats(..., n_sink=1)` (at least DETECT_STATS), `scores()` at the end. What
+    `detect_heads(method="streaming")` runs, alone or in one pass with other analyses
+    (`interp.analyses.atlas_pass`)."""
+
+    stats = DETECT_STATS
+
+    def __init__(self, model, tokens, valid, kinds, xb, xc, measure):
+        cfg = model.cfg
+        self.model, self.tokens, self.kinds = model, tokens, kinds
+        self.xb, self.xc, self.measure = xb, xc, measure
+        self.out = {k: torch.empty(cfg.n_layers, cfg.n_heads) for k in kinds}
+        self.count = earlier_occurrences(tokens).float()
+        self.qmask = valid[:, None].float()  # [batch, 1, pos]
+        self.size = valid.sum(-1, keepdim=True).float()  # [batch, 1]
+
+    def layer(self, layer, q, k, st, padding) -> None:
+        xb, xc, qmask = self.xb, self.xc, self.qmask
         a0 = st.sink
         diag = torch.zeros_like(a0)
         if xc:
+            geometry = _layer_geometry(self.model, layer)
             lse = attention_logsumexp(q, k, key_padding_mask=padding, **geometry)
             diag = attention_weights_at(q, k, lse, None, key_padding_mask=padding, **geometry)
         p0 = torch.zeros_like(a0)
         p0[..., 0] = 1.0
         row_a = 1 - xb * a0 - xc * diag + xb * xc * p0 * a0
         sum_a = (torch.nan_to_num(row_a) * qmask).sum(-1)
-        for kind in kinds:
-            ad, d = _stream_terms(kind, st, a0, diag, tokens, count, float(xb), float(xc))
+        for kind in self.kinds:
+            ad, d = _stream_terms(kind, st, a0, diag, self.tokens, self.count, float(xb), float(xc))
             sum_ad = (torch.nan_to_num(ad) * qmask).sum(-1)
-            if measure == "mul":
+            if self.measure == "mul":
                 per_seq = sum_ad / sum_a
             else:
                 sum_d = (d * qmask).sum(-1)
-                per_seq = 1 - (sum_a + sum_d - 2 * sum_ad) / size
-            out[kind][layer] = per_seq.mean(0).cpu()
+                per_seq = 1 - (sum_a + sum_d - 2 * sum_ad) / self.size
+            self.out[kind][layer] = per_seq.mean(0).cpu()
 
-    for_each_layer_qk(model, tokens, fn, attention_mask=attention_mask)
-    return out
+    def scores(self) -> dict[str, Tensor]:
+        return self.out
+
+
+def layer_pass(model, tokens, consumers, *, valid, attention_mask=None, backend: str = "auto"):
+    """ONE fused forward: each layer's `attention_stats` (n_sink=1; the union of what `consumers` read,
+    their `.stats`) computed once and handed to every consumer's `layer(layer, q, k, st, padding)`, or
+    `layer(layer, q, k, v, st, padding)` for consumers with `wants_v`. Returns the forward's output (the
+    residual stream after the last layer, for a native model)."""
+    padding = None if bool(valid.all()) else valid
+    wanted = tuple(dict.fromkeys(name for c in consumers for name in c.stats))
+
+    def fn(layer, q, k, v):
+        geometry = _layer_geometry(model, layer)
+        st = attention_stats(q, k, tokens, n_sink=1, key_padding_mask=padding, backend=backend, stats=wanted,
+                             **geometry) if wanted else None
+        for c in consumers:
+            if getattr(c, "wants_v", False):
+                c.layer(layer, q, k, v, st, padding)
+            else:
+                c.layer(layer, q, k, st, padding)
+
+    return for_each_layer_qk(model, tokens, fn, attention_mask=attention_mask)
+
+
+def _streaming_scores(model, tokens, valid, kinds, xb, xc, measure, attention_mask, backend) -> dict[str, Tensor]:
+    stream = DetectStream(model, tokens, valid, kinds, xb, xc, measure)
+    layer_pass(model, tokens, [stream], valid=valid, attention_mask=attention_mask, backend=backend)
+    return stream.scores()
 
 
 def _pattern_scores(model, tokens, valid, kinds, xb, xc, measure, attention_mask, backend) -> dict[str, Tensor]:
@@ -245,16 +285,19 @@ def induction_scores(
 # ---- in-context learning score (Olsson et al. 2022) ---------------------------------------------
 
 
-def _nll_at(model, tokens: Tensor, positions, attention_mask: Tensor | None) -> Tensor:
+def _nll_at(model, tokens: Tensor, positions, attention_mask: Tensor | None, resid: Tensor | None = None) -> Tensor:
     """[batch, pos - 1] per-token losses, filled at the given token positions only (0 elsewhere): the
     forward stops before the unembedding, and only those rows are unembedded, since a full [pos, vocab]
     logit table costs more than the whole forward at long context (32k tokens x Gemma's 262k vocabulary:
-    11 TFLOP). Each row's log-softmax is the one `lm_loss` computes."""
+    11 TFLOP). Each row's log-softmax is the one `lm_loss` computes. `resid`: that forward's output (the
+    residual stream after the last layer, [batch, pos, d_model]) when another pass already made it
+    (`interp.analyses.atlas_pass`); native models only."""
     batch, n = tokens.shape
     at = torch.tensor(positions, device=tokens.device)
     with torch.no_grad():
         if getattr(model, "native", True):
-            resid = model(tokens, attention_mask=attention_mask, stop_at_layer=model.cfg.n_layers)
+            if resid is None:
+                resid = model(tokens, attention_mask=attention_mask, stop_at_layer=model.cfg.n_layers)
             logits = model.unembed(model.ln_final(resid[:, at - 1]))  # [batch, len(at), vocab]
         else:  # a wrapped model's logits are transformers' (with its own final scalings): all rows, then picked
             logits = model(tokens, attention_mask=attention_mask)[:, at - 1]
@@ -265,7 +308,7 @@ def _nll_at(model, tokens: Tensor, positions, attention_mask: Tensor | None) -> 
 
 
 def icl_score(model, tokens, early: int = 50, late: int | None = None, *,
-              attention_mask: Tensor | None = None) -> pd.DataFrame:
+              attention_mask: Tensor | None = None, resid: Tensor | None = None) -> pd.DataFrame:
     """Olsson et al. (2022)'s in-context learning score: the loss on the token at index `late` minus
     the loss on the token at index `early` (0-based positions in the context; the loss of token t is
     the cross-entropy of predicting it from tokens[:t]), averaged over sequences.
@@ -273,7 +316,9 @@ def icl_score(model, tokens, early: int = 50, late: int | None = None, *,
     Sign: NEGATIVE means in-context learning (later tokens are predicted better). `late=None` is the
     last position of the sequences (Olsson et al. use 500 on 512-token contexts); a `late` beyond the
     sequences is an error, never clipped. early must be in [1, late).
-    With `attention_mask`, sequences where either token is padding are skipped.
+    With `attention_mask`, sequences where either token is padding are skipped. `resid`: the residual
+    stream after the last layer of a forward over these tokens, when one was already run (the atlas's
+    shared pass); the losses are then read from it instead of a forward.
 
     Returns one row: early, late, loss_early, loss_late, icl_score, n_sequences."""
     tokens, attention_mask = token_input(model, tokens, attention_mask)
@@ -287,7 +332,7 @@ def icl_score(model, tokens, early: int = 50, late: int | None = None, *,
         raise ValueError(f"need 1 <= early < late within the {n}-token sequences; got early={early}, late={late}. "
                          "Use longer sequences or a smaller `early`.")
     valid = valid_mask(tokens, attention_mask)
-    nll = _nll_at(model, tokens, (early, late), attention_mask)
+    nll = _nll_at(model, tokens, (early, late), attention_mask, resid)
     ok = pair_mask(valid)
     got = probes.icl_from_losses(nll, early, late, rows=ok[:, early - 1] & ok[:, late - 1])
     return pd.DataFrame(

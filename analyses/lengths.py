@@ -25,14 +25,16 @@ first L tokens for each L (the same text at every length: what changes is only h
 model has read), with a `length` column and `extrapolated` (L past the model's trained context).
 `role_changes` names the heads whose scores move most between the shortest and longest length;
 `how_far` summarises the distance distribution per kind of layer (a sliding window of W tokens, or
-global). `run_length_study` writes it all to a folder with a report.
+global). `LengthStudy` (`interp lengths`; `run_length_study` from Python) writes it all to a folder
+with a report.
 """
 
 from __future__ import annotations
 
-import io
+import dataclasses
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -42,12 +44,15 @@ import torch
 from torch import Tensor
 
 from interp.kernels import attention_stats
-from interp.models.device import compute_record, to_numpy
+from interp.models.device import resolve_device, to_numpy
+from interp.models.errors import as_user_errors
+from interp.models.memory import check_fits
 from interp.models.stats import _layer_geometry, for_each_layer_qk
 
 from ._common import progress
-from .document import Section, head_name, png, write_document
-from .store import OutputFolder, atomic_write_bytes, nonfinite_rows
+from .document import Section, head_name, png
+from .store import nonfinite_rows
+from .study import Study, StudyData, StudySettings, Table, run
 
 QUANTILES = (0.5, 0.9, 0.99)
 FROM_FRACTION = 0.5  # score the queries in the second half of each length (see the module docstring)
@@ -56,7 +61,6 @@ METRICS = MEANS + tuple(f"distance_p{int(q * 100)}" for q in QUANTILES)
 ROLES = ("sink", "previous_token", "duplicate_token", "induction")  # scores in [0, 1]: changes compared directly
 _STAT = {"sink": "sink", "previous_token": "previous", "duplicate_token": "duplicate", "induction": "induction",
          "distance": "distance", "entropy": "entropy"}
-FILES = ("lengths.parquet", "lengths.csv", "settings.json")
 
 
 def first_query(n: int, from_fraction: float) -> int:
@@ -242,39 +246,71 @@ def plot_distance(frame: pd.DataFrame, windows: Sequence[int | None]):
 
 
 # ---- the study -------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, eq=False)
+class LengthSettings(StudySettings):
+    """lengths: the context lengths, each scored on the first L tokens of the same sequences (`data`, at
+    least the longest length); past the model's trained context only with `extrapolate` (marked)."""
+
+    lengths: tuple[int, ...] = ()
+    extrapolate: bool = False
+    backend: str = "auto"
+    from_fraction: float = FROM_FRACTION
+
+
+class LengthStudy(Study):
+    """`interp lengths`: every head's scores at each length (`scores_by_length`), the heads whose role
+    changes most, how far each kind of layer looks."""
+
+    name = "lengths"
+    title = "Head scores by context length"
+    tables = (Table("lengths", ("length", "layer", "head", "metric", "value", "extrapolated"), csv=True),)
+
+    def check(self, cfg, s: LengthSettings):
+        lengths = check_lengths(list(s.lengths), cfg.n_ctx, extrapolate=s.extrapolate)
+        check_fits(cfg, s.data.rows, lengths[-1], resolve_device(s.device), what="--lengths")
+        if s.data.spec is None or s.data.spec.kind not in ("text", "corpus"):
+            kind = s.data.spec.kind if s.data.spec is not None else "file"
+            raise ValueError(f"--lengths needs text or the zoo corpus (scores on the same text at every length); "
+                             f"--data {kind} is not that")
+        data = s.data.at_length(lengths[-1])
+        data.check()
+        return dataclasses.replace(s, lengths=tuple(lengths), data=data), []
+
+    def measure(self, model, s: LengthSettings, stage):
+        lengths = check_lengths(list(s.lengths), model.cfg.n_ctx, extrapolate=s.extrapolate)
+        tokens = s.data.tokens(model)
+        with as_user_errors(ValueError):  # NaN scores (`scores_by_length`): one line, never a finding
+            frames = [stage(f"{n} tokens", lambda n=n: scores_by_length(model, tokens, [n], from_fraction=s.from_fraction,
+                                                                        backend=s.backend, progress_bar=False))
+                      for n in lengths]
+        return {"lengths": pd.concat(frames, ignore_index=True), "_lengths": lengths, "_n_ctx": model.cfg.n_ctx,
+                "_windows": model.cfg.windows()}
+
+    def record(self, s: LengthSettings, m) -> dict:
+        lengths, n_ctx = m["_lengths"], m["_n_ctx"]
+        return {"lengths": lengths, "n_sequences": s.data.rows, "n_ctx": n_ctx, "queries_from_fraction": s.from_fraction,
+                "extrapolated": [n for n in lengths if n > n_ctx], "layer_windows": m["_windows"],
+                "metrics": list(METRICS)}
+
+    def sections(self, s: LengthSettings, m, record) -> list[Section]:
+        return report_sections(m["lengths"], record)
+
+
 def run_length_study(model, out, tokens: Tensor, lengths: Sequence[int], *, name: str, data_description: str,
                      data_source: dict | None = None, backend: str = "auto", progress_bar: bool | None = None,
-                     extrapolate: bool = False, from_fraction: float = FROM_FRACTION) -> Path:
+                     extrapolate: bool = False, from_fraction: float = FROM_FRACTION, force: bool = False,
+                     log=print) -> Path:
     """Score every head at each length and write DIR/lengths.parquet and .csv, settings.json and the
-    report (report.html, report.md, figures/). Files interp did not write are never replaced
-    (`OutputFolder`). Returns the report's path."""
-    cfg = model.cfg
-    lengths = check_lengths(list(lengths), cfg.n_ctx, extrapolate=extrapolate)
-    folder = OutputFolder(out)
-    folder.check()
-    timings: dict[int, float] = {}
-    start = time.perf_counter()
-    frame = scores_by_length(model, tokens, lengths, from_fraction=from_fraction, backend=backend,
-                             progress_bar=progress_bar, timings=timings)
-    wall = time.perf_counter() - start
-    windows = cfg.windows()
-    settings = {"model": name, "lengths": lengths, "n_sequences": int(tokens.shape[0]), "n_ctx": cfg.n_ctx,
-                "queries_from_fraction": from_fraction, "extrapolated": [n for n in lengths if n > cfg.n_ctx], "data_description": data_description,
-                "data_source": data_source, "layer_windows": windows, "metrics": list(METRICS),
-                "seconds": {str(n): round(s, 2) for n, s in timings.items()}, "compute": compute_record(model.device)}
-    out = Path(out)
-    with folder.writing():
-        folder.claim(*FILES)
-        buf = io.BytesIO()
-        frame.to_parquet(buf, index=False)
-        atomic_write_bytes(out / "lengths.parquet", buf.getvalue())
-        atomic_write_bytes(out / "lengths.csv", frame.to_csv(index=False).encode())
-        atomic_write_bytes(out / "settings.json", (json.dumps(settings, indent=2) + "\n").encode())
-        return write_document(out, f"Head scores by context length: {name}",
-                              report_sections(frame, settings, wall), folder=folder)
+    report (`LengthStudy` through `study.run`: files interp did not write are never replaced). Returns
+    the report's path."""
+    settings = LengthSettings(model=name, data=StudyData.given(tokens, data_description, data_source),
+                              lengths=tuple(lengths), extrapolate=extrapolate, backend=backend,
+                              from_fraction=from_fraction, progress=progress_bar)
+    return run(LengthStudy(), model, out, settings, force=force, log=log)
 
 
-def report_sections(frame: pd.DataFrame, settings: dict, wall: float | None = None) -> list[Section]:
+def report_sections(frame: pd.DataFrame, settings: dict) -> list[Section]:
+    """The report of `LengthStudy` from its table and settings.json."""
     lengths = settings["lengths"]
     windows = settings["layer_windows"]
     changes = role_changes(frame) if len(lengths) > 1 else pd.DataFrame()
@@ -286,8 +322,7 @@ def report_sections(frame: pd.DataFrame, settings: dict, wall: float | None = No
         f"at positions {settings['queries_from_fraction']:g} L .. L - 1 (so each number describes a model that has read "
         "about L tokens). One fused forward per "
         "length; the streaming statistics kernel scores each layer as it is computed, so no n x n pattern exists at "
-        "any length." + (f" Time: {wall:.0f} s in all (" + ", ".join(f"{int(n):,}: {s:.0f} s" for n, s in
-                                                                     settings["seconds"].items()) + ")." if wall else ""),
+        "any length.",
         (f"EXTRAPOLATED: {', '.join(f'{n:,}' for n in past)} tokens are past the model's trained context "
          f"({settings['n_ctx']:,} tokens); those columns describe the model used beyond what it was trained on."
          if past else None))

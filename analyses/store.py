@@ -112,6 +112,45 @@ def nonfinite_message(analysis: str, where: str, bad: list[str], n_rows: int) ->
             "kept (NaN or inf is not a result: check the checkpoint's weights for NaN/inf)")
 
 
+# ---- tables ----------------------------------------------------------------------------------------
+def parquet_engine() -> bool:
+    """Whether pandas can write parquet here (pyarrow, an optional dependency, is installed)."""
+    try:
+        import pyarrow  # noqa: F401 - the parquet engine pandas uses
+    except ImportError:
+        return False
+    return True
+
+
+def write_table(folder: "OutputFolder", name: str, frame: pd.DataFrame, *, csv: bool = False) -> list[str]:
+    """The one table writer of every study and of the sweep: `name`.parquet where pyarrow is installed,
+    else `name`.csv (the same rows; never a failure after the work is done); with `csv`, `name`.csv
+    beside the parquet always (for readers without pyarrow). Each file is claimed in `folder` before
+    it is written, written to a temporary name and moved into place. Returns the files written."""
+    parquet = parquet_engine()
+    files = ([f"{name}.csv"] if csv or not parquet else []) + ([f"{name}.parquet"] if parquet else [])
+    folder.claim(*files)
+    folder.path.mkdir(parents=True, exist_ok=True)
+    for file in files:
+        tmp = _tmp_name(folder.path / file)
+        if file.endswith(".csv"):
+            frame.to_csv(tmp, index=False)
+        else:
+            frame.to_parquet(tmp, index=False)
+        os.replace(tmp, folder.path / file)
+    return files
+
+
+def read_table(out, name: str) -> pd.DataFrame:
+    """The table `name` of a folder `write_table` wrote: its .parquet where pyarrow can read it, else its .csv."""
+    out = Path(out)
+    if (out / f"{name}.parquet").is_file() and parquet_engine():
+        return pd.read_parquet(out / f"{name}.parquet")
+    if (out / f"{name}.csv").is_file():
+        return pd.read_csv(out / f"{name}.csv")
+    raise FileNotFoundError(f"{out} holds no table {name} ({name}.parquet or {name}.csv)")
+
+
 # ---- the output folder ---------------------------------------------------------------------------
 _HELD: dict[str, list] = {}  # realpath -> [lock fd, depth]: a process re-enters its own lock (a sweep writes its report)
 
@@ -434,25 +473,13 @@ class ResultStore:
         return as_table(pd.concat(frames, ignore_index=True)) if frames else empty_table()
 
     def merge(self) -> pd.DataFrame:
-        """Write results.parquet (when pyarrow is installed), results.csv and errors.json; return the table."""
+        """Write results.parquet (when pyarrow is installed), results.csv (`write_table`) and errors.json;
+        return the table."""
         finite, stale = self._all_parts()  # one read of the parts for both
         table = self.table(finite)
-        self._write_table(table, "results.csv", lambda t, f: t.to_csv(f, index=False))
-        try:
-            import pyarrow  # noqa: F401
-        except ImportError:
-            pass
-        else:
-            self._write_table(table, "results.parquet", lambda t, f: t.to_parquet(f, index=False))
+        write_table(self.folder, "results", table, csv=True)
         self.folder.write_text("errors.json", json.dumps(self.errors(stale), indent=1))
         return table
-
-    def _write_table(self, table: pd.DataFrame, name: str, write) -> None:
-        self.folder.claim(name)
-        self.out.mkdir(parents=True, exist_ok=True)
-        tmp = _tmp_name(self.out / name)
-        write(table, tmp)
-        os.replace(tmp, self.out / name)
 
     def extras(self) -> list[dict]:
         """The `extra` payloads of finished tasks: [{run, checkpoint, step, analysis, extra}]."""

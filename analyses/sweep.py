@@ -27,7 +27,6 @@ import functools
 import gc
 import json
 import os
-import platform
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -43,12 +42,13 @@ from .registry import ANALYSES, Context, as_output, resolve_analyses
 from .report import write_report
 from interp.models.formats import checkpoint  # checkpoint.load_checkpoint looked up at call time: tests monkeypatch it
 from interp.models.formats.checkpoint import CheckpointError, is_wrapped, read_config
-from interp.models.device import compute_record, installed_version, resolve_device
+from interp.models.device import compute_record, resolve_device
 from interp.models.memory import check_fits
 from interp.models.formats.folder import refuse_code_in
 from interp.models.runs.names import resolve_run
 from interp.models.runs.discover import Checkpoint, Run
 from .store import LOAD, NonFiniteResult, OutputError, ResultStore, read_json_file
+from .study import versions
 from .sweep_data import DataSpec, build_tokens, check_data, data_clash, data_source, prebuild_tokens, resolve_kind
 
 DEFAULT_ANALYSES = ("induction", "previous_token", "duplicate_token", "sinks", "viewer", "streaming", "composition",
@@ -178,14 +178,6 @@ def run_checkpoint(task: CheckpointTask) -> Iterator[PartEvent | ErrorEvent]:
 
 
 # ---- the driver ------------------------------------------------------------------------------
-def versions() -> dict:
-    out = {"interp": installed_version("interp") or "unknown", "torch": torch.__version__, "pandas": pd.__version__,
-           "python": platform.python_version()}
-    if (transformers := installed_version("transformers")) is not None:
-        out["transformers"] = transformers
-    return out
-
-
 def plan(runs: Sequence[Run], settings: SweepSettings, done: set,
          wrapped: frozenset = frozenset()) -> tuple[list[CheckpointTask], int]:
     """The checkpoint tasks still to do, and how many (checkpoint, analysis) pairs are already done.
@@ -207,11 +199,12 @@ def plan(runs: Sequence[Run], settings: SweepSettings, done: set,
 def _check_settings(store: ResultStore, settings: SweepSettings, runs: Sequence[Run], force: bool) -> dict:
     """Compare with the folder's settings.json; return the settings to write (runs and analyses accumulate).
     `force` discards what interp wrote in the folder (only that: `OutputFolder.discard`)."""
-    record = {"analyses": list(settings.analyses), **settings.meaning(),
+    record = {"study": "sweep", "model": ", ".join(r.name for r in runs), "analyses": list(settings.analyses),
+              **settings.meaning(),
               "data_description": settings.data.describe(), "data_source": data_source(settings.data),
               "runs": {r.name: {"source": r.source, "checkpoints": [c.name for c in r.checkpoints],
                                 **_run_facts(r, settings.data.seq_len)} for r in runs},
-              "versions": versions(), "compute": compute_record(settings.device)}
+              "versions": versions(), "compute": compute_record(settings.device), "seconds": {}}
     if force:
         store.folder.discard()
         return record
@@ -240,6 +233,7 @@ def _check_settings(store: ResultStore, settings: SweepSettings, runs: Sequence[
     record["analyses"] = list(dict.fromkeys([*old.get("analyses", []), *settings.analyses]))
     record["params"] = {**old.get("params", {}), **record["params"]}
     record["runs"] = {**old.get("runs", {}), **record["runs"]}
+    record["model"] = ", ".join(record["runs"])
     return record
 
 
@@ -294,6 +288,8 @@ def sweep(
             tasks = [dataclasses.replace(t, tokens=tokens) for t in tasks]
         result = _run_tasks(store, found, settings, tasks, skipped, executor, start, tqdm, progress, merge_every, log,
                             on_part)
+        record["seconds"] = {"sweep": round(result.seconds, 2)}  # this invocation's (every one: timing.json)
+        store.write_json("settings.json", record)
         log(summary(result, found))
         if report:
             result.report = write_report(store.out)

@@ -9,7 +9,7 @@ kinds:
                    when every checkpoint has a real (subword) tokenizer, else "repeated_random";
                    settled (`resolve_kind`) before settings.json is written.
   text             real English prose: by default the Python Language Reference as interp ships it
-                   (`interp.models.evaldata`, "python-language-reference": CPython 3.11.7's
+                   (`interp.analyses.evaldata`, "python-language-reference": CPython 3.11.7's
                    `pydoc_data.topics`, ~466 KB, every topic sorted by name, joined by blank lines;
                    the same bytes whatever Python runs), or the UTF-8 file at `path` (`--text-file`).
                    Cut into consecutive `seq_len`-token windows of the model's tokenizer (BOS first when the
@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from interp.models import evaldata
+from . import evaldata
 from interp.models.errors import BadValue, check_int
 from interp.models.probes import repeated_random_tokens
 from interp.models.formats.tokenizer import ByteTokenizer, load_tokenizer

@@ -49,6 +49,7 @@ _MOVED = {
     "interp.models.tokenizer": "interp.models.formats.tokenizer",
     "interp.models.names": "interp.models.runs.names",
     "interp.models.hook_aliases": "interp.models.hooks.aliases",
+    "interp.models.evaldata": "interp.analyses.evaldata",  # issue 44: what only analyses read leaves models/
     "interp.analyses.kv_study": "interp.analyses.kv.precision_study",
     "interp.analyses.kv_policies": "interp.analyses.kv.policies",
     "interp.analyses.kv_roles_study": "interp.analyses.kv.roles_study",

@@ -48,7 +48,7 @@ class AttentionMask:
                  (`sink_limit` below) keeps its sinks only inside that window: an analysis that
                  narrows a window never lets a layer see further than the model does.
     explicit     bool [batch or 1, head or 1, n_q, n_k]: which keys each query sees, given outright
-                 (a KV cache whose heads hold different tokens, `models.kv_cache_policy`); the
+                 (a KV cache whose heads hold different tokens, `models/kv/policy_cache.py`); the
                  window and sink arguments are then already in it. No ALiBi with it.
 
     Boolean masks and ALiBi biases are built lazily, once per (window, slopes), and reused by every

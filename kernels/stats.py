@@ -1,40 +1,45 @@
-"""Exact per-head attention statistics in O(n) memory: one streaming pass, never the pattern.
+"""Exact per-head attention statistics in O(n) memory, never the pattern: the entry point and the tiled kernels.
 
-Detecting head types needs a handful of numbers per query, not the ``n_q x n_k`` pattern.
-Each of them is the attention pattern applied to a *virtual value matrix* whose columns are
-indicator features of the (query, key) pair, so they can ride along in a flash-attention pass
-(Dao et al. 2022; triton-lang/triton ``python/tutorials/06-fused-attention.py``): keep the
-running row max ``m_i`` and normaliser ``l_i``; for every key block, rescale all accumulators
-by ``alpha = exp(m_old - m_new)``, add ``sum_j exp(s_ij - m_new) * feature_ij`` and move on.
-After the last block, ``accumulator / l_i`` is the exact softmax-weighted mean of the feature.
-
-Features (``p`` is the query's absolute position, ``j`` the key's; see :func:`attention_stats`):
+Detecting head types needs a handful of numbers per query, not the ``n_q x n_k`` pattern
+(``p`` is the query's absolute position, ``j`` the key's; see :func:`attention_stats`):
 
 ============  ==========================================  ==================================
-statistic     feature of (p, j)                           TransformerLens counterpart
+statistic     the pattern's mass on / mean of             TransformerLens counterpart
 ============  ==========================================  ==================================
 sink          ``j < n_sink``                              (Xiao et al. 2023, attention sinks)
 previous      ``j == p - 1``                              previous-token detection pattern
 duplicate     ``j < p and tok[j] == tok[p]``              duplicate-token detection pattern
 induction     ``1 <= j <= p and tok[j - 1] == tok[p]``    induction detection pattern
 distance      ``p - j``                                   (mean attention distance)
-entropy       ``s_ij - m_i`` (then ``log l_i - E[.]``)    ``-sum p log p``
-max           none: ``max_j P_ij = 1 / l_i`` exactly      ``pattern.max(-1)``
+entropy       ``-sum_j P log P``                          ``-sum p log p``
+max           ``max_j P_ij``                              ``pattern.max(-1)``
 ============  ==========================================  ==================================
 
 The induction row is TransformerLens's ``get_induction_head_detection_pattern``: the
 duplicate pattern shifted one key to the right, first column zeroed, then ``tril``.
 
-Two implementations share the names, constants, validation and result type of
-:mod:`interp.kernels.stats_common` (which both import, so neither imports the other at load):
+Three implementations share the names, constants, validation and result type of
+:mod:`interp.kernels.stats_common`:
 
-* ``backend="torch"`` (here): a tiled loop over query blocks and the key blocks each can see,
-  vectorised over batch and heads inside a tile. Runs on any device.
-* ``backend="triton"`` (:mod:`interp.kernels.stats_triton`): one fused GPU kernel; imported
+* ``backend="fused"`` (:mod:`interp.kernels.stats_fused`): the separable statistics (sink, distance,
+  entropy) from ONE call of torch's fused attention kernel per block of queries on the values
+  ``[K | position | sink]`` and its logsumexp, the pairwise ones (previous, duplicate, induction) as
+  ``exp(s_ij - lse_i)`` at the few pairs found by sorting the tokens, the max from a row-max pass.
+  About the cost of an attention forward without ``max`` (BENCHMARKS.md); ``"auto"`` runs it off CUDA
+  when ``max`` is not asked for (:func:`resolve_backend`). Not for soft-capped scores or non-causal
+  ALiBi (:func:`interp.kernels.stats_fused.unsupported`).
+* ``backend="torch"`` (here): a tiled flash-style loop that carries every statistic as an indicator
+  feature of the (query, key) pair through the online softmax (Dao et al. 2022; triton-lang/triton
+  ``python/tutorials/06-fused-attention.py``): keep the running row max ``m_i`` and normaliser ``l_i``;
+  for every key block, rescale all accumulators by ``alpha = exp(m_old - m_new)``, add
+  ``sum_j exp(s_ij - m_new) * feature_ij``; ``accumulator / l_i`` at the end. Any device, every
+  geometry (soft-capping included); the fused route's exact cross-check, and its fallback.
+* ``backend="triton"`` (:mod:`interp.kernels.stats_triton`): the tiled loop as one GPU kernel; imported
   lazily, so machines without Triton still import :mod:`interp.kernels`.
 
-Both compute in float32 whatever the input dtype, and match statistics computed from a
-materialised pattern to float32 round-off (``tests/test_attention_stats.py``).
+All compute in float32 whatever the input dtype, and match statistics computed from a
+materialised float64 pattern (``kernels/stats_reference.py``) to float32 round-off
+(``tests/test_attention_stats.py``).
 """
 
 from __future__ import annotations
@@ -47,12 +52,13 @@ import torch
 from torch import Tensor
 
 from .stats_common import LOG2E, STAT_NAMES, AttentionStats, validate
+from .stats_fused import attention_stats_fused, unsupported
 from .visibility import visible
 
 __all__ = ["AttentionStats", "attention_stats", "resolve_backend", "STAT_NAMES"]
 
-Backend = Literal["torch", "triton", "auto"]
-BACKENDS = ("torch", "triton", "auto")
+Backend = Literal["fused", "torch", "triton", "auto"]
+BACKENDS = ("fused", "torch", "triton", "auto")
 
 # Torch: a tile is [batch, heads, block_q, block_k] float32 and ~4 are alive at once. 256 x 512
 # keeps per-op overhead (Python, OpenMP fork/join) small next to the work: on 2 CPU cores it is
@@ -81,12 +87,13 @@ def attention_stats(
     softcap: float | None = None,
     sink_logits: Tensor | None = None,
     backend: Backend = "auto",
+    stats=None,
     block_q: int | None = None,
     block_k: int | None = None,
 ) -> AttentionStats:
     """Exact per-query statistics of ``softmax(q k^T * scale + mask)``, without the pattern.
 
-    One flash-style pass over key blocks; memory ``O(batch * heads * n_q)`` plus one tile.
+    About one fused attention forward of time; memory ``O(batch * heads * n_q)`` plus one block.
 
     Args:
         q: queries ``[batch, heads, n_q, d]`` (after RoPE if the model uses it). Any float dtype;
@@ -108,16 +115,22 @@ def attention_stats(
             before ALiBi and the mask, as the model computes them; None for none.
         sink_logits: float ``[heads]``, learned sink logits (gpt-oss): each joins its head's softmax
             denominator, ``P_ij = exp(s_ij) / (exp(sink_h) + sum_j exp(s_ij))``, and is no key, so the
-            statistics are of a pattern whose rows sum to less than 1. Torch tiles only (``"auto"``
-            runs them on any device; ``"triton"`` is refused). None for none.
-        backend: ``"auto"`` (the default: Triton for CUDA inputs when Triton is installed, else
-            torch; :func:`resolve_backend` says which), ``"torch"`` (tiled, any device), or
+            statistics are of a pattern whose rows sum to less than 1. The fused route and the torch
+            tiles (``"triton"`` is refused). None for none.
+        backend: ``"auto"`` (the default: the fused route off CUDA for statistics without ``max``, the
+            device's tiled kernel otherwise, as measured; :func:`resolve_backend` says which and why),
+            ``"fused"`` (torch's fused
+            attention kernel plus gathers, :mod:`interp.kernels.stats_fused`; any device, not for
+            ``softcap`` or non-causal ALiBi), ``"torch"`` (tiled, any device, every geometry), or
             ``"triton"`` (CUDA tensors, or CPU tensors with ``TRITON_INTERPRET=1`` set before the
             first Triton call).
-        block_q, block_k: tile sizes; None picks the backend's default (torch 256 x 512, with
-            block_q shrunk for large ``batch * heads``; Triton 64 x 32, or 64 x 16 for float32
-            with ``d > 64``: no register spills on sm_80 / sm_90). Triton needs powers of two
-            >= 16.
+        stats: the statistics wanted (names from :data:`STAT_NAMES`); None for all. The fused route
+            skips the work of the others and leaves them NaN: ``max`` alone costs a pass of
+            ``q k^T`` tiles, the pairwise ones a sort and a gather. The tiled kernels compute all.
+        block_q, block_k: block sizes; None picks the backend's default (fused: 2,048 queries per
+            call, fewer with ALiBi, a window or a large mask; torch 256 x 512, with block_q shrunk for
+            large ``batch * heads``; Triton 64 x 32, or 64 x 16 for float32 with ``d > 64``: no
+            register spills on sm_80 / sm_90). Triton needs powers of two >= 16.
 
     Returns:
         :class:`AttentionStats`, float32 ``[batch, heads, n_q]`` per statistic, on q's device.
@@ -148,12 +161,19 @@ def attention_stats(
         ValueError / TypeError: on malformed inputs (messages name the offending shapes).
         ImportError: ``backend="triton"`` without Triton installed.
     """
-    if sink_logits is not None:  # the torch tiles only: "auto" runs them, "triton" is refused
+    if sink_logits is not None:  # not in the Triton kernel: "triton" is refused
         sink_logits = _check_sink_logits(sink_logits, q, backend)
-        backend = "torch" if backend == "auto" else backend
-    backend = resolve_backend(backend, q.device)
+    wanted = _check_stats(stats)
+    backend = resolve_backend(backend, q.device if isinstance(q, Tensor) else "cpu", causal=causal,
+                              alibi=alibi_slopes is not None, softcap=softcap is not None,
+                              sink_logits=sink_logits is not None, stats=wanted)
     args = validate(q, k, tokens, n_sink, window, scale, key_padding_mask, alibi_slopes, softcap)
-    if backend == "triton":
+    if backend == "fused":
+        if block_q is not None and block_q < 1:
+            raise ValueError(f"block_q must be positive, got {block_q}")
+        stacked = attention_stats_fused(q, k, causal=causal, sink_logits=sink_logits, stats=wanted,
+                                        block_q=block_q, **args)
+    elif backend == "triton":
         # Imported here because it imports triton, an optional third-party package (GPU path).
         from .stats_triton import attention_stats_triton
 
@@ -168,11 +188,22 @@ def attention_stats(
     return AttentionStats.from_stacked(stacked)
 
 
+def _check_stats(stats) -> tuple[str, ...]:
+    """The statistics asked for, in STAT_NAMES order; None for all."""
+    if stats is None:
+        return STAT_NAMES
+    names = (stats,) if isinstance(stats, str) else tuple(stats)
+    unknown = [n for n in names if n not in STAT_NAMES]
+    if unknown or not names:
+        raise ValueError(f"stats must name some of {', '.join(STAT_NAMES)}; got {list(names)!r}")
+    return tuple(n for n in STAT_NAMES if n in names)
+
+
 def _check_sink_logits(sink_logits, q: Tensor, backend: str) -> Tensor:
     """Learned sink logits [heads] as float32 on q's device; refused with the Triton kernel, which lacks them."""
     if backend == "triton":
-        raise ValueError("learned sink logits (gpt-oss) are in the torch statistics kernel only: pass "
-                         "backend='torch' or 'auto'")
+        raise ValueError("learned sink logits (gpt-oss) are in the fused route and the torch statistics kernel only: "
+                         "pass backend='auto', 'fused' or 'torch'")
     heads = q.shape[1] if isinstance(q, Tensor) and q.ndim == 4 else None
     if not isinstance(sink_logits, Tensor) or sink_logits.shape != (heads,):
         shape = list(sink_logits.shape) if isinstance(sink_logits, Tensor) else type(sink_logits).__name__
@@ -182,18 +213,38 @@ def _check_sink_logits(sink_logits, q: Tensor, backend: str) -> Tensor:
     return sink_logits.detach().to(device=q.device, dtype=torch.float32)
 
 
-def resolve_backend(backend: str = "auto", device: torch.device | str = "cpu") -> str:
-    """The statistics kernel that `backend` runs on tensors on `device`: ``"triton"`` or ``"torch"``.
+def resolve_backend(backend: str = "auto", device: torch.device | str = "cpu", *, causal: bool = True,
+                    alibi: bool = False, softcap: bool = False, sink_logits: bool = False, stats=None) -> str:
+    """The statistics kernel that `backend` runs on tensors on `device`: ``"fused"``, ``"triton"`` or ``"torch"``.
 
-    ``"auto"`` is Triton for CUDA devices when the `triton` package is installed, the torch tiles
-    otherwise (the CPU, MPS, a GPU machine without Triton). An explicit backend the machine cannot
-    run is refused here, before any work, in one line naming what can: ``"triton"`` without Triton,
-    or on a non-CUDA device (unless ``TRITON_INTERPRET=1``, Triton's CPU interpreter, for tests)."""
+    ``"auto"`` follows the measurements (BENCHMARKS.md, "Head statistics at the fused kernel's speed"):
+
+    * the fused route (:mod:`interp.kernels.stats_fused`) off CUDA when `stats` leaves out ``max`` (the
+      atlas's detectors and sinks): 0.9-1.3x the layer's SDPA forward on a CPU, where the tiles take
+      0.7-1.6x; and it keeps that under load, where the tiles' many small parallel ops fall far behind;
+    * the tiled kernel of the device otherwise: with ``max`` (all seven, the default) the tiles get the row
+      maximum free while the fused route pays a pass of ``q k^T`` for it (1.3-2.0x against the tiles'
+      0.7-1.6x on an idle CPU); on CUDA Triton when installed (its fused route runs torch's float32
+      memory-efficient kernel, without tensor cores: `interp bench --sections gpu` compares them), and
+      for the layers the fused route cannot compute exactly (soft-capped scores, ALiBi without causality:
+      :func:`interp.kernels.stats_fused.unsupported`). Learned sink logits are not in the Triton kernel:
+      the torch tiles there.
+
+    An explicit backend the machine or the layer cannot run is refused here, before any work, in one
+    line naming what can: ``"triton"`` without Triton, or on a non-CUDA device (unless
+    ``TRITON_INTERPRET=1``, Triton's CPU interpreter, for tests); ``"fused"`` on such a layer."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(map(repr, BACKENDS))}")
     device = torch.device(device)
+    why = unsupported(causal=causal, alibi_slopes=torch.empty(0) if alibi else None, softcap=1.0 if softcap else None)
     if backend == "auto":
-        return "triton" if device.type == "cuda" and _triton_available() else "torch"
+        triton = device.type == "cuda" and _triton_available() and not sink_logits
+        wants_max = stats is None or "max" in stats
+        if why is None and device.type != "cuda" and not wants_max:
+            return "fused"
+        return "triton" if triton else "torch"
+    if backend == "fused" and why is not None:
+        raise ValueError(f"backend='fused': {why}; backend='auto' picks one that can")
     if backend == "triton":
         if not _triton_available():
             raise ImportError("backend='triton' needs the `triton` package (pip install 'interp[triton]'); "

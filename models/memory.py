@@ -1,6 +1,6 @@
 """Will a forward at this length fit? An estimate made from the config alone, before any weight loads.
 
-Long-context work (`interp analyze --seq-len 32768`, `--lengths`, `interp kv --task passkey --lengths`)
+Long-context work (`interp analyze --seq-len 32768`, `interp lengths`, `interp kv passkey --lengths`)
 holds the weights, one layer's activations at a time, and nothing of size n x n (the streaming
 statistics, banded sliding windows, slabbed unembedding: `tests/test_long_context.py` holds the
 code to that). What grows with the length is then linear:

@@ -4,8 +4,9 @@
 hands that layer's queries and keys (after RoPE) and values to a callback, then drops them: the
 peak memory is one layer's q/k/v plus whatever the callback keeps. On top of it:
 
-* `model_attention_stats(model, tokens)`: the streaming kernel (`interp.kernels.attention_stats`)
-  for every layer: {layer: AttentionStats [batch, head, pos]}.
+* `model_attention_stats(model, tokens)`: `interp.kernels.attention_stats` for every layer (the fused
+  route where it is exact: one fused attention call per block of queries plus a few gathers; the tiled
+  kernels for soft-capped layers): {layer: AttentionStats [batch, head, pos]}.
 * `kv_cache_attention_stats(model, cache)`: the same from a `KVCache` made with
   `capture_queries=True` (after a forward or a generation), without re-running the model.
 * `attention_logsumexp` / `attention_weights_at`: exact single entries of the pattern (a column such
@@ -42,17 +43,19 @@ def _layer_geometry(model, layer: int) -> dict:
 
 
 @torch.no_grad()
-def for_each_layer_qk(model, tokens, fn: LayerFn, *, attention_mask: Tensor | None = None, layers=None) -> None:
+def for_each_layer_qk(model, tokens, fn: LayerFn, *, attention_mask: Tensor | None = None, layers=None):
     """One fused forward; call fn(layer, q [batch, head, pos, d_head], k, v [batch, kv_head, pos, d_head])
     as each requested layer is computed (q and k after RoPE), then release them.
 
-    The forward stops after the last requested layer (no unembedding). Hooks already on the model
-    (e.g. ones that edit q or k) run first, so the callback sees what attention saw.
+    The forward stops after the last requested layer (no unembedding) and returns what it gives there:
+    for a native model, the residual stream after that layer [batch, pos, d_model] (after the last
+    layer: what `model(tokens, stop_at_layer=n_layers)` returns, for logits at a few positions). Hooks
+    already on the model (e.g. ones that edit q or k) run first, so the callback sees what attention saw.
     """
     tokens = model.prepare(tokens, padding=False).tokens
     layers = sorted(range(model.cfg.n_layers) if layers is None else set(layers))
     if not layers:
-        return
+        return None
     rotary = model.rotary is not None
     held: dict[str, Tensor] = {}
 
@@ -78,7 +81,7 @@ def for_each_layer_qk(model, tokens, fn: LayerFn, *, attention_mask: Tensor | No
             (a + "hook_v", keep("v")),
             (f"blocks.{l}.hook_attn_out", done(l)),
         ]
-    model.run_with_hooks(tokens, fwd_hooks=hooks, attention_mask=attention_mask, stop_at_layer=layers[-1] + 1)
+    return model.run_with_hooks(tokens, fwd_hooks=hooks, attention_mask=attention_mask, stop_at_layer=layers[-1] + 1)
 
 
 def model_attention_stats(

@@ -63,7 +63,7 @@ def test_streaming_llm_beyond_the_context_on_the_zoo():
     """rope-gqa-4l at 4x its n_ctx: with the original positions the sinks sit > n_ctx away and window +
     sinks is worse than the window alone; renumbered in the cache, window + sinks is as good as full
     attention inside n_ctx (measured: 1.129 vs 1.143; original 1.59, window alone 1.134)."""
-    from interp.models import evaldata
+    from interp.analyses import evaldata
     from interp.models.training import eval_windows
 
     model = interp.load("rope-gqa-4l")

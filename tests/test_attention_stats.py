@@ -1,13 +1,18 @@
 """Streaming attention statistics (interp.kernels.attention_stats) against a materialised pattern.
 
+Every backend is held to the float64 oracle: the fused route (torch's fused attention kernel, its
+logsumexp and the pairwise gathers; with the device's kernel and with its plain-torch stand-in, which
+is how the CUDA route's block merging is checked here) and the tiled kernels (torch; Triton under its
+interpreter). Tests that must fail do: a mutated pair rule or a perturbed logsumexp is caught.
+
 The reference below builds the full pattern (scores -> mask -> softmax, in float64) and the
 TransformerLens detection patterns explicitly, then sums. Sequence lengths are odd (mostly
 prime), differ between n_q, n_k, heads and d, and are never multiples of the block sizes, so
 a transposed axis or an off-by-one block edge cannot pass.
 
-Tolerance: 1e-5 absolute on every statistic. ``distance`` is measured in positions, so its
-float32 round-off grows like eps * n (a float32 materialised pattern has the same error);
-the sizes here (n <= 47) keep it near 5e-6.
+Tolerance: 1e-5 absolute on every statistic but ``distance``, which is measured in positions, so
+its float32 round-off grows with the positions (a float32 materialised pattern has the same error):
+its difference is taken relative to the largest distance.
 
 The Triton kernel runs under TRITON_INTERPRET=1 in a subprocess (the variable must be set
 before Triton is imported); that subprocess re-enters this file (``--interpreter-worker``) so
@@ -37,10 +42,13 @@ from interp.kernels.stats_reference import (
 )
 
 TOL = 1e-5
+BACKENDS = ("torch", "fused")
 
 
 def max_abs_diff(stats: AttentionStats, ref: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Per statistic: max |diff| where both are finite; inf if the NaN positions differ."""
+    """Per statistic: max |diff| where both are finite; inf if the NaN positions differ. ``distance`` is in
+    positions, so its difference is taken relative to the largest distance (when that exceeds 1): float32
+    keeps ~7 digits of a number, whatever its size."""
     diffs = {}
     for name in STAT_NAMES:
         got, want = getattr(stats, name).double().cpu(), ref[name]
@@ -50,6 +58,8 @@ def max_abs_diff(stats: AttentionStats, ref: dict[str, torch.Tensor]) -> dict[st
             continue
         ok = ~want.isnan()
         diffs[name] = float((got[ok] - want[ok]).abs().max()) if ok.any() else 0.0
+        if name == "distance" and ok.any():
+            diffs[name] /= max(1.0, float(want[ok].abs().max()))
     return diffs
 
 
@@ -116,16 +126,18 @@ def run_case(name, backend="torch", block_q=None, block_k=None, with_tokens=True
 
 @pytest.mark.parametrize("blocks", BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}")
 @pytest.mark.parametrize("name", list(CASES))
-def test_torch_matches_materialised_pattern(name, blocks):
-    got, ref = run_case(name, "torch", *blocks)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backend_matches_materialised_pattern(backend, name, blocks):
+    got, ref = run_case(name, backend, *blocks)
     diffs = max_abs_diff(got, ref)
     assert max(diffs.values()) < TOL, diffs
     for value in got.to_dict().values():
         assert value.dtype == torch.float32 and value.shape == ref["sink"].shape
 
 
-def test_left_padding_queries_are_nan():
-    got, ref = run_case("left_padding")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_left_padding_queries_are_nan(backend):
+    got, ref = run_case("left_padding", backend)
     # sequence 1 has 7 padding keys at the start: under the causal mask its first 7 queries see
     # only padding -> NaN in every statistic; sequence 0 has none.
     for value in got.to_dict().values():
@@ -133,17 +145,187 @@ def test_left_padding_queries_are_nan():
         assert not value[0].isnan().any()
 
 
-def test_without_tokens_duplicate_and_induction_are_nan():
-    got, ref = run_case("gqa", with_tokens=False)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_without_tokens_duplicate_and_induction_are_nan(backend):
+    got, ref = run_case("gqa", backend, with_tokens=False)
     assert got.duplicate.isnan().all() and got.induction.isnan().all()
     assert max(max_abs_diff(got, ref).values()) < TOL
 
 
+@pytest.mark.parametrize("case", ["suffix_window_gqa", "alibi_padding_window", "mha"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_inputs_computed_in_float32(dtype):
-    got, ref = run_case("suffix_window_gqa", dtype=dtype)  # reference sees the same rounded values
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_half_precision_inputs_computed_in_float32(backend, dtype, case):
+    got, ref = run_case(case, backend, dtype=dtype)  # reference sees the same rounded values
     assert got.sink.dtype == torch.float32
     assert max(max_abs_diff(got, ref).values()) < TOL
+
+
+# --------------------------------------------------------------------------------------------
+# The fused route: its pieces, the block merging, and checks that must fail
+# --------------------------------------------------------------------------------------------
+
+
+def _fused(name, attend=None, block_q=None, **overrides):
+    """The fused route on a case, straight (optionally with another fused call), and the oracle."""
+    from interp.kernels.stats_common import validate
+    from interp.kernels.stats_fused import attention_stats_fused
+
+    data_kw, stats_kw = CASES[name]
+    q, k, tokens, extra = make_inputs(**{**data_kw, **overrides})
+    causal = stats_kw.get("causal", True)
+    args = validate(q, k, tokens, stats_kw.get("n_sink", 1), stats_kw.get("window"), stats_kw.get("scale"),
+                    extra.get("key_padding_mask"), extra.get("alibi_slopes"))
+    got = attention_stats_fused(q, k, causal=causal, attend=attend, block_q=block_q, **args)
+    return AttentionStats.from_stacked(got), reference_stats(q, k, tokens, **stats_kw, **extra)
+
+
+@pytest.mark.parametrize("block_q", [None, 4, 7])
+@pytest.mark.parametrize("name", list(CASES))
+def test_fused_route_with_the_plain_torch_call_matches(name, block_q):
+    """The blocks, their masks and the logsumexp merging, through the fused call written in torch ops
+    (what a device without a fused kernel runs; on CUDA the same blocks go to the efficient kernel)."""
+    from interp.kernels.stats_fused import _attend_math
+
+    got, ref = _fused(name, _attend_math, block_q)
+    assert max(max_abs_diff(got, ref).values()) < TOL
+
+
+def test_fused_route_over_several_default_blocks():
+    """Past one default block (2,048 queries): the keys before a block come in one unmasked call and the
+    block's own square in a causal one; their logsumexps merge. The distance stays accurate to
+    ~eps * (distance + block), not eps * position. GQA, a sequence of 2,500 with a suffix of queries."""
+    got, ref = run_case("gqa", "fused", n_q=2300, n_k=2500, heads=2, kv_heads=1, d=8, vocab=50, batch=1)
+    diffs = max_abs_diff(got, ref)
+    assert max(diffs.values()) < TOL, diffs  # distance: relative to distances up to 2,500
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_learned_sink_logits_equal_the_oracle(backend):
+    """gpt-oss's sink logits join each row's denominator: the fused route scales the separable
+    statistics by the keys' share r and takes the entropy as r (H_keys - log r)."""
+    g = torch.Generator().manual_seed(3)
+    for name in ("gqa", "window", "left_padding", "alibi_padding_window", "suffix_window_gqa"):
+        data_kw, stats_kw = CASES[name]
+        q, k, tokens, extra = make_inputs(**data_kw)
+        sinks = torch.randn(q.shape[1], generator=g) * 3
+        got = attention_stats(q, k, tokens, backend=backend, sink_logits=sinks, **stats_kw, **extra)
+        ref = reference_stats(q, k, tokens, sink_logits=sinks, **stats_kw, **extra)
+        assert max(max_abs_diff(got, ref).values()) < TOL, name
+        plain = attention_stats(q, k, tokens, **stats_kw, **extra)
+        assert float((got.entropy - plain.entropy).nan_to_num().abs().max()) > 1e-2  # the sinks matter
+
+
+def test_auto_runs_fused_without_max_where_it_is_exact_and_the_tiles_elsewhere(monkeypatch):
+    """As measured (BENCHMARKS.md): the fused route for statistics without `max` off CUDA; with `max` (the
+    default: all seven) the tiles, which get the row max free; and the tiles for layers it cannot do."""
+    import interp.kernels.stats as stats_module
+    from interp.kernels import resolve_backend
+
+    atlas = ("sink", "previous", "duplicate", "induction")
+    assert resolve_backend("auto", "cpu", stats=atlas) == "fused" and resolve_backend("auto", "mps", stats=atlas) == "fused"
+    assert resolve_backend("auto", "cpu") == "torch" and resolve_backend("auto", "cpu", stats=["max"]) == "torch"
+    assert resolve_backend("auto", "cpu", stats=atlas, softcap=True) == "torch"
+    assert resolve_backend("auto", "cpu", stats=atlas, causal=False, alibi=True) == "torch"
+    assert resolve_backend("auto", "cpu", stats=atlas, causal=True, alibi=True) == "fused"
+    monkeypatch.setattr(stats_module, "_triton_available", lambda: True)
+    assert resolve_backend("auto", "cuda", stats=atlas) == "triton"  # until the GPU table says otherwise
+    assert resolve_backend("auto", "cuda", stats=atlas, sink_logits=True) == "torch"
+    calls = []
+    real = stats_module.attention_stats_fused
+    monkeypatch.setattr(stats_module, "attention_stats_fused", lambda *a, **k: calls.append(1) or real(*a, **k))
+    q, k, tokens, extra = make_inputs(n_q=19)
+    attention_stats(q, k, tokens, stats=atlas)
+    attention_stats(q, k, tokens)
+    assert calls == [1]  # only the call without max went the fused way
+    with pytest.raises(ValueError, match="soft-capped scores are not linear"):
+        attention_stats(q, k, tokens, backend="fused", softcap=2.0)
+    with pytest.raises(ValueError, match="ALiBi without causality"):
+        attention_stats(q, k, tokens, backend="fused", causal=False, alibi_slopes=torch.ones(3))
+    for kw in (dict(softcap=2.0), dict(causal=False, alibi_slopes=torch.full((3,), 0.25))):
+        got = attention_stats(q, k, tokens, **kw)  # auto: the torch tiles, exact
+        assert max(max_abs_diff(got, reference_stats(q, k, tokens, **kw)).values()) < TOL
+
+
+def test_asking_for_some_statistics_leaves_the_others_nan():
+    q, k, tokens, extra = make_inputs(heads=4, kv_heads=2, n_q=29, left_pad=[0, 4])
+    full = attention_stats(q, k, tokens, backend="fused", **extra)
+    for wanted in (["sink", "entropy", "distance"], ["max"], ["previous"], ("duplicate", "induction"), "induction"):
+        some = attention_stats(q, k, tokens, stats=wanted, backend="fused", **extra)
+        names = [wanted] if isinstance(wanted, str) else list(wanted)
+        for name in STAT_NAMES:
+            value = getattr(some, name)
+            if name in names:
+                assert torch.equal(value.isnan(), getattr(full, name).isnan()), name
+                torch.testing.assert_close(value, getattr(full, name), equal_nan=True, atol=0, rtol=0)
+            else:
+                assert value.isnan().all(), (wanted, name)
+    for bad in (["entropy", "bogus"], []):
+        with pytest.raises(ValueError, match="stats must name some of"):
+            attention_stats(q, k, tokens, stats=bad)
+
+
+@pytest.mark.parametrize("tile", [4, 128])
+def test_pairs_found_by_sorting_equal_the_quadratic_search_in_small_chunks(tile, monkeypatch):
+    """Many pairs (a sequence of 3 tokens, so runs of ~25) in tiles of 4 sorted entries and products of 4
+    keys (runs crossing many tiles), or one tile, with a window and padding: the same masses as the
+    detection patterns written out."""
+    import interp.kernels.stats_fused as fused
+    from interp.kernels.stats_fused import pairwise_masses
+
+    monkeypatch.setattr(fused, "TILE", tile)
+
+    q, k, tokens, extra = make_inputs(heads=4, kv_heads=2, n_q=23, n_k=37, vocab=3, left_pad=[3, 0])
+    kpm = extra["key_padding_mask"]
+    for window in (None, 6):
+        ref = reference_stats(q, k, tokens, window=window, key_padding_mask=kpm)
+        lse = torch.logsumexp(_masked_scores(q, k, window, kpm), -1).float()
+        for budget in (1, 1 << 20):
+            got = pairwise_masses(q, k, tokens, lse, window=window, scale=16**-0.5, key_padding_mask=kpm,
+                                  alibi_slopes=None, budget=budget)
+            for name in ("previous", "duplicate", "induction"):
+                ok = ~ref[name].isnan()
+                assert float((got[name].double()[ok] - ref[name][ok]).abs().max()) < TOL, (window, budget, name)
+
+
+def _masked_scores(q, k, window, kpm):
+    n_q, n_k = q.shape[2], k.shape[2]
+    kk = k.double().repeat_interleave(q.shape[1] // k.shape[1], 1)
+    s = q.double() @ kk.transpose(-1, -2) * q.shape[-1] ** -0.5
+    p = torch.arange(n_k - n_q, n_k)[:, None]
+    j = torch.arange(n_k)[None]
+    ok = (j <= p) & ((p - j) < window if window else True) & kpm[:, None, None, :]
+    return s.masked_fill(~ok, float("-inf"))
+
+
+def test_a_mutated_pair_rule_fails(monkeypatch):
+    """Induction counted at tok[j + 1] = tok[p] (the key before an earlier occurrence, not after it), or
+    duplicate at the occurrence's successor: the comparison with the oracle must catch both."""
+    import interp.kernels.stats_fused as fused
+
+    for name, shift in (("induction", -1), ("duplicate", 1)):
+        monkeypatch.setitem(fused.PAIR_RULES, name, shift)
+        got, ref = run_case("mha", "fused")
+        assert max_abs_diff(got, ref)[name] > 1e-2, name
+        monkeypatch.setitem(fused.PAIR_RULES, name, {"induction": 1, "duplicate": 0}[name])
+    got, ref = run_case("mha", "fused")
+    assert max(max_abs_diff(got, ref).values()) < TOL  # and restored, it passes
+
+
+@pytest.mark.parametrize("error", [1e-3, -1e-3])
+def test_a_wrong_logsumexp_fails(error):
+    """A logsumexp off by 1e-3 moves every pairwise mass, the entropy and the max by ~1e-3 relative:
+    far outside the tolerance, so the oracle comparison must fail."""
+    from interp.kernels.stats_fused import attend_for
+
+    def off(*args):
+        o, lse = attend_for(torch.device("cpu"))(*args)
+        return o, lse + error
+
+    got, ref = _fused("gqa", off)
+    diffs = max_abs_diff(got, ref)
+    for name in ("previous", "duplicate", "induction", "entropy", "max"):
+        assert diffs[name] > 1e-4, (name, diffs)
 
 
 def test_non_contiguous_inputs():
@@ -243,7 +425,7 @@ def test_clear_errors():
         attention_stats(q, k, tokens.float())
     with pytest.raises(ValueError, match="suffix"):
         attention_stats(q, k[:, :, :4], tokens[:, :4])
-    with pytest.raises(ValueError, match="'torch', 'triton', 'auto'"):
+    with pytest.raises(ValueError, match="'fused', 'torch', 'triton', 'auto'"):
         attention_stats(q, k, tokens, backend="cuda")
     with pytest.raises(ValueError, match=r"key_padding_mask must be \[batch, n_k\]"):
         attention_stats(q, k, tokens, key_padding_mask=torch.ones(2, 6, dtype=torch.bool))
@@ -266,8 +448,10 @@ def test_triton_missing_is_a_clear_error(monkeypatch):
     q, k, tokens, _ = make_inputs(n_q=5)
     with pytest.raises(ImportError, match="triton"):
         attention_stats(q, k, tokens, backend="triton")
-    # auto falls back to torch on CPU tensors
+    # auto runs the torch tiles or the fused route on CPU tensors
     assert isinstance(attention_stats(q, k, tokens, backend="auto"), AttentionStats)
+    assert isinstance(attention_stats(q, k, tokens, backend="auto", stats=["sink"]), AttentionStats)
+    assert isinstance(attention_stats(q, k, tokens, backend="auto", softcap=3.0), AttentionStats)
 
 
 # --------------------------------------------------------------------------------------------

@@ -164,11 +164,21 @@ def test_quick_options_are_tiny():
     assert Options.quick_config(seqs=(8,)).seqs == (8,)
 
 
-def test_gpu_kernel_table_runs_on_the_cpu():
-    """The GPU section's kernel table, with the torch backend on the CPU (no CUDA needed)."""
-    table = gpu.kernel_table(Options.quick_config(long_seqs=(64,)), device="cpu", backends=("torch",), dtype=torch.float32)
-    (row,) = table.rows
-    assert row[0] == 64 and row[3] == "-" and isinstance(row[6], float)
+def test_gpu_steps_run_on_the_cpu():
+    """The GPU section's three steps, run on the CPU (no CUDA needed): the kernel table (fused and torch
+    backends, with and without a window), the model table and the exactness table."""
+    table = gpu.kernel_table(Options.quick_config(long_seqs=(64,)), device="cpu", dims=(16,), dtypes=(torch.float32,),
+                             windows=(None, 32), backends=("fused", "torch"))
+    assert [r[:4] for r in table.rows] == [[64, 16, "float32", "-"], [64, 16, "float32", 32]]
+    col = table.headers.index("fused / SDPA")
+    assert all(isinstance(r[col], float) for r in table.rows)
+    assert table.rows[1][table.headers.index("materialised ms")] == "-"  # no windowed materialised baseline
+    late = gpu.kernel_table(Options.quick_config(long_seqs=(64,)), device="cpu", dims=(16,), dtypes=(torch.float32,),
+                            windows=(None,), backends=("fused",), deadline=gpu.Deadline(0))
+    assert late.rows[0][4] == "skipped: step time limit"
+    exact = gpu.exactness_table("cpu")
+    assert exact.headers[2:] == ["fused", "torch", "fused (torch-ops call)"]
+    assert all(cell.endswith(" ok") for row in exact.rows for cell in row[2:]), exact.rows
 
 
 def test_head_scan_section_compares_both_methods(page):

@@ -41,7 +41,8 @@ def test_the_help_names_are_the_librarys():
     assert choices.GATE_STEPS == GATE_STEPS
 
 
-@pytest.mark.parametrize("args", [[], ["sweep"], ["analyze"], ["bench"], ["info"], ["report"], ["train"], ["kv"]])
+@pytest.mark.parametrize("args", [[], ["sweep"], ["analyze"], ["bench"], ["info"], ["report"], ["train"], ["kv"],
+                                  ["kv", "select"], ["lengths"]])
 def test_help_is_instant_and_imports_no_torch(args):
     """Under a second, measured in a fresh interpreter (what a user's shell pays), torch never imported."""
     code = ("import sys, time; t = time.perf_counter(); from interp.cli import main\n"

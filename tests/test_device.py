@@ -120,6 +120,11 @@ def test_auto_is_triton_on_cuda_and_torch_elsewhere(monkeypatch):
     assert resolve_backend("auto", "cuda:0") == "triton" and resolve_backend("auto", torch.device("cuda")) == "triton"
     monkeypatch.setattr(stats, "_triton_available", lambda: False)
     assert resolve_backend("auto", "cuda") == "torch"  # a GPU machine without Triton
+    # statistics without `max` (the atlas's): the fused route off CUDA; layers it cannot compute: the tiles
+    no_max = ("sink", "previous", "duplicate", "induction")
+    assert resolve_backend("auto", "cpu", stats=no_max) == "fused" and resolve_backend("auto", "mps", stats=no_max) == "fused"
+    assert resolve_backend("auto", "cpu", stats=no_max, softcap=True) == "torch"
+    assert resolve_backend("auto", "cpu", stats=no_max, causal=False, alibi=True) == "torch"
     with pytest.raises(ImportError, match="needs the `triton` package.*backend='torch' runs anywhere"):
         attention_stats(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8), backend="triton")
     monkeypatch.setattr(stats, "_triton_available", lambda: importlib.util.find_spec("triton") is not None)
@@ -199,6 +204,7 @@ def test_doctor_prints_the_machine_and_passes_its_checks(capsys):
     out = capsys.readouterr().out
     assert f"torch {torch.__version__}" in out and "auto -> torch on cpu" in out
     assert "torch kernel vs float64 materialised pattern (float32):" in out
+    assert "fused route vs float64 materialised pattern (float32):" in out
     assert "fused vs instrumented attention" in out and out.rstrip().endswith("all checks passed")
     if "triton 3" in out or "triton 4" in out:  # installed: checked in its CPU interpreter
         assert "triton kernel (CPU interpreter, 96 tokens) vs torch kernel (float32):" in out

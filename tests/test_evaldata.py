@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import importlib
 import json
 import os
 import platform
@@ -24,9 +25,9 @@ import pytest
 
 from interp.analyses.sweep_data import DataSpec, check_data, data_source, read_text
 from interp.cli import main as cli
-from interp.models import evaldata
+from interp.analyses import evaldata
 
-ZOO_RUN = Path(evaldata.__file__).parents[1] / "zoo" / "rope-gqa-4l" / "run.json"
+ZOO_RUN = Path(importlib.import_module("interp.models.zoo").__file__).parent / "rope-gqa-4l" / "run.json"
 
 
 def test_every_shipped_file_is_the_bytes_its_manifest_pins():

@@ -199,7 +199,7 @@ def test_the_cli_compares_selections_end_to_end(tmp_path, capsys):
     assert {"retrieval", "echo", "induction", "razor", "sink", "loss"} <= set(heads.columns)
     assert len(heads) == 2 * 4  # one row per query head of attn-only-2l
     n_kv = 2 * 4
-    picked = cells[cells["selection"] == "loss"].sort_values("budget")
+    picked = cells[cells["selection"] == "loss"].sort_values("full_fraction")
     assert list(picked["full_heads"]) == [round(0.25 * n_kv), round(0.5 * n_kv)]
     assert set(cells["selection"]) == {"full", "streaming", "retrieval", "razor", "loss", "random", "snapkv"}
     assert len(cells[cells["selection"] == "random"]) == 2 * 2  # 2 seeds x 2 budgets
@@ -281,7 +281,7 @@ def test_gates_train_a_count_of_steps_and_a_time_cap_that_cuts_is_said(tmp_path,
     import json
 
     from interp.cli import main as cli
-    from interp.models import evaldata
+    from interp.analyses import evaldata
 
     base = ["kv", "attn-only-2l", "--task", "passkey", "--select", "gates,random", "--lengths", "248", "--depths",
             "0.5", "--prompts", "1", "--window", "32", "--fractions", "0.5", "--seq-len", "200",

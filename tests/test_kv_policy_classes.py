@@ -24,7 +24,7 @@ from smol import needs_smol
 
 import interp
 from interp.models.errors import BadValue
-from interp.models.kv.policies import CacheView, SubsetPolicy, parse_policy, policy_names, theory_bytes_per_token
+from interp.models.kv.policies import Candidates, SubsetPolicy, parse_policy, policy_names, theory_bytes_per_token
 
 N_LAYERS, N_HEADS, N_KV = 3, 6, 2
 REP = N_HEADS // N_KV
@@ -40,7 +40,7 @@ class Oldest(SubsetPolicy):
     form: ClassVar[str] = "oldest(budget)"
     arity: ClassVar[tuple[int, int]] = (1, 1)
 
-    def priority(self, view: CacheView):
+    def priority(self, view: Candidates):
         return -view.slots.float()
 
 

@@ -37,7 +37,7 @@ from interp.analyses.kv.policies import (
 from interp.analyses.kv.tasks import retrieval_prompts
 from interp.cli import main as cli
 
-REQUIRED = ["policy", "selection", "budget", "seed", "length", "depth", "correct", "n", "accuracy", "perplexity",
+REQUIRED = ["policy", "selection", "tokens_per_head", "full_fraction", "seed", "length", "depth", "correct", "n", "accuracy", "perplexity",
             "bytes_per_token"]
 
 
@@ -172,7 +172,7 @@ def test_answers_are_greedy_decoding_and_the_shared_prefill_changes_nothing(zoo)
             row = rows.loc[a["label"]]
             assert row["answer"] == a["text"] and bool(row["correct"]) == key_found(a["text"], p.key)
             assert (row["length"], row["depth"], row["seed"], row["n_tokens"]) == (248, p.depth, 3, p.n_tokens)
-    assert dict(zip(table["policy"], table["budget"])) == pytest.approx(
+    assert dict(zip(table["policy"], table["tokens_per_head"])) == pytest.approx(
         {"full": math.nan, "kivi4": math.nan, "h2o(64)": 64, "snapkv(64,16,5)": 64, "streaming(4,32)": 36},
         nan_ok=True)
 
@@ -195,7 +195,7 @@ def test_cell_counts_are_the_sums_by_hand():
         ("h2o(48)", 48, 248, 0.5): [True, False, False], ("h2o(48)", 48, 500, 0.1): [False, False, False],
     }
     bytes_at = {("full", 248): 2048.0, ("full", 500): 2048.0, ("h2o(48)", 248): 400.0, ("h2o(48)", 500): 210.0}
-    rows = [dict(policy=pol, selection="all", budget=budget, variant="passkey", length=length, depth=depth, seed=7,
+    rows = [dict(policy=pol, selection="all", tokens_per_head=budget, variant="passkey", length=length, depth=depth, seed=7,
                  key=f"{10000 + i}", n_tokens=length - 2, answer="", correct=ok,
                  bytes_per_token=bytes_at[pol, length] + i)
             for (pol, budget, length, depth), oks in outcomes.items() for i, ok in enumerate(oks)]
@@ -210,7 +210,7 @@ def test_cell_counts_are_the_sums_by_hand():
         assert row["accuracy"] == pytest.approx(sum(oks) / len(oks))
         assert row["bytes_per_token"] == pytest.approx(bytes_at[pol, length] + 1)  # mean of +0, +1, +2
         assert (row["selection"], row["seed"]) == ("all", 7)
-        assert (math.isnan(row["budget"]) if budget is None else row["budget"] == budget)
+        assert (math.isnan(row["tokens_per_head"]) if budget is None else row["tokens_per_head"] == budget)
         assert row["perplexity"] == 7.5 if pol == "full" else math.isnan(row["perplexity"])
 
 
@@ -248,7 +248,7 @@ def test_the_cli_writes_the_study(tmp_path, capsys):
                          rf"{k} of 4 at 248 tokens\.", report), p
     assert "<html" in (out / "report.html").read_text().lower()
     settings = json.loads((out / "settings.json").read_text())
-    from interp.models import evaldata
+    from interp.analyses import evaldata
 
     pinned = evaldata.manifest()[evaldata.LANGUAGE_REFERENCE]["sha256"]  # the perplexity text, named (issue 36)
     assert settings["data_source"]["sha256"] == pinned and f"sha256 {pinned}" in report
@@ -310,7 +310,7 @@ def _cells(variant="passkey"):
     and 1 of 4; kivi4 4 of 4 at 248 only."""
     counts = {("full", 248): (1, 1), ("full", 500): (2, 1), ("streaming(4,32)", 248): (0, 0),
               ("streaming(4,32)", 500): (0, 1), ("kivi4", 248): (2, 2)}
-    return pd.DataFrame([dict(policy=p, selection="all", budget=None, seed=0, variant=variant, length=L, depth=d,
+    return pd.DataFrame([dict(policy=p, selection="all", tokens_per_head=None, seed=0, variant=variant, length=L, depth=d,
                               correct=c, n=2, accuracy=c / 2, perplexity=math.nan, bytes_per_token=1.0)
                          for (p, L), cs in counts.items() for d, c in zip((0.2, 0.6), cs)])
 

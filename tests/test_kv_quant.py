@@ -209,7 +209,7 @@ def test_interp_kv_on_the_zoo(tmp_path):
     assert set(mixed["selection"]) == {"uniform", "loss", "kl", "gradient", "random"}
     text = (out / "report.md").read_text()
     assert "of the int4 -> fp32 loss gap" in text and "How the atlas's heads fare" in text
-    from interp.models import evaldata
+    from interp.analyses import evaldata
 
     pinned = evaldata.manifest()[evaldata.LANGUAGE_REFERENCE]["sha256"]  # the text, named (issue 36)
     assert f"sha256 {pinned}" in text

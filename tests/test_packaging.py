@@ -51,6 +51,7 @@ def test_the_check_catches_an_unlisted_folder(tmp_path):
     ("interp.models.checkpoint", "interp.models.formats.checkpoint", "load_checkpoint"),
     ("interp.analyses.kv_policies", "interp.analyses.kv.policies", "run_policy_study"),
     ("interp.analyses.tasks", "interp.analyses.kv.tasks", "retrieval_prompts"),
+    ("interp.models.evaldata", "interp.analyses.evaldata", "language_reference"),
 ])
 def test_old_import_paths_work_for_one_release_with_a_warning(old, new, name):
     sys.modules.pop(old, None)

@@ -4,11 +4,11 @@ through caches whose heads hold what a policy says (`interp.models.kv.policies`)
     runs = policy_runs("full,kivi4,streaming(4,128),h2o(132)")
     table = passkey_table(model, retrieval_prompts(model, [1024], [0.1, 0.5], 5, seed=0), runs)
     ppl = policy_perplexity(model, text_tokens, runs)           # {label: (perplexity, bytes per token)}
-    run_policy_study(model, "out/kv-passkey", runs=runs, ...)   # kv_policies.parquet + report
+    run_policy_study(model, "out/kv-passkey", runs=runs, ...)   # kv_policies.parquet + report (`PolicyStudy`)
 
 Protocol.
 - Passkey: each prompt is prefilled once with the full model for every policy whose prefill is the
-  full model's (full, KIVI, H2O, SnapKV: `PolicyKVCache.absorb` then leaves each cache as its own
+  full model's (`Policy.shares_prefill`: `PolicyKVCache.absorb` then leaves each cache as its own
   prefill would), and on its own for the others (streaming attends through its window, per-vector
   quantized caches read their own codes); then `max_new_tokens` greedy tokens are decoded through
   the policy's cache. Correct when the key appears in the continuation (`tasks.is_correct`).
@@ -25,42 +25,50 @@ Protocol.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from interp.models.errors import BadValue
+from interp.models.device import resolve_device
+from interp.models.errors import BadValue, as_user_errors, check_int
 from interp.models.kv.policies import WINDOW, Policy, PolicyMap, is_window, parse_policies, resolve_policies, split_policies
+from interp.models.memory import check_fits
 
 from .. import plots
 from .._common import progress, stages
-from ..document import Section, png, write_document
-from ..store import OutputFolder, atomic_write_text
-from ..sweep_data import source_line
-from .tasks import RetrievalPrompt, accuracy_label, is_correct
+from ..document import Section, png
+from ..study import Study, StudyData, StudySettings, Table, fit_default, fit_note, run
+from .tasks import VARIANTS, RetrievalPrompt, accuracy_label, is_correct, retrieval_prompts
 
 DEFAULT_POLICIES = "full,kivi4,kivi2,streaming(4,128),h2o(132),snapkv(132),knorm(132),tova(132)"
-COLUMNS = ["policy", "selection", "budget", "seed", "variant", "length", "depth", "correct", "n", "accuracy",
-           "perplexity", "bytes_per_token"]
+COLUMNS = ["policy", "selection", "tokens_per_head", "full_fraction", "seed", "variant", "length", "depth", "correct",
+           "n", "accuracy", "perplexity", "bytes_per_token"]
 
 
 @dataclass(frozen=True)
 class PolicyRun:
     """One cache configuration of a study: a label, the policy (one for every head, or a map of
     (layer, kv_head) -> policy with `default` for the rest), the selection that chose the map
-    ("all": the same policy everywhere) and its token budget per head (None: unbounded)."""
+    ("all": the same policy everywhere), and two numbers that are not the same thing:
+
+    tokens_per_head  the entries one head holds (`Policy.budget`: H2O's and SnapKV's B, StreamingLLM's
+                     sinks + window); None when unbounded or when the heads differ (a selection's map)
+    full_fraction    the share of the KV heads a selection keeps `full` (the head-roles study: 0.1,
+                     0.25, ...; SnapKV compared "at the bytes of" a share carries that share); None
+                     for a policy on every head"""
 
     label: str
     policy: PolicyMap
     default: str = "full"
     selection: str = "all"
-    budget: float | None = None
+    tokens_per_head: float | None = None
+    full_fraction: float | None = None
     seed: int | None = None  # the seed that drew a random selection
     full_heads: int | None = None  # KV heads kept full by a selection
     lengths: tuple[int, ...] | None = None  # evaluate on prompts of these lengths only (None: all)
@@ -92,14 +100,14 @@ def policy_runs(policies: str | Sequence[Policy]) -> list[PolicyRun]:
     "window" is the cache each layer's own window asks for (`WINDOW`: Gemma's local layers keep their
     last 512 positions, the global ones every token)."""
     if not isinstance(policies, str):
-        return [PolicyRun(p.name, p, budget=p.budget) for p in policies]
+        return [PolicyRun(p.name, p, tokens_per_head=p.budget) for p in policies]
     names = split_policies(policies)
     windows = [n for n in names if is_window(n)]
     if len(windows) > 1:
         raise BadValue("KV-cache policy listed twice: window")
     rest = [n for n in names if not is_window(n)]
     parsed = parse_policies(",".join(rest)) if rest or not windows else []
-    runs = [PolicyRun(p.name, p, budget=p.budget) for p in parsed]
+    runs = [PolicyRun(p.name, p, tokens_per_head=p.budget) for p in parsed]
     if windows:
         runs.insert(names.index(windows[0]), PolicyRun(WINDOW, WINDOW))
     return runs
@@ -180,7 +188,7 @@ def answer(model, prompt: RetrievalPrompt, runs: Sequence[PolicyRun], max_new_to
 
 def passkey_table(model, prompts: Sequence[RetrievalPrompt], runs: Sequence[PolicyRun], *, max_new_tokens: int = 8,
                   progress_bar: bool | None = None) -> pd.DataFrame:
-    """One row per (run, prompt): label, selection, budget, selection_seed, full_heads, variant,
+    """One row per (run, prompt): label, selection, tokens_per_head, full_fraction, selection_seed, full_heads, variant,
     length, depth, seed, key, n_tokens, answer, correct, bytes_per_token. A run with `lengths` answers
     the prompts of those lengths only."""
     check_runs(model, runs, min(_cache_len(p, max_new_tokens) for p in prompts))
@@ -188,8 +196,8 @@ def passkey_table(model, prompts: Sequence[RetrievalPrompt], runs: Sequence[Poli
     for p in progress(prompts, desc="passkey prompts", enabled=progress_bar):
         mine = [r for r in runs if r.runs_on(p)]
         for a, run in zip(answer(model, p, mine, max_new_tokens), mine):
-            rows.append(dict(policy=run.label, selection=run.selection, budget=run.budget, selection_seed=run.seed,
-                             full_heads=run.full_heads, variant=p.variant, length=p.length, depth=p.depth,
+            rows.append(dict(policy=run.label, selection=run.selection, tokens_per_head=run.tokens_per_head,
+                             full_fraction=run.full_fraction, selection_seed=run.seed, full_heads=run.full_heads, variant=p.variant, length=p.length, depth=p.depth,
                              seed=p.seed, key=p.key, n_tokens=p.n_tokens, answer=a["text"], correct=a["correct"],
                              bytes_per_token=a["bytes_per_token"]))
     return pd.DataFrame(rows)
@@ -228,9 +236,11 @@ def cell_table(answers: pd.DataFrame, perplexity: Mapping[str, tuple[float, floa
     """kv_policies.parquet: one row per (policy, length, depth) with the count of correct answers
     (`correct` of `n`), accuracy = correct / n, the policy's perplexity, and the bytes per token held
     at the end of those prompts (mean)."""
-    keys = ["policy", "selection", "budget", "selection_seed", "full_heads", "seed", "variant", "length", "depth"]
-    frame = answers.assign(**{c: (answers[c] if c in answers else None) for c in ("selection_seed", "full_heads")})
-    frame = frame.astype({c: "float" for c in ("budget", "selection_seed", "full_heads")})
+    keys = ["policy", "selection", "tokens_per_head", "full_fraction", "selection_seed", "full_heads", "seed", "variant",
+            "length", "depth"]
+    optional = ("tokens_per_head", "full_fraction", "selection_seed", "full_heads")
+    frame = answers.assign(**{c: (answers[c] if c in answers else None) for c in optional})
+    frame = frame.astype({c: "float" for c in optional})
     cells = (frame.groupby(keys, dropna=False, sort=False)
              .agg(correct=("correct", "sum"), n=("correct", "size"), bytes_per_token=("bytes_per_token", "mean"))
              .reset_index())
@@ -242,50 +252,153 @@ def cell_table(answers: pd.DataFrame, perplexity: Mapping[str, tuple[float, floa
 
 # ---- the study ----------------------------------------------------------------------------------
 def measure_runs(model, runs: Sequence[PolicyRun], prompts: Sequence[RetrievalPrompt], text_tokens: torch.Tensor, *,
-                 max_new_tokens: int = 8, chunk: int = 32, progress_bar: bool | None = None, log=print,
-                 timings: dict | None = None) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+                 max_new_tokens: int = 8, chunk: int = 32, progress_bar: bool | None = None,
+                 stage: Callable | None = None) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """Every run's passkey answers and perplexity: (answers, cells as kv_policies.parquet, one summary row
-    per run: policy, selection, budget, perplexity, bytes_per_token). Stage times go into `timings`."""
-    stage = stages({} if timings is None else timings, log)
+    per run: policy, selection, tokens_per_head, full_fraction, perplexity, bytes_per_token). `stage`: a study's stage timer
+    (`study.run`; default: `_common.stages` printing)."""
+    stage = stage or stages({})
     answers = stage(f"passkey over {len(prompts)} prompts x {len(runs)} caches",
                     lambda: passkey_table(model, prompts, runs, max_new_tokens=max_new_tokens, progress_bar=progress_bar),
                     key="passkey")
     ppl = stage(f"perplexity over {text_tokens.shape[1]} tokens",
                 lambda: policy_perplexity(model, text_tokens, runs, chunk=chunk, progress_bar=progress_bar),
                 key="perplexity")
-    summary = pd.DataFrame([dict(policy=r.label, selection=r.selection, budget=r.budget, perplexity=ppl[r.label][0],
+    summary = pd.DataFrame([dict(policy=r.label, selection=r.selection, tokens_per_head=r.tokens_per_head,
+                                 full_fraction=r.full_fraction, perplexity=ppl[r.label][0],
                                  bytes_per_token=ppl[r.label][1]) for r in runs])
     return answers, cell_table(answers, ppl), summary
+
+
+DEFAULT_LENGTHS = (1024, 2048)  # prompt lengths of `interp kv passkey` (fitted to a shorter model's context)
+ANSWER_COLUMNS = ("policy", "selection", "tokens_per_head", "full_fraction", "selection_seed", "full_heads", "variant",
+                  "length", "depth", "seed", "key", "n_tokens", "answer", "correct", "bytes_per_token")
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class RetrievalSettings(StudySettings):
+    """What the retrieval studies share: the prompts (`tasks.retrieval_prompts`: `prompts` per (length,
+    depth), keys from `seed`, `variant` passkey or needle; or `prompt_list`, built already) and the
+    perplexity text (`data`, one sequence). `lengths` None: the study's defaults, each fitted to the
+    model's context (a length asked for past it is refused)."""
+
+    lengths: tuple[int, ...] | None = None
+    depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7)
+    prompts: int = 2
+    seed: int = 0
+    variant: str = "passkey"
+    max_new_tokens: int = 8
+    chunk: int = 32
+    prompt_list: tuple[RetrievalPrompt, ...] | None = None
+
+
+def check_retrieval(cfg, s: RetrievalSettings, default_lengths: Sequence[int]) -> tuple[RetrievalSettings, list[str]]:
+    """The prompts and the perplexity text against a model's config, before it loads (both studies)."""
+    for depth in s.depths:  # nan fails both comparisons
+        if not 0.0 <= depth <= 1.0:
+            raise ValueError(f"--depths {depth:g}: a depth is the fraction of the filler before the needle, "
+                             "between 0 (the start) and 1 (right before the question)")
+    check_int("--prompts", s.prompts, minimum=1)
+    check_int("--new-tokens", s.max_new_tokens, minimum=1)
+    check_int("--seed", s.seed, minimum=0)
+    if s.variant not in VARIANTS:
+        raise ValueError(f"unknown retrieval task {s.variant!r}; choose from {', '.join(VARIANTS)}")
+    notes, room = [], cfg.n_ctx - s.max_new_tokens
+    lengths = s.lengths
+    if lengths is None:
+        lengths = tuple(sorted({min(n, room) for n in default_lengths}))
+        if max(default_lengths) > room:
+            notes.append(fit_note("--lengths", ",".join(map(str, default_lengths)), ",".join(map(str, lengths)),
+                                  cfg.n_ctx) + f" (and {s.max_new_tokens} answer tokens)")
+    for length in lengths:
+        if not 1 <= length <= room:
+            raise ValueError(f"--lengths {length}: prompts plus {s.max_new_tokens} answer tokens must fit this model's "
+                             f"context (n_ctx={cfg.n_ctx}): use lengths up to {room}")
+    check_fits(cfg, 1, max(lengths) + s.max_new_tokens, resolve_device(s.device), what="--lengths")
+    data, note = fit_default(s.data, cfg.n_ctx)
+    notes += [note] if note else []
+    if data.length > cfg.n_ctx:
+        where = f"{data.file}'s rows" if data.file else "--seq-len"
+        raise ValueError(f"the perplexity text of {data.length} tokens ({where}) is longer than this model's context "
+                         f"(n_ctx={cfg.n_ctx}); use --seq-len {cfg.n_ctx} or shorter rows")
+    data.check(cfg.d_vocab)
+    return dataclasses.replace(s, lengths=tuple(lengths), data=data), notes
+
+
+def prompts_of(model, s: RetrievalSettings) -> list[RetrievalPrompt]:
+    if s.prompt_list is not None:
+        return list(s.prompt_list)
+    with as_user_errors(ValueError):  # a tokenizer that cannot hold the prompt: one line
+        return retrieval_prompts(model, s.lengths or DEFAULT_LENGTHS, s.depths, s.prompts, s.seed, variant=s.variant)
+
+
+def prompts_record(prompts: Sequence[RetrievalPrompt]) -> dict:
+    """What settings.json says of the prompts."""
+    return dict(prompts=len(prompts), lengths=sorted({p.length for p in prompts}),
+                depths=sorted({p.depth for p in prompts}))
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class PolicySettings(RetrievalSettings):
+    """policies: comma-separated names (`policy_runs`); `runs` settles them (`PolicyStudy.check`: plus
+    "window" on a model with sliding-window layers when the policies are the default), or gives them."""
+
+    policies: str = DEFAULT_POLICIES
+    runs: tuple[PolicyRun, ...] | None = None
+
+
+class PolicyStudy(Study):
+    """Passkey (or needle) accuracy and perplexity for every policy; writes kv_policies (one row per
+    (policy, length, depth)) and kv_passkey_answers (one row per answer)."""
+
+    name = "kv-policies"
+    title = "KV-cache policies"
+    tables = (Table("kv_policies", (*COLUMNS, "selection_seed", "full_heads")),
+              Table("kv_passkey_answers", ANSWER_COLUMNS))
+
+    def check(self, cfg, s: PolicySettings):
+        runs = list(s.runs) if s.runs is not None else policy_runs(s.policies)
+        s, notes = check_retrieval(cfg, s, DEFAULT_LENGTHS)
+        if s.runs is None and s.policies == DEFAULT_POLICIES and any(w is not None for w in cfg.windows()):
+            runs.insert(1, PolicyRun(WINDOW, WINDOW))  # a windowed model (Gemma): the cache its layers ask for
+        for run_ in runs:  # a window or budget beyond the shortest prompt or the text is refused here
+            for max_len in (min(s.lengths) + s.max_new_tokens, s.data.length):
+                run_.grid_for(cfg, max_len)
+        return dataclasses.replace(s, runs=tuple(runs)), notes
+
+    def measure(self, model, s: PolicySettings, stage):
+        runs = list(s.runs) if s.runs is not None else policy_runs(s.policies)
+        prompts = prompts_of(model, s)
+        answers, cells, summary = measure_runs(model, runs, prompts, s.data.tokens(model), chunk=s.chunk,
+                                               max_new_tokens=s.max_new_tokens, progress_bar=s.progress, stage=stage)
+        return {"kv_policies": cells, "kv_passkey_answers": answers, "_summary": summary, "_runs": runs,
+                "_prompts": prompts}
+
+    def record(self, s: PolicySettings, m) -> dict:
+        prompts = m["_prompts"]
+        cells = max(1, len({(p.length, p.depth) for p in prompts}))
+        return dict(policies=[r.label for r in m["_runs"]], **prompts_record(prompts),
+                    prompts_per_cell=max(1, len(prompts) // cells),
+                    seeds=sorted({p.seed for p in prompts if p.seed is not None}),
+                    variant=sorted({p.variant for p in prompts}), max_new_tokens=s.max_new_tokens,
+                    perplexity_tokens=s.data.length, chunk=s.chunk)
+
+    def sections(self, s: PolicySettings, m, record) -> list[Section]:
+        return policy_sections(s.model, m["kv_policies"], m["_summary"], m["kv_passkey_answers"],
+                               record["data_description"])
 
 
 def run_policy_study(model, out, *, runs: Sequence[PolicyRun], prompts: Sequence[RetrievalPrompt],
                      text_tokens: torch.Tensor, name: str = "model", data_description: str = "",
                      max_new_tokens: int = 8, chunk: int = 32, progress_bar: bool | None = None,
-                     log=print, data_source: dict | None = None) -> Path:
-    """Passkey (or needle) accuracy and perplexity for every run; writes kv_policies.parquet,
-    kv_passkey_answers.parquet, settings.json, report.html / report.md and figures/ into `out` (an
-    `OutputFolder`: only files interp wrote there are ever replaced). Returns the report's path.
+                     log=print, data_source: dict | None = None, force: bool = False) -> Path:
+    """Passkey (or needle) accuracy and perplexity for every run into the folder `out` (`PolicyStudy`
+    through `study.run`: only files interp wrote there are ever replaced). Returns the report's path.
     `data_source` (`sweep_data.data_source`) names the perplexity text by sha256 (settings.json, report)."""
-    folder = OutputFolder(out)
-    folder.check()  # before any heavy work
-    timings = {}
-    answers, cells, summary = measure_runs(model, runs, prompts, text_tokens, max_new_tokens=max_new_tokens,
-                                           chunk=chunk, progress_bar=progress_bar, log=log, timings=timings)
-    settings = dict(model=name, data=data_description, data_source=data_source, policies=[r.label for r in runs],
-                    prompts=len(prompts), prompts_per_cell=max(1, len(prompts) // max(1, len(
-                        {(p.length, p.depth) for p in prompts}))), lengths=sorted({p.length for p in prompts}),
-                    depths=sorted({p.depth for p in prompts}), seeds=sorted({p.seed for p in prompts if p.seed is not None}),
-                    variant=sorted({p.variant for p in prompts}), max_new_tokens=max_new_tokens,
-                    perplexity_tokens=int(text_tokens.shape[1]), chunk=chunk, seconds=timings)
-    sections = policy_sections(name, cells, summary, answers, data_description, timings)
-    if data_source is not None:
-        sections[0].add(source_line(data_source))
-    with folder.writing():
-        folder.claim("kv_policies.parquet", "kv_passkey_answers.parquet", "settings.json")
-        cells.to_parquet(Path(out) / "kv_policies.parquet", index=False)
-        answers.to_parquet(Path(out) / "kv_passkey_answers.parquet", index=False)
-        atomic_write_text(Path(out) / "settings.json", json.dumps(settings, indent=2))
-        return write_document(out, f"KV-cache policies: {name}", sections, folder=folder)
+    settings = PolicySettings(model=name, data=StudyData.given(text_tokens, data_description, data_source),
+                              runs=tuple(runs), prompt_list=tuple(prompts), max_new_tokens=max_new_tokens,
+                              chunk=chunk, progress=progress_bar)
+    return run(PolicyStudy(), model, out, settings, force=force, log=log)
 
 
 def headline(name: str, cells: pd.DataFrame, summary: pd.DataFrame) -> list[str]:
@@ -311,10 +424,9 @@ def headline(name: str, cells: pd.DataFrame, summary: pd.DataFrame) -> list[str]
     return lines
 
 
-def policy_sections(name, cells, summary, answers, data, timings) -> list[Section]:
+def policy_sections(name, cells, summary, answers, data) -> list[Section]:
     s = Section("summary", "Summary").add(*headline(name, cells, summary),
-                                         f"Perplexity on {data}." if data else None,
-                                         "Time: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()) + ".")
+                                         f"Perplexity on {data}." if data else None)
     by_len = (cells.groupby(["policy", "length"], sort=False)[["correct", "n"]].sum().reset_index())
     table = by_len.assign(accuracy=[accuracy_label(c, n) for c, n in zip(by_len["correct"], by_len["n"])]).pivot(
         index="policy", columns="length", values="accuracy")

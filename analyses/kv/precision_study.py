@@ -1,10 +1,10 @@
-"""`interp kv`: the KV-cache compression study of one model, written to a folder.
+"""`interp kv precision`: the KV-cache compression study of one model, a `Study` (`interp.analyses.study`).
 
     kv.parquet        precision, perplexity, loss, loss_diff, bytes_per_token
     kv_heads.parquet  precision, layer, head, kv_head, kl, z_rel_change
     kv_mixed.parquet  k, selection, seed, precision, perplexity, loss, bytes_per_token
     kv_sensitivity.parquet  layer, kv_head, loss, kl, gradient (the three rankings)
-    report.html, report.md, figures/
+    report.html, report.md, figures/, settings.json
 
 Stages (each with a progress bar): uniform precisions; per-head pattern KL; the three sensitivity
 rankings; the mixed-precision caches; head roles from the atlas's analyzers (previous-token and
@@ -13,75 +13,100 @@ induction by detect_head on the same text, sinks by attention to token 0) to say
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import pandas as pd
 import torch
 
+from interp.kernels.kv_quant import check_precision, code_shape
+from interp.models.device import resolve_device
+from interp.models.memory import check_fits
+
 from .. import plots
-from .._common import spearman, stages
-from ..document import Section, head_name, png, write_document
+from .._common import spearman
+from ..document import Section, head_name, png
 from ..heads import detect_heads
-from .precision import head_table, kv_sensitivity, mixed_precision, precision_table, recovered_gap
 from ..sinks import attention_sinks
-from ..store import OutputFolder, atomic_write_text
-from ..sweep_data import source_line
+from ..study import Study, StudyData, StudySettings, Table, fit_default, run
+from .precision import head_table, kv_sensitivity, mixed_precision, precision_table, recovered_gap
 
 KEEP_FRACTIONS = (0.1, 0.2, 0.5)
 
 
-def _write(frame: pd.DataFrame, folder: OutputFolder, name: str) -> None:
-    """`name`.parquet (or .csv without a parquet engine), claimed in `folder` before it is written."""
-    try:
-        import pyarrow  # noqa: F401 - the parquet engine pandas uses here
-    except ImportError:
-        folder.claim(f"{name}.csv")
-        frame.to_csv(folder.path / f"{name}.csv", index=False)
-        return
-    folder.claim(f"{name}.parquet")
-    frame.to_parquet(folder.path / f"{name}.parquet", index=False)
+@dataclass(frozen=True, kw_only=True, eq=False)
+class PrecisionSettings(StudySettings):
+    """precisions: the uniform caches (`interp.kernels.kv_quant.PRECISIONS`); seeds: the random selections
+    per k; sensitivity_tokens: tokens per sequence for the per-KV-head loss and gradient rankings."""
+
+    precisions: tuple[str, ...] = ("fp32", "int8", "fp8", "int4")
+    seeds: tuple[int, ...] = (0, 1, 2)
+    sensitivity_tokens: int = 1024
+
+
+class PrecisionStudy(Study):
+    name = "kv-precision"
+    title = "KV-cache compression"
+    tables = (Table("kv", ("precision", "perplexity", "loss", "loss_diff", "bytes_per_token")),
+              Table("kv_heads", ("precision", "layer", "head", "kv_head", "kl", "z_rel_change")),
+              Table("kv_mixed", ("k", "selection", "seed", "precision", "perplexity", "loss", "bytes_per_token")),
+              Table("kv_sensitivity", ("layer", "kv_head", "loss", "kl", "gradient")))
+
+    def check(self, cfg, s: PrecisionSettings):
+        precisions = tuple(check_precision(p) for p in s.precisions)
+        if not precisions:
+            raise ValueError("--precisions is empty")
+        data, note = fit_default(s.data, cfg.n_ctx)
+        if data.length > cfg.n_ctx:
+            raise ValueError(f"sequences of {data.length} tokens are longer than this model's context "
+                             f"(n_ctx={cfg.n_ctx}); use --seq-len {cfg.n_ctx} or shorter rows")
+        for p in precisions:
+            code_shape(p, cfg.head_dim)  # int4 with an odd d_head fails here, as the cache would
+        data.check(cfg.d_vocab)
+        check_fits(cfg, data.rows, data.length, resolve_device(s.device))
+        return dataclasses.replace(s, precisions=precisions, data=data), [note] if note else []
+
+    def measure(self, model, s: PrecisionSettings, stage):
+        tokens = s.data.tokens(model)
+        table = stage("uniform precisions", lambda: precision_table(model, tokens, s.precisions, s.progress))
+        quantized = [p for p in s.precisions if p not in ("fp32",)]
+        heads = stage("per-head pattern KL", lambda: head_table(model, tokens, quantized or ("int4",)))
+        sens_tokens = tokens[:, :s.sensitivity_tokens]
+        # the int4 KLs just computed serve the kl ranking when it is measured on the same tokens
+        reuse = heads if "int4" in set(heads["precision"]) and sens_tokens.shape == tokens.shape else None
+        sens = stage("sensitivity rankings", lambda: kv_sensitivity(model, sens_tokens, reuse, "int4", s.progress))
+        n_kv = model.cfg.n_layers * model.cfg.kv_heads
+        ks = sorted({max(1, round(f * n_kv)) for f in KEEP_FRACTIONS})
+        mixed = stage("mixed precision", lambda: mixed_precision(model, tokens, sens, ks, seeds=s.seeds, uniform=(),
+                                                                progress_bar=s.progress))
+        uniform = table.assign(k=[n_kv if p == "fp32" else 0 for p in table["precision"]], selection="uniform", seed=-1)
+        mixed = pd.concat([uniform[mixed.columns], mixed], ignore_index=True)
+        roles = stage("head roles", lambda: _roles(model, tokens))
+        return {"kv": table, "kv_heads": heads, "kv_mixed": mixed, "kv_sensitivity": sens, "_roles": roles,
+                "_ks": ks, "_n_kv": n_kv, "_tokens": list(tokens.shape), "_sensitivity_tokens": int(sens_tokens.shape[1])}
+
+    def record(self, s: PrecisionSettings, m) -> dict:
+        return dict(precisions=list(s.precisions), tokens=m["_tokens"], seeds=list(s.seeds),
+                    sensitivity_tokens=m["_sensitivity_tokens"], ks=m["_ks"])
+
+    def sections(self, s: PrecisionSettings, m, record) -> list[Section]:
+        return _sections(s.model, m["kv"], m["kv_heads"], m["kv_mixed"], m["kv_sensitivity"], m["_roles"], m["_ks"],
+                         m["_n_kv"], record["data_description"])
 
 
 def run_study(model, tokens, out, *, precisions: Sequence[str] = ("fp32", "int8", "fp8", "int4"),
               name: str = "model", data_description: str = "", seeds=(0, 1, 2), sensitivity_tokens: int = 1024,
-              progress_bar: bool | None = None, log=print, data_source: dict | None = None) -> Path:
-    """The precision study into the folder `out`, written through `OutputFolder` (checked before any
-    work; only files interp wrote there are ever replaced). Returns the report's path. `data_source`
-    (`sweep_data.data_source`) names the text by sha256 in settings.json and the report."""
-    out = Path(out)
-    folder = OutputFolder(out)
-    folder.check()
-    timings = {}
-    stage = stages(timings, log)
-
-    table = stage("uniform precisions", lambda: precision_table(model, tokens, precisions, progress_bar))
-    quantized = [p for p in precisions if p not in ("fp32",)]
-    heads = stage("per-head pattern KL", lambda: head_table(model, tokens, quantized or ("int4",)))
-    sens_tokens = tokens[:, :sensitivity_tokens]
-    # the int4 KLs just computed serve the kl ranking when it is measured on the same tokens
-    reuse = heads if "int4" in set(heads["precision"]) and sens_tokens.shape == tokens.shape else None
-    sens = stage("sensitivity rankings", lambda: kv_sensitivity(model, sens_tokens, reuse, "int4", progress_bar))
-    n_kv = model.cfg.n_layers * model.cfg.kv_heads
-    ks = sorted({max(1, round(f * n_kv)) for f in KEEP_FRACTIONS})
-    mixed = stage("mixed precision", lambda: mixed_precision(model, tokens, sens, ks, seeds=seeds, uniform=(),
-                                                            progress_bar=progress_bar))
-    uniform = table.assign(k=[n_kv if p == "fp32" else 0 for p in table["precision"]], selection="uniform", seed=-1)
-    mixed = pd.concat([uniform[mixed.columns], mixed], ignore_index=True)
-    roles = stage("head roles", lambda: _roles(model, tokens))
-    sections = _sections(name, table, heads, mixed, sens, roles, ks, n_kv, data_description, timings)
-    if data_source is not None:
-        sections[0].add(source_line(data_source))
-    with folder.writing():
-        for frame, file in ((table, "kv"), (heads, "kv_heads"), (mixed, "kv_mixed"), (sens, "kv_sensitivity")):
-            _write(frame, folder, file)
-        folder.claim("settings.json")
-        atomic_write_text(out / "settings.json", json.dumps(dict(
-            model=name, data=data_description, data_source=data_source, precisions=list(precisions), tokens=list(tokens.shape),
-            seeds=list(seeds), sensitivity_tokens=int(sens_tokens.shape[1]), ks=ks, seconds=timings), indent=2))
-        return write_document(out, f"KV-cache compression: {name}", sections, folder=folder)
+              progress_bar: bool | None = None, log=print, data_source: dict | None = None, force: bool = False) -> Path:
+    """The precision study of `model` on `tokens` [batch, pos] into the folder `out` (`study.run`: checked
+    before any work; only files interp wrote there are ever replaced). Returns the report's path.
+    `data_source` (`sweep_data.data_source`) names the text by sha256 in settings.json and the report."""
+    settings = PrecisionSettings(model=name, data=StudyData.given(tokens, data_description, data_source),
+                                 precisions=tuple(precisions), seeds=tuple(seeds),
+                                 sensitivity_tokens=sensitivity_tokens, progress=progress_bar)
+    return run(PrecisionStudy(), model, out, settings, force=force, log=log)
 
 
 def _roles(model, tokens) -> dict:
@@ -94,9 +119,8 @@ def _roles(model, tokens) -> dict:
             "sink": top(sinks[sinks.key == 0], "alpha")}
 
 
-def _sections(name, table, heads, mixed, sens, roles, ks, n_kv, data, timings) -> list[Section]:
+def _sections(name, table, heads, mixed, sens, roles, ks, n_kv, data) -> list[Section]:
     summary = Section("summary", "Summary")
-    full = table[table["precision"] == "fp32"]
     rows = "; ".join(f"{r.precision} {r.perplexity:.3f} ({r.bytes_per_token:,.0f} B/token)" for r in table.itertuples())
     ten = min(ks, key=lambda k: abs(k - 0.1 * n_kv))
     gap = recovered_gap(mixed, ten)
@@ -105,8 +129,7 @@ def _sections(name, table, heads, mixed, sens, roles, ks, n_kv, data, timings) -
                 (f"Keeping {ten} of {n_kv} KV heads ({ten / n_kv:.0%}) in fp32 and the rest in int4, the {best} ranking "
                  f"recovers {gap[best]:.0%} of the int4 -> fp32 loss gap (kl {gap.get('kl', math.nan):.0%}, loss "
                  f"{gap.get('loss', math.nan):.0%}, gradient {gap.get('gradient', math.nan):.0%}, random "
-                 f"{gap.get('random', math.nan):.0%} on average over seeds).") if best else None,
-                "Time per stage: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()) + ".")
+                 f"{gap.get('random', math.nan):.0%} on average over seeds).") if best else None)
     uni = Section("precisions", "Uniform precisions").add(
         "Every KV head in one precision: perplexity (exp of the mean next-token loss), the loss change from fp32, "
         "and the bytes per token the cache holds (codes and float32 scales, keys and values, all layers).",

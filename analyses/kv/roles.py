@@ -15,7 +15,7 @@ Scores
                increase of the next-token loss over the positions past sinks + window (the only ones
                the window changes) of real text; one batched forward per layer from the cached
                residual stream (batch block g streams KV head g), as the KV study's loss ranking.
-    gate       DuoAttention's trained gates (`analyses/gates.py`), when given.
+    gate       DuoAttention's trained gates (`analyses/kv/gates.py`), when given.
 
 Per KV head (GQA): the max over the query heads that share it (`<score>` columns), and the mean
 (`<score>_mean`); selections rank by the max.
@@ -200,10 +200,10 @@ def check_selection(names: Sequence[str], fractions: Sequence[float], n_kv: int)
         raise BadValue(f"unknown selection {', '.join(unknown)}; choose from {', '.join(RANKINGS)}")
     for f in fractions:
         if not (isinstance(f, (int, float)) and 0 < f <= 1):
-            raise BadValue(f"a budget is a fraction of the KV heads in (0, 1], got {f}")
+            raise BadValue(f"a share of KV heads kept full is a fraction of the KV heads in (0, 1], got {f}")
     too_few = [f for f in fractions if round(f * n_kv) < 1]
     if too_few:
-        raise BadValue(f"a budget of {too_few[0]} of {n_kv} KV heads keeps none: use at least {1 / n_kv:.3f}")
+        raise BadValue(f"a fraction of {too_few[0]} of {n_kv} KV heads keeps none: use at least {1 / n_kv:.3f}")
 
 
 def selection_runs(rankings: Mapping[str, pd.Series], n_layers: int, kv_heads: int, *, fractions: Sequence[float],
@@ -221,11 +221,11 @@ def selection_runs(rankings: Mapping[str, pd.Series], n_layers: int, kv_heads: i
                 for seed in seeds:
                     keep = random.Random(f"random:{seed}:{k}").sample(every, k)
                     runs.append(PolicyRun(f"random#{seed} {k}/{n_kv}", {h: "full" for h in keep}, default=stream,
-                                          selection="random", budget=f, seed=seed, full_heads=k))
+                                          selection="random", full_fraction=f, seed=seed, full_heads=k))
                 continue
             order = scores.sort_values(ascending=False, kind="stable").index[:k]
             runs.append(PolicyRun(f"{name} {k}/{n_kv}", {(int(l), int(g)): "full" for l, g in order}, default=stream,
-                                  selection=name, budget=f, full_heads=k))
+                                  selection=name, full_fraction=f, full_heads=k))
     return runs
 
 
@@ -244,7 +244,8 @@ def equal_bytes_runs(fractions: Sequence[float], lengths: Sequence[int], *, sink
         for length in lengths:
             b = equal_bytes_budget(f, length, sinks, window)
             name = f"{method}({b})"
-            runs.append(PolicyRun(f"{name} ~{f:g}@{length}", name, selection=method, budget=f, lengths=(length,)))
+            runs.append(PolicyRun(f"{name} ~{f:g}@{length}", name, selection=method, tokens_per_head=b, full_fraction=f,
+                                  lengths=(length,)))
     return runs
 
 

@@ -1,31 +1,37 @@
-"""`interp kv MODEL --task passkey --select retrieval,razor,loss,gates,random`: head roles compiled
-into cache policies, side by side on one budget.
+"""`interp kv select MODEL --rankings retrieval,razor,loss,gates,random`: head roles compiled into
+cache policies, side by side at equal shares of the KV heads kept full (`RolesStudy`).
 
-Stages (each with a progress bar): score the heads (`head_roles`: retrieval on scoring prompts drawn
+Stages (each with a progress bar): score the heads (`roles`: retrieval on scoring prompts drawn
 from another seed than the evaluation's, RazorAttention's echo and induction, the streaming loss of
 each KV head, DuoAttention's gates); build the selections (top-k KV heads full, the rest
 streaming(sinks, window), k at each fraction of the KV heads, against random draws and SnapKV at the
 same bytes); measure every selection's passkey accuracy, perplexity and bytes per token
-(`kv_policies`). Writes kv_policies.parquet, kv_head_roles.parquet (one row per query head, the KV
+(`policies`). Writes kv_policies.parquet, kv_head_roles.parquet (one row per query head, the KV
 head's scores beside it), kv_passkey_answers.parquet, kv_gates_curve.parquet (when gates are
 trained), settings.json, report.html / report.md and figures/.
 """
 
 from __future__ import annotations
 
-import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import pandas as pd
 import torch
 
+from interp.models.errors import check_int, check_real
+from interp.models.kv.policies import Streaming
+
 from .. import plots
 from .._common import stages
-from ..document import Section, head_name, png, write_document
+from ..document import Section, head_name, png
+from ..study import StudyData, Study, Table, run
 from .gates import gate_table, train_gates
 from .roles import (
+    check_selection,
+    equal_bytes_budget,
     equal_bytes_runs,
     kv_roles,
     loss_scores,
@@ -36,10 +42,18 @@ from .roles import (
     selection_runs,
     share_above,
 )
-from .policies import PolicyRun, measure_runs, policy_sections
+from .policies import (
+    ANSWER_COLUMNS,
+    COLUMNS,
+    PolicyRun,
+    RetrievalSettings,
+    check_retrieval,
+    measure_runs,
+    policy_sections,
+    prompts_of,
+    prompts_record,
+)
 from ..sinks import attention_sinks
-from ..store import OutputFolder, atomic_write_text
-from ..sweep_data import source_line
 from .tasks import RetrievalPrompt, accuracy_label, retrieval_prompts
 
 SCORING_SEED_OFFSET = 1000
@@ -49,6 +63,7 @@ SCORING_SEED_OFFSET = 1000
 # also computes its target): 32 steps, about 2 minutes, stay within the 150 s the time budget used to give.
 # `gate_seconds` remains, as a cap only (the report says when it cut training).
 GATE_STEPS = 32
+SELECT_LENGTHS = (1024,)  # prompt lengths of `interp kv select` (fitted to a shorter model's context)
 LOSS_TOKENS = 1024  # the streaming-loss ranking reads the text's first 1024 tokens (892 past sinks + window 128)  # scoring prompts: keys drawn from seed + 1000, never an evaluation key
 
 
@@ -74,10 +89,9 @@ def scoring_prompts(model, eval_prompts: Sequence[RetrievalPrompt], n: int, seed
 
 def score_heads(model, prompts: Sequence[RetrievalPrompt], text: torch.Tensor, selections: Sequence[str], *,
                 sinks: int, window: int, n_scoring: int, seed: int, gate_seconds: float, gate_steps: int,
-                progress_bar=None, log=print, timings: dict | None = None):
-    """(query-head table, KV-head table, gate curve or None)."""
-    timings = {} if timings is None else timings
-    stage = stages(timings, log)
+                progress_bar=None, stage: Callable | None = None):
+    """(query-head table, KV-head table, gate curve or None). `stage`: a study's stage timer (`study.run`)."""
+    stage = stage or stages({})
 
     scoring = scoring_prompts(model, prompts, n_scoring, seed)
     query = stage("retrieval scores", lambda: retrieval_scores(model, scoring, progress_bar=progress_bar))
@@ -106,67 +120,120 @@ def score_heads(model, prompts: Sequence[RetrievalPrompt], text: torch.Tensor, s
     return query, roles, curve
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class RolesSettings(RetrievalSettings):
+    """selections: rankings from `roles.RANKINGS` (and "random"); fractions: of the KV heads kept full;
+    selection_seeds: random draws per fraction; the rest of the heads streaming(sinks, window); n_scoring:
+    prompts that score retrieval heads (keys from another seed); DuoAttention's gates trained for
+    `gate_steps` (capped at `gate_seconds` when given); `equal_bytes`: SnapKV (or H2O) on every head at
+    each selection's bytes (None: not compared)."""
+
+    selections: tuple[str, ...] = ("retrieval", "razor", "loss", "gates", "random")
+    fractions: tuple[float, ...] = (0.1, 0.25, 0.5)
+    selection_seeds: tuple[int, ...] = (0, 1, 2)
+    sinks: int = 4
+    window: int = 128
+    n_scoring: int = 6
+    gate_seconds: float | None = None
+    gate_steps: int = GATE_STEPS
+    equal_bytes: str | None = "snapkv"
+
+
+class RolesStudy(Study):
+    """Head roles compiled into cache policies, side by side at equal shares of KV heads kept full."""
+
+    name = "kv-roles"
+    title = "Head roles and KV-cache policies"
+    tables = (Table("kv_policies", (*COLUMNS, "selection_seed", "full_heads")),
+              Table("kv_head_roles", ("layer", "head", "kv_head", "retrieval", "echo", "induction", "razor", "sink")),
+              Table("kv_passkey_answers", ANSWER_COLUMNS),
+              Table("kv_gates_curve", ("step", "total", "distill", "l1", "mean_gate", "seconds"), optional=True))
+
+    def check(self, cfg, s: RolesSettings):
+        check_selection(s.selections, s.fractions, 10**9)  # names and (0, 1]; k checked with the model's heads below
+        check_int("--selection-seeds", len(s.selection_seeds), minimum=1)
+        check_int("--scoring-prompts", s.n_scoring, minimum=1)
+        check_int("--gate-steps", s.gate_steps, minimum=1)
+        if s.gate_seconds is not None:
+            check_real("--gate-seconds", s.gate_seconds, minimum=0.0, strict=True)
+        s, notes = check_retrieval(cfg, s, SELECT_LENGTHS)
+        check_selection(s.selections, s.fractions, cfg.n_layers * cfg.kv_heads)
+        stream = PolicyRun("streaming", Streaming(s.sinks, s.window))
+        for max_len in (min(s.lengths) + s.max_new_tokens, s.data.length):
+            stream.grid_for(cfg, max_len)
+        if s.equal_bytes:  # SnapKV at the selections' bytes: its budget must fit the perplexity text too
+            need = max(equal_bytes_budget(f, n, s.sinks, s.window) for f in s.fractions for n in s.lengths)
+            if need > s.data.length:
+                raise ValueError(f"--select compares SnapKV at the selections' bytes, {need} tokens per head at the "
+                                 f"longest length and largest fraction, more than the {s.data.length}-token perplexity "
+                                 f"text holds: pass --seq-len {need} or more, or shorter --lengths or smaller "
+                                 "--fractions")
+        return s, notes
+
+    def measure(self, model, s: RolesSettings, stage):
+        prompts = prompts_of(model, s)
+        text = s.data.tokens(model)
+        query, roles, curve = score_heads(model, prompts, text, s.selections, sinks=s.sinks, window=s.window,
+                                          n_scoring=s.n_scoring, seed=s.seed, gate_seconds=s.gate_seconds,
+                                          gate_steps=s.gate_steps, progress_bar=s.progress, stage=stage)
+        cfg = model.cfg
+        rankings = {name: (None if name == "random" else ranking(roles, name)) for name in s.selections}
+        stream = f"streaming({s.sinks},{s.window})"
+        runs = [PolicyRun("full", "full", selection="full", full_fraction=1.0, full_heads=cfg.n_layers * cfg.kv_heads),
+                PolicyRun(stream, stream, selection="streaming", tokens_per_head=s.sinks + s.window, full_fraction=0.0,
+                          full_heads=0)]
+        runs += selection_runs(rankings, cfg.n_layers, cfg.kv_heads, fractions=s.fractions, seeds=s.selection_seeds,
+                               sinks=s.sinks, window=s.window)
+        if s.equal_bytes:
+            runs += equal_bytes_runs(s.fractions, sorted({p.length for p in prompts}), sinks=s.sinks, window=s.window,
+                                     method=s.equal_bytes)
+        answers, cells, summary = measure_runs(model, runs, prompts, text, max_new_tokens=s.max_new_tokens,
+                                               chunk=s.chunk, progress_bar=s.progress, stage=stage)
+        head_table = query.merge(roles.drop(columns=[c for c in roles.columns if c.endswith("_mean")] +
+                                            [c for c in ("retrieval", "echo", "induction", "razor") if c in roles.columns]),
+                                 on=["layer", "kv_head"], how="left")
+        return {"kv_policies": cells, "kv_head_roles": head_table, "kv_passkey_answers": answers,
+                "kv_gates_curve": curve, "_query": query, "_roles": roles, "_summary": summary, "_prompts": prompts}
+
+    def record(self, s: RolesSettings, m) -> dict:
+        curve = m["kv_gates_curve"]
+        return dict(selections=list(s.selections), fractions=list(s.fractions), seeds=list(s.selection_seeds),
+                    sinks=s.sinks, window=s.window, n_scoring=s.n_scoring, seed=s.seed, gate_steps=s.gate_steps,
+                    gate_seconds=s.gate_seconds, gate_steps_done=None if curve is None else len(curve),
+                    equal_bytes=s.equal_bytes, **prompts_record(m["_prompts"]), max_new_tokens=s.max_new_tokens)
+
+    def sections(self, s: RolesSettings, m, record) -> list[Section]:
+        cells, summary = m["kv_policies"], m["_summary"]
+        sections = roles_sections(s.model, cells, summary, m["_query"], m["_roles"], m["kv_gates_curve"], s.sinks,
+                                  s.window, gate_steps=s.gate_steps, gate_seconds=s.gate_seconds)
+        return sections + policy_sections(s.model, cells, summary, m["kv_passkey_answers"],
+                                          record["data_description"])[1:]
+
+
 def run_roles_study(model, out, *, prompts: Sequence[RetrievalPrompt], text_tokens: torch.Tensor,
                     selections: Sequence[str] = ("retrieval", "razor", "loss", "gates", "random"),
                     fractions: Sequence[float] = (0.1, 0.25, 0.5), seeds: Sequence[int] = (0, 1, 2), sinks: int = 4,
                     window: int = 128, n_scoring: int = 6, seed: int = 0, gate_seconds: float | None = None,
                     gate_steps: int = GATE_STEPS, equal_bytes: str | None = "snapkv", name: str = "model",
                     data_description: str = "", max_new_tokens: int = 8, progress_bar=None, log=print,
-                    data_source: dict | None = None) -> Path:
-    folder = OutputFolder(out)
-    folder.check()
-    timings: dict[str, float] = {}
-    query, roles, curve = score_heads(model, prompts, text_tokens, selections, sinks=sinks, window=window,
-                                      n_scoring=n_scoring, seed=seed, gate_seconds=gate_seconds, gate_steps=gate_steps,
-                                      progress_bar=progress_bar, log=log, timings=timings)
-    cfg = model.cfg
-    rankings = {s: (None if s == "random" else ranking(roles, s)) for s in selections}
-    stream = f"streaming({sinks},{window})"
-    runs = [PolicyRun("full", "full", selection="full", budget=1.0, full_heads=cfg.n_layers * cfg.kv_heads),
-            PolicyRun(stream, stream, budget=0.0, selection="streaming", full_heads=0)]
-    runs += selection_runs(rankings, cfg.n_layers, cfg.kv_heads, fractions=fractions, seeds=seeds, sinks=sinks,
-                           window=window)
-    if equal_bytes:
-        runs += equal_bytes_runs(fractions, sorted({p.length for p in prompts}), sinks=sinks, window=window,
-                                 method=equal_bytes)
-    answers, cells, summary = measure_runs(model, runs, prompts, text_tokens, max_new_tokens=max_new_tokens,
-                                           progress_bar=progress_bar, log=log, timings=timings)
-    head_table = query.merge(roles.drop(columns=[c for c in roles.columns if c.endswith("_mean")] +
-                                        [c for c in ("retrieval", "echo", "induction", "razor") if c in roles.columns]),
-                             on=["layer", "kv_head"], how="left")
-    settings = dict(model=name, data=data_description, data_source=data_source, selections=list(selections), fractions=list(fractions),
-                    seeds=list(seeds), sinks=sinks, window=window, n_scoring=n_scoring, seed=seed,
-                    gate_steps=gate_steps, gate_seconds=gate_seconds,
-                    gate_steps_done=None if curve is None else len(curve), equal_bytes=equal_bytes, prompts=len(prompts),
-                    lengths=sorted({p.length for p in prompts}), depths=sorted({p.depth for p in prompts}),
-                    max_new_tokens=max_new_tokens, seconds=timings)
-    sections = roles_sections(name, cells, summary, query, roles, curve, sinks, window, timings,
-                              gate_steps=gate_steps, gate_seconds=gate_seconds)
-    sections += policy_sections(name, cells, summary, answers, data_description, timings)[1:]
-    if data_source is not None:
-        sections[0].add(source_line(data_source))
-    with folder.writing():
-        files = ["kv_policies.parquet", "kv_head_roles.parquet", "kv_passkey_answers.parquet", "settings.json"]
-        if curve is not None:
-            files.append("kv_gates_curve.parquet")
-        folder.claim(*files)
-        cells.to_parquet(Path(out) / "kv_policies.parquet", index=False)
-        head_table.to_parquet(Path(out) / "kv_head_roles.parquet", index=False)
-        answers.to_parquet(Path(out) / "kv_passkey_answers.parquet", index=False)
-        if curve is not None:
-            curve.to_parquet(Path(out) / "kv_gates_curve.parquet", index=False)
-        atomic_write_text(Path(out) / "settings.json", json.dumps(settings, indent=2))
-        return write_document(out, f"Head roles and KV-cache policies: {name}", sections, folder=folder)
+                    data_source: dict | None = None, force: bool = False) -> Path:
+    """`RolesStudy` on prompts built already into the folder `out` (`study.run`). Returns the report's path."""
+    settings = RolesSettings(model=name, data=StudyData.given(text_tokens, data_description, data_source),
+                             prompt_list=tuple(prompts), selections=tuple(selections), fractions=tuple(fractions),
+                             selection_seeds=tuple(seeds), sinks=sinks, window=window, n_scoring=n_scoring, seed=seed,
+                             gate_seconds=gate_seconds, gate_steps=gate_steps, equal_bytes=equal_bytes,
+                             max_new_tokens=max_new_tokens, progress=progress_bar)
+    return run(RolesStudy(), model, out, settings, force=force, log=log)
 
 
 def selection_table(cells: pd.DataFrame) -> pd.DataFrame:
-    """One row per (selection, budget, length): passkey correct / n (random: summed over seeds, and
+    """One row per (selection, full_fraction, length): passkey correct / n (random: summed over seeds, and
     the best and worst seed), mean bytes per token."""
     sel = cells[cells["selection"].notna()]
     rows = []
-    for (s, b, length), part in sel.groupby(["selection", "budget", "length"], dropna=False, sort=False):
+    for (s, f, length), part in sel.groupby(["selection", "full_fraction", "length"], dropna=False, sort=False):
         per_run = part.groupby("policy")[["correct", "n"]].sum()
-        row = dict(selection=s, budget=b, length=length, correct=int(per_run["correct"].sum()),
+        row = dict(selection=s, full_fraction=f, length=length, correct=int(per_run["correct"].sum()),
                    n=int(per_run["n"].sum()), bytes_per_token=float(part["bytes_per_token"].mean()),
                    runs=len(per_run))
         row["best_run"] = int(per_run["correct"].max())
@@ -187,16 +254,16 @@ def roles_headline(name, cells, roles, query, sinks, window) -> list[str]:
         fk, fn = int(f["correct"].iloc[0]), int(f["n"].iloc[0])
         here = table[table["length"] == length]
         parts, enough = [], None
-        for budget in sorted(here[here["selection"].isin(RANKED)]["budget"].unique()):
-            at = here[(here["budget"] == budget) & here["selection"].isin(RANKED)]
+        for share in sorted(here[here["selection"].isin(RANKED)]["full_fraction"].unique()):
+            at = here[(here["full_fraction"] == share) & here["selection"].isin(RANKED)]
             top = int(at["best_run"].max())
             best = ", ".join(at[at["best_run"] == top]["selection"])
             n = int(at["n_per_run"].max())
-            rnd = here[(here["selection"] == "random") & (here["budget"] == budget)]
+            rnd = here[(here["selection"] == "random") & (here["full_fraction"] == share)]
             rnd_text = (f"; random {int(rnd['worst_run'].iloc[0])}-{int(rnd['best_run'].iloc[0])}") if len(rnd) else ""
-            parts.append(f"{budget:.0%}: {best} {accuracy_label(top, n)}{rnd_text}")
+            parts.append(f"{share:.0%}: {best} {accuracy_label(top, n)}{rnd_text}")
             if enough is None and fk and top >= 0.8 * fk * n / fn:
-                enough = (budget, best, top, n)
+                enough = (share, best, top, n)
         lines.append(f"At {length} tokens the full cache finds {accuracy_label(fk, fn)} keys and every head "
                      f"streaming({sinks},{window}) {_stream_count(table, length)}. Best ranking per share of KV heads "
                      f"kept full (random draws: worst-best seed): " + "; ".join(parts) + ".")
@@ -234,20 +301,18 @@ def gate_cut(curve: pd.DataFrame | None, gate_steps: int | None, gate_seconds: f
             "cap for gates that are the same on any machine.")
 
 
-def roles_sections(name, cells, summary, query, roles, curve, sinks, window, timings, *, gate_steps=None,
+def roles_sections(name, cells, summary, query, roles, curve, sinks, window, *, gate_steps=None,
                    gate_seconds=None) -> list[Section]:
     cut = gate_cut(curve, gate_steps, gate_seconds)
-    s = Section("summary", "Summary").add(
-        *roles_headline(name, cells, roles, query, sinks, window), cut,
-        "Time: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()) + ".")
+    s = Section("summary", "Summary").add(*roles_headline(name, cells, roles, query, sinks, window), cut)
     sel = selection_table(cells)
     sel = sel.assign(passkey=[accuracy_label(c, n) for c, n in zip(sel["correct"], sel["n"])],
                      bytes_per_token=sel["bytes_per_token"].round(0).astype(int))
-    table = Section("selections", "Selections at equal budget").add(
+    table = Section("selections", "Selections at equal shares of KV heads kept full").add(
         f"Top-k KV heads by each ranking kept full, the rest streaming({sinks},{window}); random: k heads per seed "
         "(passkey summed over seeds; best_run / worst_run are single seeds); SnapKV on every head with the per-head "
         "budget of the same bytes per token. Accuracy as k of n.",
-        sel[["selection", "budget", "length", "passkey", "best_run", "worst_run", "n_per_run", "bytes_per_token"]],
+        sel[["selection", "full_fraction", "length", "passkey", "best_run", "worst_run", "n_per_run", "bytes_per_token"]],
         png(plots.selection_curves(sel), "kv_selections.png"))
     cols = [c for c in ("retrieval", "echo", "induction", "razor", "sink") if c in query.columns]
     top = query.nlargest(10, "retrieval")[["layer", "head", "kv_head", *cols]]

@@ -7,18 +7,25 @@ from typing import Callable
 
 import pandas as pd
 
-from ..heads import detect_heads
+from ..atlas_pass import AtlasPass, atlas_pass
 from .base import Analysis, Context, Metric, per_head, register
 
 DETECT_KINDS = ("previous_token", "duplicate_token", "induction")
+SINK_EPSILON = 0.3  # the sinks analysis's epsilon (its PARAMS), for the pass it shares
+
+
+def shared_pass(ctx: Context) -> AtlasPass:
+    """The checkpoint's one streaming pass (`interp.analyses.atlas_pass`): the three detection kinds, the
+    sinks' alpha_0 and the final residual stream (for the ICL score), computed once for every adapter
+    that reads them (detection, induction, sinks)."""
+    return ctx.once("atlas_pass", lambda: atlas_pass(ctx.model, ctx.tokens, DETECT_KINDS, epsilon=SINK_EPSILON))
 
 
 def detect(kind: str) -> Callable[[Context], pd.DataFrame]:
-    """One kind of `detect_heads`; the three kinds share one streaming pass per checkpoint."""
+    """One kind of `detect_heads`; the three kinds share one streaming pass per checkpoint (with sinks)."""
 
     def run(ctx: Context) -> pd.DataFrame:
-        frame = ctx.once("detect_heads", lambda: detect_heads(ctx.model, ctx.tokens, kinds=DETECT_KINDS,
-                                                               method="auto"))
+        frame = shared_pass(ctx).detect
         return per_head(frame[frame["kind"] == kind], "score", kind)
 
     return run

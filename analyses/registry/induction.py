@@ -17,7 +17,7 @@ import pandas as pd
 from .. import plots
 from ..heads import icl_score, induction_scores
 from .base import Analysis, Context, Metric, ReportSection, RunView, concat, metrics, model_rows, per_head, per_model, register
-from .detection import detect, detect_metric
+from .detection import detect, detect_metric, shared_pass
 
 PARAMS = MappingProxyType(dict(method="auto", seq_len=50, n_repeats=2, batch_size=10, seed=0,
                                prepend_bos=True, icl_early=50, icl_late=None))
@@ -40,7 +40,8 @@ def run(ctx: Context) -> pd.DataFrame:
     found = detect("induction")(ctx)
     scores = olsson(ctx)
     early = min(p["icl_early"], ctx.tokens.shape[1] // 4)  # short sequences: an early token still early
-    icl = icl_score(ctx.model, ctx.tokens, early=early, late=p["icl_late"]).iloc[0]  # raises beyond the data
+    icl = icl_score(ctx.model, ctx.tokens, early=early, late=p["icl_late"],  # raises beyond the data
+                    resid=shared_pass(ctx).resid).iloc[0]  # the detection pass's forward, where it streamed
     return concat(
         found,
         per_head(scores[scores["kind"] == "induction"], "score", "induction_score"),

@@ -1,4 +1,4 @@
-"""retrieval: Wu et al.'s retrieval score per head (`analyses/head_roles.py`): while the model greedily
+"""retrieval: Wu et al.'s retrieval score per head (`analyses/kv/roles.py`): while the model greedily
 decodes the pass key of seeded passkey prompts built for its own tokenizer (not the sweep data: the
 score needs the model to copy a key), a head scores when its top-1 attention lands on the very needle
 token being copied; hits / tokens copied. Opt-in (`--analyses ...,retrieval`): it adds the
@@ -49,5 +49,6 @@ def run(ctx: Context) -> pd.DataFrame:
 register(Analysis(
     "retrieval", run, "retrieval heads (Wu et al. 2024): top-1 attention on the needle token being copied while "
     "decoding a pass key", PARAMS, expensive=True,
-    metrics=(Metric("retrieval", "head", "head_roles.retrieval_scores on seeded passkey prompts (keys from seed 1000)",
+    metrics=(Metric("retrieval", "head",
+                    "interp.analyses.kv.roles.retrieval_scores on seeded passkey prompts (keys from seed 1000)",
                     label="retrieval (passkey copying)", heatmap=True, headline=True),)))

@@ -10,12 +10,15 @@ from .. import plots
 from ..sinks import attention_sinks, sink_rate
 from ..document import head_name
 from .base import Analysis, Context, Metric, ReportSection, RunView, concat, per_head, per_model, register, rows
+from .detection import SINK_EPSILON, shared_pass
 
-PARAMS = MappingProxyType(dict(n_sink=1, epsilon=0.3))
+PARAMS = MappingProxyType(dict(n_sink=1, epsilon=SINK_EPSILON))
 
 
 def run(ctx: Context) -> pd.DataFrame:
-    frame = attention_sinks(ctx.model, ctx.tokens, n_sink=PARAMS["n_sink"], epsilon=PARAMS["epsilon"])
+    frame = shared_pass(ctx).sinks  # the head detectors' streaming pass, where it streamed
+    if frame is None:
+        frame = attention_sinks(ctx.model, ctx.tokens, n_sink=PARAMS["n_sink"], epsilon=PARAMS["epsilon"])
     first = frame[frame["key"] == 0]
     rates = sink_rate(frame)
     rates = rates[rates["key"] == 0]

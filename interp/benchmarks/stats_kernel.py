@@ -1,4 +1,18 @@
-"""Benchmark: head statistics from a materialised pattern vs the streaming kernels.
+"""Benchmark: head statistics against the attention forward they instrument, and against a materialised pattern.
+
+    interp bench --sections stats_kernel                          # the layer table (below)
+    interp bench --sections stats_kernel --long-seqs 4096,16384
+
+The section (`section`): per layer shape and length, side by side in one process, interleaved round by
+round (`timing.compare_times`, medians): the layer's fused attention forward (`fused_attention`, SDPA;
+a windowed layer in bands, as the model runs it), the statistics by the fused route (all seven, and
+without `max`, whose row-max pass is the only part a fused kernel does not give), and by the old tiled
+torch kernel (`backend="torch"`, the exact cross-check; it runs fewer rounds at long lengths, where a
+loaded machine makes it minutes a call). Shapes: SmolLM2-135M's layer (9 query / 3 key-value heads of 64) and Gemma 3 270M's
+(4 / 1 heads of 256): a local layer with its 512-token window, and the global layer.
+
+The standalone script below (``python -m interp.benchmarks.stats_kernel``) times the statistics from a
+materialised pattern against the streaming kernels, with the peak memory of each:
 
     python -m interp.benchmarks.stats_kernel                      # n = 1k, 4k, 16k, 64k
     python -m interp.benchmarks.stats_kernel --n 1024 4096 --heads 8 --d 128 --repeats 5
@@ -33,12 +47,101 @@ import time
 
 import torch
 
-from interp.kernels.stats import attention_stats
+from interp.kernels.attention import AttentionMask, fused_attention
+from interp.kernels.stats import STAT_NAMES, attention_stats
 from . import entry
-from .timing import available_bytes
+from .report import Options, Section, Table
+from .timing import available_bytes, compare_times
 
 GIB = 2**30
 METHODS = ("materialised", "torch", "triton")
+
+# --------------------------------------------------------------------------------------------
+# The section: one attention layer's forward vs its statistics, per real layer shape
+# --------------------------------------------------------------------------------------------
+
+# name: (query heads, key-value heads, head dim, window)
+LAYERS = {
+    "SmolLM2-135M layer": (9, 3, 64, None),
+    "Gemma 3 270M local layer": (4, 1, 256, 512),
+    "Gemma 3 270M global layer": (4, 1, 256, None),
+}
+SECTION_SEQS = (4096, 16384)
+NO_MAX = tuple(name for name in STAT_NAMES if name != "max")
+OLD_ROUNDS_FROM = 8192  # from this length the old tiled kernel runs only `min_repeats` rounds (minutes a call on a loaded CPU)
+
+
+def _layer_inputs(n: int, heads: int, kv_heads: int, d: int, device: str):
+    gen = torch.Generator(device="cpu").manual_seed(n + 7 * heads + d)
+    q = torch.randn(1, heads, n, d, generator=gen).to(device)
+    k = torch.randn(1, kv_heads, n, d, generator=gen).to(device)
+    v = torch.randn(1, kv_heads, n, d, generator=gen).to(device)
+    half = torch.randint(0, 1000, (1, (n + 1) // 2), generator=gen)
+    tokens = torch.cat([half, half], dim=1)[:, :n].to(device)  # repeated: duplicate and induction pairs exist
+    return q, k, v, tokens
+
+
+def _max_diff(a, b) -> float:
+    """Max |a - b| over the statistics both have (distance relative to its largest value)."""
+    worst = 0.0
+    for name in STAT_NAMES:
+        x, y = getattr(a, name), getattr(b, name)
+        ok = ~(x.isnan() | y.isnan())
+        if ok.any():
+            d = float((x[ok] - y[ok]).abs().max())
+            if name == "distance":
+                d /= max(1.0, float(y[ok].abs().max()))
+            worst = max(worst, d)
+    return worst
+
+
+def section(opts: Options) -> Section:
+    seqs = (256, 1024) if opts.quick else SECTION_SEQS
+    rows, ratios = [], {}
+    for label, (heads, kv_heads, d, window) in LAYERS.items():
+        for n in seqs:
+            q, k, v, tokens = _layer_inputs(n, heads, kv_heads, d, opts.device)
+            mask, scale = AttentionMask(n, n), d ** -0.5
+            fns = {
+                "sdpa": lambda: fused_attention(q, k, v, mask, scale=scale, window=window),
+                "fused": lambda: attention_stats(q, k, tokens, window=window, backend="fused"),
+                "fused_no_max": lambda: attention_stats(q, k, tokens, window=window, backend="fused", stats=NO_MAX),
+                "tiled": lambda: attention_stats(q, k, tokens, window=window, backend="torch"),
+            }
+            slow = n >= OLD_ROUNDS_FROM and not opts.quick
+            times, rounds = compare_times(fns, repeats=opts.repeats, warmup=0 if slow else opts.warmup,
+                                          budget=opts.budget, min_repeats=opts.min_repeats, clock=opts.clock,
+                                          focus=["sdpa", "fused", "fused_no_max"] if slow else None)
+            diff = _max_diff(fns["fused"](), fns["tiled"]())
+            t = {name: times[name] for name in fns}
+            rows.append([label, f"{n:,}", "-" if window is None else window,
+                         f"{t['sdpa']:.3f}", f"{t['fused']:.3f}", f"{t['fused'] / t['sdpa']:.2f}x",
+                         f"{t['fused_no_max']:.3f}", f"{t['fused_no_max'] / t['sdpa']:.2f}x",
+                         f"{t['tiled']:.2f}", f"{t['tiled'] / t['sdpa']:.1f}x", f"{t['tiled'] / t['fused']:.1f}x",
+                         f"{diff:.1e}", rounds])
+            ratios[(label, n)] = (t["fused"] / t["sdpa"], t["fused_no_max"] / t["sdpa"])
+            del q, k, v, tokens
+    headers = ["layer", "n", "window", "SDPA forward s", "stats (fused) s", "/ SDPA", "stats w/o max s", "/ SDPA",
+               "old tiled s", "/ SDPA", "old / fused", "max |fused - tiled|", "rounds"]
+    all7 = [r[0] for r in ratios.values()]
+    no_max = [r[1] for r in ratios.values()]
+    return Section(
+        "stats_kernel", "Head statistics at the fused kernel's speed (one layer, CPU)",
+        intro=("One attention layer, batch 1, float32, causal, random q/k/v and a random token sequence repeated "
+               "twice: the layer's fused forward (`fused_attention`: SDPA, a windowed layer in bands) against "
+               "`attention_stats` by the fused route (one fused call per block of queries on [K | position | sink] "
+               "and its logsumexp, the pairwise statistics gathered at the pairs found by sorting the tokens, and "
+               "the row-max pass for `max`), the same without `max` (what the atlas asks for), and the old tiled "
+               "kernel (`backend=\"torch\"`, per-pair features in every tile; what `backend=\"auto\"` runs when `max` is "
+               "asked for, the fused route otherwise). Medians (on the page's clock), the functions "
+               "interleaved round by round; the old kernel runs the minimum number of rounds from 8,192 tokens."),
+        tables=[Table("", headers, rows)],
+        notes=[f"on {opts.device}, {torch.get_num_threads()} threads, {opts.clock} clock; `max |fused - tiled|` is over "
+               "every statistic (distance relative to its largest value)"],
+        headline=[f"attention_stats / SDPA forward of the layer (CPU): fused route {min(no_max):.2f}-{max(no_max):.2f}x "
+                  f"without max (what auto runs for the atlas), {min(all7):.2f}-{max(all7):.2f}x with all seven; tiled "
+                  f"kernel (auto with max) {min(float(r[9][:-1]) for r in rows):.1f}-{max(float(r[9][:-1]) for r in rows):.1f}x"],
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import torch
 
 from . import (ablation, caching, forward, generation, gpu, head_scan, kv_cache, kv_policies, long_context, patching,
-               real_model, window_bands, wrapped)
+               real_model, stats_kernel, window_bands, wrapped)
 from interp.models.errors import check_threads
 
 from .report import Options, Section, load_average, render
@@ -39,6 +39,7 @@ SECTIONS: dict[str, Callable[[Options], Section]] = {
     "kv_cache": kv_cache.section,
     "kv_policies": kv_policies.section,
     "window_bands": window_bands.section,
+    "stats_kernel": stats_kernel.section,
     "wrapped": wrapped.section,
 }
 ALL = (*SECTIONS, "gpu")

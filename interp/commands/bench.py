@@ -17,7 +17,8 @@ EPILOG = """sections (in page order):
   head_scan     head-type scores: the streaming kernel vs materialised patterns, by sequence length
   kv_cache      quantized KV caches (int8, fp8, int4): bytes per token vs theory, decode time vs fp32
   kv_policies   per-head cache policies (KIVI, streaming, H2O, SnapKV) at 2k / 4k: decode time vs full, bytes
-  gpu           the same on CUDA, plus the Triton streaming kernel vs SDPA flash (skipped without CUDA)
+  stats_kernel  head statistics of one layer (SmolLM2's, Gemma 3's local and global) vs its fused forward
+  gpu           the same on CUDA, plus the head statistics vs SDPA flash, the model, exactness (skipped without CUDA)
 
 examples:
   interp bench --quick --out /tmp/bench.md                 # every section, tiny sizes, seconds

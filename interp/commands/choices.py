@@ -17,8 +17,11 @@ DATA_KINDS = ("auto", "repeated_random", "corpus", "file", "text")  # interp.ana
 DATA_N_SEQS, DATA_SEQ_LEN, DATA_SEED = 16, 256, 0  # interp.analyses.sweep_data.DataSpec()
 EXECUTOR_KINDS = ("local", "ray")  # interp.analyses.executors.EXECUTOR_KINDS
 BENCH_SECTIONS = ("forward", "cache", "long_context", "ablation", "generation", "patching", "real_model",
-                  "gemma3", "head_scan", "kv_cache", "kv_policies", "window_bands", "wrapped", "gpu")  # interp.benchmarks.suite.ALL
+                  "gemma3", "head_scan", "kv_cache", "kv_policies", "window_bands", "stats_kernel", "wrapped",
+                  "gpu")  # interp.benchmarks.suite.ALL
 KV_PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8", "int4")  # interp.kernels.kv_quant.PRECISIONS
 KV_POLICIES = "full,kivi4,kivi2,streaming(4,128),h2o(132),snapkv(132),knorm(132),tova(132)"  # interp.analyses.kv.policies.DEFAULT_POLICIES
+KV_POLICY_FORMS = ("full", "fp32", "fp16", "bf16", "int8", "fp8", "int4", "kivi4", "kivi2", "streaming(sinks,window)",
+                   "h2o(budget)", "snapkv(budget)", "knorm(budget)", "tova(budget)")  # interp.models.kv.policies.policy_names()
 GATE_STEPS = 32  # interp.analyses.kv.roles_study.GATE_STEPS
-KV_TASKS = ("precisions", "passkey", "needle")  # interp kv --task: the precision study, or retrieval (tasks.VARIANTS)
+KV_TASKS = ("precisions", "passkey", "needle")  # the old `interp kv --task` (commands.legacy): precisions, tasks.VARIANTS

@@ -63,6 +63,8 @@ def run(args) -> int:
     for line in _attention_lines(device):
         print("  " + line)
     print("streaming statistics kernels (attention_stats(backend=...)):")
+    print(f"  fused   live (torch's fused attention kernel + gathers, any device; not soft-capping; "
+          "auto runs it off CUDA for statistics without max)")
     print(f"  torch   live (tiled, any device)")
     triton = _triton_state(device)
     print(f"  triton  {triton}")
@@ -188,6 +190,11 @@ def _checks(device, n: int):
                           window=f32["window"])
     torch_stats = _stats("torch", f32)
     yield "torch kernel vs float64 materialised pattern (float32)", max_diff(torch_stats, ref), TOL["float32"]
+    yield "fused route vs float64 materialised pattern (float32)", max_diff(_stats("fused", f32), ref), TOL["float32"]
+    if device.type == "cuda":
+        bf = problem(n, device, torch.bfloat16)
+        yield ("fused route vs torch kernel (bfloat16 inputs)", max_diff(_stats("fused", bf), _stats("torch", bf)),
+               TOL["float32"])
     if importlib.util.find_spec("triton") is None:
         yield "triton kernel vs torch kernel", None, "Triton is not installed"
     elif device.type == "cuda":

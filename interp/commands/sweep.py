@@ -21,7 +21,9 @@ A RUN is a zoo name, a run folder (run.json or checkpoint sub-folders, ours or H
 step1000/ step2000/ ...), or one checkpoint folder. Rerunning with the same --out resumes: finished
 (checkpoint, analysis) pairs are kept, the rest (and earlier errors) are run. Results:
 DIR/results.parquet and .csv (run, checkpoint, step, analysis, layer, head, metric, value),
-DIR/settings.json, DIR/errors.json, DIR/report.html and DIR/report.md. Ablation, pruning and
+DIR/settings.json, DIR/errors.json, DIR/report.html and DIR/report.md. A --seq-len left out is 256,
+or the shortest trained context of the models when that is shorter (said in one line); one asked
+for past a model's context needs --extrapolate. Ablation, pruning and
 importance (a forward pass per head, or more) run on the last checkpoint of each run unless
 --expensive-on all. Exit status: 0; 1 when a checkpoint or an analysis failed (listed in the
 summary and errors.json, skipped, retried by the next run; NaN or inf in an analysis's numbers is
@@ -51,13 +53,14 @@ def add_sweep_options(p, default_analyses=None) -> None:
     data.add_argument("--text-file", default=None,
                       help="a UTF-8 text file for --data text (default text: the Python Language Reference, "
                            "pydoc_data.topics, which ships with Python)")
-    data.add_argument("--n-seqs", type=int, default=None,
-                      help=f"sequences (default {DATA_N_SEQS}; with interp analyze --lengths, 1)")
-    data.add_argument("--seq-len", type=int, default=None, help=f"tokens per sequence (default {DATA_SEQ_LEN})")
+    data.add_argument("--n-seqs", type=int, default=None, help=f"sequences (default {DATA_N_SEQS})")
+    data.add_argument("--seq-len", type=int, default=None,
+                      help=f"tokens per sequence (default {DATA_SEQ_LEN}, or the shortest context of the models when "
+                           "shorter)")
     data.add_argument("--seed", type=int, default=DATA_SEED, help=f"data seed (default {DATA_SEED})")
     data.add_argument("--extrapolate", action="store_true",
-                      help="allow --seq-len (or --lengths) past the model's trained context (n_ctx); the report marks "
-                           "those numbers as extrapolated")
+                      help="allow --seq-len past the model's trained context (n_ctx); the report marks those numbers "
+                           "as extrapolated")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--force", action="store_true",
                    help="discard the results interp wrote in --out (e.g. computed with other settings); files interp "
@@ -104,6 +107,28 @@ def settings_from_args(args):
                          extrapolate=args.extrapolate)
 
 
+def fit_default_length(settings, runs):
+    """The default --seq-len, fitted to the shortest trained context of `runs` (their last checkpoints' configs,
+    read without weights), said in one line; a length that was asked for is checked by the sweep instead."""
+    import dataclasses
+
+    from interp.analyses.study import fit_note  # CLI start-up time
+    from interp.models.formats.checkpoint import read_config  # CLI start-up time
+
+    if settings.data.kind == "file":
+        return settings
+    contexts = []
+    for run in runs:
+        try:
+            contexts.append(read_config(str(run.checkpoints[-1].path)).n_ctx)
+        except Exception:  # noqa: BLE001 - an unreadable config is the sweep's to report, per checkpoint
+            continue
+    if not contexts or min(contexts) >= settings.data.seq_len:
+        return settings
+    print(fit_note("--seq-len", settings.data.seq_len, min(contexts), min(contexts)))
+    return dataclasses.replace(settings, data=dataclasses.replace(settings.data, seq_len=min(contexts)))
+
+
 def run_sweep(args, runs, executor=None, last_only: bool = False) -> int:
     from interp.analyses.sweep import SettingsMismatch, sweep  # CLI start-up time: interp.analyses imports torch
     from interp.models.errors import as_user_errors  # CLI start-up time: interp.models imports torch
@@ -113,6 +138,8 @@ def run_sweep(args, runs, executor=None, last_only: bool = False) -> int:
         settings = settings_from_args(args)
         revisions = getattr(args, "revisions", None)  # with --revisions every RUN is a Hub repo id
         runs = [resolve_run(r, revisions=revisions, last_only=last_only) for r in runs]
+        if args.seq_len is None:
+            settings = fit_default_length(settings, runs)
         result = sweep(runs, args.out, settings, executor, force=args.force, last_only=last_only,
                        progress=not args.no_progress, report=not args.no_report)
     return 1 if result.errors else 0

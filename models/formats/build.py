@@ -1,6 +1,6 @@
 """From tensors to a model, for every checkpoint format: the shape and finiteness checks, a family's
 weight conversion (failing on any tensor it does not read), and the model built on the meta device
-that adopts the tensors. The formats (`format_ours`, `format_hf`, `gguf`) call in here.
+that adopts the tensors. The formats (`ours`, `hf`, `gguf`) call in here.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """`KVCache` (generation and analysis): per layer, the keys (after RoPE) and values of every token seen
 so far, for the kv-heads only (GQA/MQA), preallocated to `max_len`; optionally the queries too, so
 that analyses can compute any head statistic or pattern slice after a fast fused forward or a
-generation without re-running the model. Per-head policies and precisions: `kv_cache_policy.PolicyKVCache`.
+generation without re-running the model. Per-head policies and precisions:
+`interp.models.kv.policy_cache.PolicyKVCache`.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ class KVCache:
         """One attention call through this cache: write this call's keys and values, then
         `run(q, keys, values, mask)` (the layer's backend) over everything cached. `layer_info`
         (scale, windows, whether hooks read the pattern) serves caches that hold per-head policies
-        (`kv_cache_policy.PolicyKVCache`); this cache holds every token of every head and needs none."""
+        (`interp.models.kv.policy_cache.PolicyKVCache`); this cache holds every token of every head and needs
+        none."""
         k, v = self.append(layer, k, v, q)
         return run(q, k, v, mask)
 

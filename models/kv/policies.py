@@ -1,23 +1,6 @@
-"""KV-cache policies: what one KV head keeps of the context. One class per policy.
-
-    full               every token, in the model's dtype (the unmodified model)
-    fp32 fp16 bf16     every token, stored in that precision
-    int8 fp8 int4      every token, one scale per vector (`interp.kernels.kv_quant`)
-    kivi4 kivi2        KIVI (Liu et al. 2024): keys per channel over groups of G tokens, values per
-                       token over groups of G channels, the latest tokens in full precision until R
-                       of them fill a flush (kivi4(G,R); default G = R = 32)
-    streaming(S,W)     StreamingLLM (Xiao et al. 2023): the first S tokens (sinks) and the last W
-    h2o(B) h2o(B,R)    H2O (Zhang et al. 2023): B tokens, the R most recent (default B // 2) and the
-                       heavy hitters (most attention received, summed over every query so far)
-    snapkv(B) snapkv(B,W,K)  SnapKV (Li et al. 2024): after the prompt, B tokens: the last W prompt
-                       tokens (default 32) and the prefix tokens most attended by those W queries,
-                       votes average-pooled over K neighbours (default 7); later tokens all kept
-    knorm(B)           KNorm (Devoto et al. 2024, kvpress's KnormPress): after the prompt, the B keys
-                       of smallest L2 norm; later tokens all kept
-    tova(B)            TOVA (Oren et al. 2024): B tokens; after every call, the entries the call's last
-                       query attends to least (its weights averaged over every query head of the layer, as
-                       TOVA and kvpress's TOVAPress do: the layer's KV heads keep the same tokens) are
-                       evicted; the last token always stays
+"""KV-cache policies: what one KV head keeps of the context. One class per policy, and each class's
+docstring is its description (the paper, what it keeps, the shapes it reads), as kvpress's presses do;
+`policy_table()` lists them from the registry (the README's list is its output, checked by a test).
 
 A policy is one class: its names and arguments (`names`, `from_args`), what it needs (`reads_queries`),
 where its entries live (`layout`: every token in slot order, "dense" or "kivi", or a chosen "subset"),
@@ -43,6 +26,7 @@ before it, so a streaming head holds S + W entries.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from dataclasses import dataclass, field
 from typing import ClassVar, Mapping, NamedTuple, Sequence, Union
@@ -119,7 +103,10 @@ class Policy:
 # ---- every token -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Dense(Policy):
-    """Every token kept, in `precision` ("full": the model's own dtype)."""
+    """Every token, stored in `precision`: "full" (the model's own dtype: the unmodified model), fp32, fp16,
+    bf16, or int8 / fp8 / int4 codes with one float32 scale per vector (`interp.kernels.kv_quant`).
+
+    Reads nothing: it chooses no token. Written by its precision: `full`, `int8`, ..."""
 
     precision: str = "full"
     names: ClassVar[tuple[str, ...]] = ("full", "fp32", "fp16", "bf16", "int8", "fp8", "int4")
@@ -149,6 +136,12 @@ class Dense(Policy):
 
 @dataclass(frozen=True)
 class Kivi(Policy):
+    """KIVI (Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache"): every token;
+    keys quantized per channel over groups of `group` tokens, values per token over groups of `group`
+    channels, to `bits` bits; the latest tokens stay in full precision until `residual` of them fill a flush.
+
+    Reads the keys and values as they arrive, [b, g, n, d]. Written kivi4, kivi2, kivi4(G,R) (G = R = 32)."""
+
     bits: int = 4
     group: int = 32
     residual: int = 32
@@ -195,8 +188,9 @@ class Selection(NamedTuple):
 
 
 @dataclass
-class CacheView:
-    """What a subset policy sees when it chooses: one layer's KV heads that share it, after an attention call.
+class Candidates:
+    """What a subset policy chooses among: one layer's KV heads that share it, after an attention call (the
+    entries held before the call, then the call's own).
 
     keys, values  [b, g, m, d]  the entries held before the call, then the call's own
     slots         [b, g, m]     each entry's cache slot (its token's index); -1 for padding
@@ -265,6 +259,9 @@ class CacheView:
         return total
 
 
+CacheView = Candidates  # its old name (it was no view of a cache, and `View` is an HTML page): for one release
+
+
 def keep_top(priority: Tensor, cap: int) -> Selection:
     """The shared keep/evict step: per head, the `cap` entries of highest priority, in slot order; an entry of
     priority -inf is never kept (where fewer than `cap` are eligible, the rest of the places are padding)."""
@@ -294,11 +291,11 @@ class SubsetPolicy(Policy):
 
     entry_names: ClassVar[tuple[str, ...]] = ()  # per-entry float32 values it keeps (bytes: 4 each)
 
-    def priority(self, view: CacheView) -> Tensor | None:
+    def priority(self, view: Candidates) -> Tensor | None:
         """float [b, g, m]: how much each entry is worth keeping; None: keep every entry this call."""
         raise NotImplementedError
 
-    def evict(self, view: CacheView) -> Selection | None:
+    def evict(self, view: Candidates) -> Selection | None:
         prio = self.priority(view)
         if prio is None:
             return None
@@ -319,6 +316,13 @@ class SubsetPolicy(Policy):
 
 @dataclass(frozen=True)
 class Streaming(SubsetPolicy):
+    """StreamingLLM (Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks"): the first
+    `sinks` tokens and the last `window`, a rolling buffer of sinks + window entries per head; a query sees
+    its sinks and its window, in the prefill too (Hugging Face's window convention: itself and the W - 1
+    tokens before it).
+
+    Reads the entries' slots [b, g, m] only. Written streaming(S,W)."""
+
     sinks: int = 4
     window: int = 128
     names: ClassVar[tuple[str, ...]] = ("streaming",)
@@ -358,6 +362,13 @@ class Streaming(SubsetPolicy):
 
 @dataclass(frozen=True)
 class H2O(SubsetPolicy):
+    """H2O (Zhang et al. 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language
+    Models"): B = `size` tokens per head, the `recent` most recent (default B // 2) and the heavy hitters: the
+    entries that received the most attention, summed over every query so far.
+
+    Reads the call's queries [b, g * n_rep, n, d] against the held keys [b, g, m, d] (`Candidates.attention`)
+    and its running score per entry [b, g, m], kept beside the entries. Written h2o(B), h2o(B,R)."""
+
     size: int = 256
     recent: int | None = None  # None: size // 2
     names: ClassVar[tuple[str, ...]] = ("h2o",)
@@ -388,6 +399,14 @@ class H2O(SubsetPolicy):
 
 @dataclass(frozen=True)
 class SnapKV(SubsetPolicy):
+    """SnapKV (Li et al. 2024, "SnapKV: LLM Knows What You are Looking for Before Generation"): once, after the
+    prompt, B = `size` tokens per head: the last `window` prompt tokens (default 32) and the prefix tokens most
+    attended by those `window` queries, their votes average-pooled over `kernel` neighbours (default 7);
+    every later token is kept.
+
+    Reads the prompt's last `window` queries [b, g * n_rep, window, d] against the keys [b, g, m, d].
+    Written snapkv(B), snapkv(B,W,K)."""
+
     size: int = 256
     window: int = 32
     kernel: int = 7
@@ -419,6 +438,12 @@ class SnapKV(SubsetPolicy):
 
 @dataclass(frozen=True)
 class KNorm(SubsetPolicy):
+    """KNorm (Devoto et al. 2024, "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression";
+    kvpress's KnormPress): once, after the prompt, the B = `size` keys of smallest L2 norm; every later token
+    is kept.
+
+    Reads the keys [b, g, m, d] only (no query). Written knorm(B)."""
+
     size: int = 256
     names: ClassVar[tuple[str, ...]] = ("knorm",)
     form: ClassVar[str] = "knorm(budget)"
@@ -432,6 +457,13 @@ class KNorm(SubsetPolicy):
 
 @dataclass(frozen=True)
 class TOVA(SubsetPolicy):
+    """TOVA (Oren et al. 2024, "Transformers are Multi-State RNNs"; kvpress's TOVAPress): B = `size` tokens per
+    head; after every call, the entries the call's last query attends to least are evicted, its weights
+    averaged over every query head of the layer (so the layer's KV heads keep the same tokens); the last
+    token always stays.
+
+    Reads the call's last query [b, g * n_rep, 1, d] against the keys [b, g, m, d]. Written tova(B)."""
+
     size: int = 256
     names: ClassVar[tuple[str, ...]] = ("tova",)
     form: ClassVar[str] = "tova(budget)"
@@ -447,7 +479,7 @@ class TOVA(SubsetPolicy):
         return torch.where(view.slots == view.last, _INF, mean.expand_as(weights))
 
 
-def once_after_prompt(view: CacheView, size: int) -> bool:
+def once_after_prompt(view: Candidates, size: int) -> bool:
     """For policies that compress the prompt once (SnapKV, KNorm): True (keep everything) on every call after
     the first, and on a first call that already fits; marks the heads done."""
     if view.state.get("done") or view.slots.shape[-1] <= size:
@@ -468,14 +500,31 @@ _SYNTAX = re.compile(r"^\s*([a-z0-9_]+)\s*(?:\(\s*([0-9,\s]*)\)|((?::[0-9]+)*))\
 PolicyLike = Union[Policy, str]
 
 
-def policy_names() -> list[str]:
-    """Every registered policy, as it is written (precisions by name, the others by their form)."""
+def policy_names(ours: bool = False) -> list[str]:
+    """Every registered policy, as it is written (precisions by name, the others by their form); `ours`:
+    interp's own only (not those defined elsewhere)."""
     out = []
     for name, cls in _REGISTRY.items():
+        if ours and cls.__module__ != __name__:
+            continue
         spelled = name if cls.arity == (0, 0) or cls.arity[0] == 0 else (cls.form.split(" or ")[0] or name)
         if spelled not in out:
             out.append(spelled)
     return out
+
+
+def policy_table() -> str:
+    """A Markdown list of interp's policies, from the registry: how each is written, then the first paragraph
+    of its class's docstring (policies defined elsewhere are theirs to describe)."""
+    lines, seen = [], set()
+    for name, cls in _REGISTRY.items():
+        if cls in seen or cls.__module__ != __name__:
+            continue
+        seen.add(cls)
+        spelled = ", ".join(f"`{n}`" for n in cls.names) if cls.arity == (0, 0) else f"`{cls.form}`"
+        first = " ".join(inspect.cleandoc(cls.__doc__ or "").split("\n\n")[0].split())
+        lines.append(f"- {spelled}: {first}")
+    return "\n".join(lines) + "\n"
 
 
 def parse_policy(spec: PolicyLike) -> Policy:

@@ -1,5 +1,6 @@
-"""A KV cache whose heads keep what their policy says: per (layer, KV head), `full`, a precision,
-KIVI, StreamingLLM's sinks + window, H2O or SnapKV (`kv_policy`), held for real.
+"""A KV cache whose heads keep what their policy says: per (layer, KV head), any registered policy
+(`interp.models.kv.policies`: `full`, a precision, KIVI, or a subset of the tokens; `kv_policy`), held
+for real.
 
     cache = model.new_kv_cache(1, 2048, policy="streaming(4,128)")                # every head
     cache = model.new_kv_cache(1, 2048, policy={(17, 1): "full"}, default="streaming(4,128)")
@@ -9,9 +10,9 @@ How it is held. The heads of a layer that share a policy form a group with its o
 - dense precisions and KIVI hold every token, in slot order (slot = the token's index in the cache,
   as `KVCache`), so their queries use the model's own mask and, for `full`, the model's own tensors:
   a cache that is `full` everywhere computes bit for bit what the unmodified model computes.
-- streaming, H2O and SnapKV hold a subset: keys and values [batch, heads, m, d_head] plus each
-  entry's slot (int32; -1 marks padding, the per-head validity mask) and, for H2O, its accumulated
-  attention (float32). A call attends over the held entries and this call's new ones with a mask
+- a `SubsetPolicy` (streaming, H2O, SnapKV, KNorm, TOVA, one of your own) holds a subset: keys and
+  values [batch, heads, m, d_head] plus each entry's slot (int32; -1 marks padding, the per-head
+  validity mask) and the per-entry values it keeps (`entry_names`: H2O's accumulated attention, float32). A call attends over the held entries and this call's new ones with a mask
   built from the slots (`kernels.visibility`), then keeps what the policy keeps. Decoding reads only
   held entries. Heads of one group hold the same number of entries (padded with slot -1 where a
   batch row has fewer); the cost of that padding is `allocated_nbytes - nbytes`.
@@ -21,10 +22,10 @@ keys keep the positions they had (nothing is renumbered, unlike StreamingLLM's c
 variant), so a policy computes exactly what the full model computes with the evicted keys masked.
 
 Prefill. A long prompt runs through the layer's backend once (fused by default): full attention for
-full / KIVI / H2O / SnapKV heads (their prefill is the full model's), the streaming mask for
-streaming heads; then each head keeps what its policy says (KIVI quantizes every complete group of
-R tokens, H2O its budget by attention received from every prompt query, SnapKV by the votes of the
-last W prompt queries). Calls with several new tokens evict once per call.
+heads whose prefill is the full model's (`Policy.shares_prefill`), each policy's own visibility for
+the others (streaming's window); then each head keeps what its policy says (its class docstring:
+KIVI quantizes every complete group of R tokens, a subset policy keeps by its `priority`). Calls with
+several new tokens evict once per call.
 
 `held_nbytes` (also `nbytes`) counts what is held now: codes, scales and zero points, full-precision
 residuals, kept keys and values, their slots and scores; `allocated_nbytes` what the storage occupies
@@ -52,7 +53,7 @@ from interp.kernels.visibility import visible
 
 from ..errors import BadValue, UserError
 from .cache import KVCache
-from .policies import CacheView, Dense, Kivi, Policy, SubsetPolicy, resolve_policies, theory_bytes_per_token
+from .policies import Candidates, Dense, Kivi, Policy, SubsetPolicy, resolve_policies, theory_bytes_per_token
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -232,7 +233,7 @@ class _KiviGroup(_Group):
 
 
 class _SubsetGroup(_Group):
-    """Streaming, H2O, SnapKV: the held entries, their slots (and H2O's scores)."""
+    """A `SubsetPolicy`'s heads: the held entries, their slots (and the policy's per-entry values)."""
 
     contiguous = False
 
@@ -275,7 +276,7 @@ class _SubsetGroup(_Group):
         return ok.repeat_interleave(self.n_rep, dim=1)
 
     def after(self, q, K, V, S, ok, scale, start, n):
-        view = CacheView(K, V, S, q, ok, scale, start, n, self.n_rep, self.state, self.entries)
+        view = Candidates(K, V, S, q, ok, scale, start, n, self.n_rep, self.state, self.entries)
         chosen = self.policy.evict(view)
         if chosen is None:  # every entry stays
             self.k, self.v, self.slots = K, V, S.to(torch.int32)
@@ -388,7 +389,7 @@ class PolicyKVCache(KVCache):
 
     def absorb(self, full: KVCache, model) -> None:
         """Take a prefill held by a full cache (`full`, made with capture_queries=True when any head
-        is H2O or SnapKV, whose choices read the prompt's queries) and keep, head by head, what this
+        reads the queries: `Policy.reads_queries`) and keep, head by head, what this
         cache's own prefill would have kept: one full prefill then serves every policy whose prefill
         is the full model's (`Policy.shares_prefill`); the prompt's last logits are the same for all."""
         if self.length:

@@ -1,5 +1,5 @@
 """Deprecated: `QuantizedKVCache` (a cache of quantized keys and values) is now a spelling of
-`kv_cache_policy.PolicyKVCache`: a precision ("int8", "fp8", "int4", "fp16", "bf16", "fp32") is the policy
+`interp.models.kv.policy_cache.PolicyKVCache`: a precision ("int8", "fp8", "int4", "fp16", "bf16", "fp32") is the policy
 `Dense(name)`, and `model.new_kv_cache(precision=...)` makes a `PolicyKVCache`. Kept for one release.
 """
 

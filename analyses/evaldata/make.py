@@ -1,8 +1,8 @@
-"""How the shipped evaluation data was made: `python -m interp.models.evaldata.make [--out DIR]`.
+"""How the shipped evaluation data was made: `python -m interp.analyses.evaldata.make [--out DIR]`.
 
 Run once, on CPython 3.11.7 (the Python the zoo was trained with and the README's numbers were first
 measured on), to write the files beside it and `manifest.json`. Every analysis reads the written
-files (`interp.models.evaldata`), never the running Python's, so this is the only module that looks
+files (`interp.analyses.evaldata`), never the running Python's, so this is the only module that looks
 at the local standard library: rerunning it on another Python writes other data (and other hashes),
 which is why the files are committed and shipped, not rebuilt at install time.
 
@@ -25,7 +25,7 @@ import sysconfig
 from pathlib import Path
 
 from . import HELDOUT, LANGUAGE_REFERENCE, LICENCE, MANIFEST, pack
-from ..training import load_corpus, stdlib_files
+from interp.models.training import load_corpus, stdlib_files
 
 EVAL_EVERY = 20  # training.load_corpus's default: every 20th file is held out
 

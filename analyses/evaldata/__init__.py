@@ -13,7 +13,7 @@ of their unpacked bytes, a source and a licence line (CPython's files are under 
   python-stdlib-heldout       the zoo's 90 held-out standard-library files (`heldout_docs()`), byte ids
                               for `training.eval_windows`: the default data of sweeps of the zoo
 
-    from interp.models import evaldata
+    from interp.analyses import evaldata
     evaldata.language_reference()[:40]      # text, read and checked once per process
     evaldata.source(evaldata.LANGUAGE_REFERENCE)   # {'name': ..., 'sha256': ..., 'licence': ..., ...}
 
@@ -35,14 +35,14 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import UserError
+from interp.models.errors import UserError
 
 HERE = Path(__file__).resolve().parent
 MANIFEST = "manifest.json"
 LICENCE = "LICENSE-PSF.txt"
 LANGUAGE_REFERENCE = "python-language-reference"
 HELDOUT = "python-stdlib-heldout"
-REINSTALL = ("reinstall interp (pip install --force-reinstall --no-deps interp; in a clone: git restore models/evaldata, "
+REINSTALL = ("reinstall interp (pip install --force-reinstall --no-deps interp; in a clone: git restore analyses/evaldata, "
              "then pip install -e .)")
 
 

@@ -1,0 +1,132 @@
+"""The study commands' checks, in one place: the options every study command shares, how they are
+read, and `run_study`, which reads the model's config (no weights), checks the settings
+(`Study.check`, pure) and the output folder, prints the notes (a default length fitted to the
+model, in one line), and only then loads the model and runs the study (`interp.analyses.study.run`).
+
+Every refusal is one line (a `UserError`, printed by `interp.cli`), before anything loads or is written.
+Nothing heavy is imported at module level: `interp kv --help` must not import torch.
+"""
+
+from __future__ import annotations
+
+
+# ---- options ---------------------------------------------------------------------------------------
+def add_output_options(p) -> None:
+    """--out, --force, --device, --no-progress: every study command's."""
+    g = p.add_argument_group("output and machine (every study)")
+    g.add_argument("--out", required=True,
+                   help="output folder (created; a rerun of the same study replaces what interp wrote there; a folder "
+                        "holding files interp did not write is refused)")
+    g.add_argument("--force", action="store_true",
+                   help="write over another study's or a sweep's results in --out (files interp did not write are "
+                        "never touched)")
+    g.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def add_text_options(p, seq_len: int, what: str, n_seqs: bool = False) -> None:
+    """The text a study reads: --text-file or --data-file, --seq-len (a default that is longer than the
+    model's context is fitted to it), and --n-seqs when the study reads several sequences."""
+    g = p.add_argument_group(f"data ({what})")
+    g.add_argument("--text-file", default=None,
+                   help="UTF-8 text (default: the Python Language Reference as interp ships it, pinned by sha256)")
+    g.add_argument("--data-file", default=None, help="token ids (.npy or .pt), each row one sequence, no BOS added")
+    g.add_argument("--seq-len", type=int, default=None,
+                   help=f"tokens per sequence of the text (default {seq_len}, or the model's context when shorter)")
+    if n_seqs:
+        g.add_argument("--n-seqs", type=int, default=1, help="sequences of the text (default 1)")
+
+
+def add_prompt_options(p, lengths: str) -> None:
+    """The retrieval prompts of `interp kv passkey` and `interp kv select`."""
+    g = p.add_argument_group("retrieval prompts (kv passkey and kv select)")
+    g.add_argument("--lengths", default=None,
+                   help=f"prompt lengths in tokens (default {lengths}, each at most the model's context less the "
+                        "answer)")
+    g.add_argument("--depths", default="0.1,0.3,0.5,0.7", help="needle depths in [0, 1] (default 0.1,0.3,0.5,0.7)")
+    g.add_argument("--prompts", type=int, default=2, help="prompts per (length, depth) (default 2)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the pass keys (default 0)")
+    g.add_argument("--new-tokens", type=int, default=8, help="greedy tokens decoded per answer (default 8)")
+    g.add_argument("--needle", action="store_true",
+                   help="hide the key in real text (the Python Language Reference) instead of repeated filler")
+
+
+# ---- reading them ------------------------------------------------------------------------------------
+def numbers(text: str, kind, flag: str) -> list:
+    """Comma-separated numbers of `kind`, each once: "1024,2048" -> [1024, 2048]; else one line naming `flag`."""
+    try:
+        values = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise ValueError(f"{flag} is empty")
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if repeated:
+        raise ValueError(f"{flag} repeats {', '.join(map(str, repeated))}: give each value once")
+    return values
+
+
+def names(text: str) -> tuple[str, ...]:
+    return tuple(s.strip() for s in text.split(",") if s.strip())
+
+
+def text_data(args, seq_len: int, *, rows: int | None = None):
+    """The `StudyData` of --text-file / --data-file / --seq-len (/ --n-seqs): token ids as given (their
+    first `rows` rows), or windows of the text; a --seq-len left out is the default `seq_len`, which
+    `Study.check` fits to the model."""
+    from interp.analyses.study import StudyData  # start-up time: imports torch
+    from interp.analyses.sweep_data import DataSpec
+
+    if args.data_file and args.text_file:
+        raise ValueError("give --data-file (token ids) or --text-file (text), not both")
+    if args.data_file:
+        return StudyData.from_file(args.data_file, rows=rows)
+    spec = DataSpec(kind="text", n_seqs=getattr(args, "n_seqs", 1), seq_len=seq_len if args.seq_len is None
+                    else args.seq_len, path=args.text_file)
+    return StudyData.of(spec, default_length=args.seq_len is None)
+
+
+def prompt_settings(args) -> dict:
+    """The `RetrievalSettings` fields of the prompt options."""
+    return dict(lengths=None if args.lengths is None else tuple(numbers(args.lengths, int, "--lengths")),
+                depths=tuple(numbers(args.depths, float, "--depths")), prompts=args.prompts, seed=args.seed,
+                variant="needle" if args.needle else "passkey", max_new_tokens=args.new_tokens)
+
+
+def common(args) -> dict:
+    """The `StudySettings` fields every study command reads the same way."""
+    return dict(model=args.model, device=args.device, progress=False if args.no_progress else None)
+
+
+# ---- running -----------------------------------------------------------------------------------------
+def run_study(study, args, settings, *, path=None) -> int:
+    """Check, then load and run. `settings` (a function of no arguments, so that its own checks raise
+    inside the checks) builds the study's settings; `path`: the checkpoint to load (default: the one
+    `args.model` names)."""
+    import time
+
+    from interp.analyses.study import check_folder, run
+    from interp.models.errors import as_user_errors
+    from interp.models.formats.checkpoint import read_config
+
+    with as_user_errors(ValueError, FileNotFoundError, ImportError):
+        settings = settings()
+        if path is None:
+            from interp.loading import resolve
+
+            cfg = read_config(resolve(args.model))
+        else:
+            cfg = read_config(str(path))
+        settings, notes = study.check(cfg, settings)
+        check_folder(study, args.out, force=args.force)
+
+    import interp
+    from interp.models.device import resolve_device
+
+    for note in notes:
+        print(note)
+    start = time.perf_counter()
+    model = interp.load(args.model if path is None else str(path), device=resolve_device(args.device))
+    report = run(study, model, args.out, settings, force=args.force)
+    print(f"done in {time.perf_counter() - start:.0f} s; report: {report} (and {study.files()})")
+    return 0
