@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from interp.models.attention_view import inline_json  # noqa: F401 - here since the report first used it; moved
-# down with the attention views, which `ActivationCache.view` draws from the models layer
+from interp.drawing import inline_json  # noqa: F401 - here since the report first used it; moved
+# to interp.drawing with the attention views, which `ActivationCache.view` draws from the models layer
 
 from .store import atomic_write_bytes, atomic_write_text
 

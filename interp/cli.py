@@ -85,13 +85,13 @@ def _today(argv: list[str]) -> list[str]:
 
 def _host_copy_guard():
     """With INTERP_REFUSE_HOST_COPIES=1 (the test suite sets it), the command runs as if its tensors were on a
-    GPU: a tensor taken to the host other than by `interp.models.device.to_numpy` raises (see that module)."""
+    GPU: a tensor taken to the host other than by `interp.models.device.to_numpy` raises (`interp.testing`)."""
     import contextlib
     import os
 
     if os.environ.get("INTERP_REFUSE_HOST_COPIES") != "1":
         return contextlib.nullcontext()
-    from interp.models.device import refuse_host_copies  # start-up time: imports torch
+    from interp.testing import refuse_host_copies  # start-up time: imports torch
 
     return refuse_host_copies()
 

@@ -98,7 +98,7 @@ class ActivationCache:
         a thumbnail per head, the chosen head's pattern, tokens to hover. `tokens`: the strings to show
         (`model.to_str_tokens(...)`), or the text / token ids given to `run_with_cache` (converted with the
         cache's model); None shows positions. `options`: `interp.view.attention_heads`'s (max_value, ...).
-        The drawing lives in `attention_view.py` beside this module (why there: its docstring)."""
+        The checks are `attention_view.py` beside this module; the HTML is `interp.drawing`'s."""
         if not (isinstance(layer, int) and not isinstance(layer, bool)):
             raise TypeError(f"layer must be an int, got {type(layer).__name__}")
         if self.model is not None and layer < 0:

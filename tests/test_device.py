@@ -24,7 +24,8 @@ import torch
 
 import interp
 from interp.kernels import attention_stats, resolve_backend
-from interp.models.device import HostCopyError, compute_record, refuse_host_copies, resolve_device, to_numpy
+from interp.models.device import compute_record, resolve_device, to_numpy
+from interp.testing import HostCopyError, refuse_host_copies
 from interp.models.errors import BadValue
 
 PACKAGE = Path(interp.__file__).resolve().parent.parent  # the source tree: interp/, models/, kernels/, analyses/
@@ -224,7 +225,7 @@ def test_doctor_says_failed_and_exits_1_when_a_check_is_off(capsys, monkeypatch)
 
 # ---- the CPU playing a GPU: device mixing --------------------------------------------------------------
 def test_the_simulated_gpu_refuses_what_cuda_refuses():
-    from interp.models.device import DeviceMixError, simulated_gpu
+    from interp.testing import DeviceMixError, simulated_gpu
 
     with simulated_gpu():
         host = torch.arange(3.0)
@@ -263,7 +264,7 @@ SIMULATED = [  # every command, tiny: what a --device cuda run does, on the CPU 
 @pytest.mark.parametrize("argv", SIMULATED, ids=lambda a: "-".join(a[:3]))
 def test_every_command_runs_on_the_simulated_gpu(argv, tmp_path, capsys):
     from interp.cli import main as cli
-    from interp.models.device import simulated_gpu
+    from interp.testing import simulated_gpu
 
     out = ["--out", str(tmp_path / "out"), "--no-progress"] if argv[0] in ("analyze", "sweep", "kv") else []
     with simulated_gpu():
@@ -278,7 +279,7 @@ def test_a_host_tensor_among_device_ones_fails_on_the_simulated_gpu(monkeypatch)
     """The bug class the simulation is for: a count computed on the host (a forgotten `device=`) meets the
     streaming statistics on the device. On a GPU that fails, and here too; as written, it runs."""
     from interp.analyses import heads
-    from interp.models.device import DeviceMixError, simulated_gpu
+    from interp.testing import DeviceMixError, simulated_gpu
 
     counts = heads.earlier_occurrences
     with simulated_gpu():

@@ -25,7 +25,7 @@ from interp.analyses.kv.roles import (
     selection_runs,
 )
 from interp.analyses.kv.tasks import passkey_prompt
-from interp.models.device import simulated_gpu
+from interp.testing import simulated_gpu
 from interp.models.errors import BadValue
 
 

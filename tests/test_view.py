@@ -335,7 +335,7 @@ def test_one_packing_for_tensors_and_arrays():
 def test_views_of_device_tensors_leave_through_the_one_door():
     """On the CPU playing a GPU, with host copies refused but through `to_numpy`: the views take a model's
     device tensors as a GPU user would hand them over (a cache's pattern, the streaming statistics)."""
-    from interp.models.device import refuse_host_copies, simulated_gpu
+    from interp.testing import refuse_host_copies, simulated_gpu
 
     with simulated_gpu(), refuse_host_copies():
         model = interp.load("attn-only-2l")
@@ -345,3 +345,28 @@ def test_views_of_device_tensors_leave_through_the_one_door():
         d2 = payload(view.attention_heads(attention=cache["pattern", 0][0], tokens=model.to_str_tokens(text))._repr_html_())
         stats = payload(view.stats(model.attention_stats(model.to_tokens(text)))._repr_html_())
     assert d["codes"] == d2["codes"] and d["tokens"] == d2["tokens"] and stats["n"] == len(d["tokens"])
+
+
+# ---- the drawing layer ---------------------------------------------------------------------------------
+def test_the_drawing_needs_no_torch_and_every_template_ships_and_fills():
+    """interp.drawing is below the models: numpy and strings only (a fresh interpreter imports it without
+    torch), its template files are package data in pyproject.toml, and a drawn page keeps no placeholder."""
+    import fnmatch
+    import subprocess
+    import sys
+    import tomllib
+    from pathlib import Path
+
+    import interp.drawing as drawing
+
+    code = "import sys, interp.drawing; print('torch' in sys.modules, 'interp.models' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]
+    root = Path(drawing.__file__).parent
+    globs = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["interp.drawing"]
+    files = [f.name for f in root.iterdir() if f.is_file() and f.suffix != ".py"]
+    assert sorted(files) == ["common.css", "common.js", "pattern.html", "stats.html"]
+    assert all(any(fnmatch.fnmatch(f, g) for g in globs) for f in files)
+    page = drawing.pattern_page(dict(tokens=["a"], heads=["h"], n=1, tri=True, codes=drawing.b64(drawing.codes_u8([[1.0]])),
+                                     lo=0, hi=1, colour="red", mask=False, show_tokens=True, selected=0), "t", ["w"])
+    assert not re.search(r"__[A-Z]+__", page.html()) and page.fragment.count('id="interp-attn-') == 1

@@ -10,7 +10,8 @@ from types import MappingProxyType
 import numpy as np
 import torch
 
-from interp.models.attention_view import COMMON_JS, b64, codes_u8, fill
+from interp.drawing import b64, fill
+from interp.models.attention_view import codes_u8
 from interp.models.device import to_numpy
 
 from ..document import Html, inline_json
