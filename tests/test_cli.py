@@ -36,9 +36,10 @@ def test_the_help_names_are_the_librarys():
     from interp.analyses.kv.tasks import VARIANTS
 
     assert choices.KV_POLICIES == DEFAULT_POLICIES and choices.KV_TASKS[1:] == tuple(VARIANTS)
-    from interp.analyses.kv.roles_study import GATE_STEPS
+    from interp.analyses.kv.roles_study import GATE_STEPS, LOSS_TOKENS
 
     assert choices.GATE_STEPS == GATE_STEPS
+    assert choices.LOSS_TOKENS == LOSS_TOKENS
 
 
 @pytest.mark.parametrize("args", [[], ["sweep"], ["analyze"], ["bench"], ["info"], ["report"], ["train"], ["kv"],

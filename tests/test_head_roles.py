@@ -5,6 +5,7 @@ share it; selections keep the top k; bad selections are one clear line."""
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -303,3 +304,36 @@ def test_gates_train_a_count_of_steps_and_a_time_cap_that_cuts_is_said(tmp_path,
     assert capped["gate_steps"] == 50 and 1 <= capped["gate_steps_done"] < 50
     assert (f"The time cap of 1e-06 s stopped DuoAttention's gate training after {capped['gate_steps_done']} of its "
             "50 steps") in capped_report
+
+
+def test_the_loss_ranking_reads_the_first_loss_tokens_of_the_text_and_says_so(tmp_path):
+    """The number that moved (README, head roles: the loss ranking at 50% kept 5 of 8 keys, then 0 of 8): the
+    streaming-loss ranking had read the whole perplexity text, then its first 1,024 tokens. The span is now a
+    setting recorded in settings.json and said in the report, and the ranking is exactly `loss_scores` on that
+    span: reading another span (the whole text, or a default other than 1,024) fails here."""
+    import json
+
+    import interp
+    from interp.analyses.kv.roles_study import LOSS_TOKENS, RolesSettings, RolesStudy
+    from interp.analyses.kv.tasks import retrieval_prompts
+    from interp.analyses.study import StudyData, run
+    from interp.analyses.sweep_data import DataSpec
+
+    assert LOSS_TOKENS == 1024 and RolesSettings.loss_tokens == 1024
+    model = interp.load("attn-only-2l")
+    spec = DataSpec(kind="text", n_seqs=1, seq_len=200)
+    prompts = retrieval_prompts(model, [248], [0.5], 1, 0)
+    settings = RolesSettings(model="attn-only-2l", data=StudyData.of(spec), prompt_list=tuple(prompts),
+                             selections=("loss",), fractions=(0.5,), selection_seeds=(0,), sinks=4, window=32,
+                             n_scoring=1, equal_bytes=None, loss_tokens=120, progress=False)
+    out = tmp_path / "roles"
+    run(RolesStudy(), model, out, settings, log=lambda *a: None)
+    record = json.loads((out / "settings.json").read_text())
+    assert record["loss_tokens"] == 120
+    assert "reads the perplexity text's first 120 tokens (the loss of the 83 tokens" in (out / "report.md").read_text()
+    text = StudyData.of(spec).tokens(model)
+    heads = pd.read_parquet(out / "kv_head_roles.parquet").groupby(["layer", "kv_head"])["loss"].first()
+    want = loss_scores(model, text[:, :120], sinks=4, window=32).set_index(["layer", "kv_head"])["loss"]
+    whole = loss_scores(model, text, sinks=4, window=32).set_index(["layer", "kv_head"])["loss"]
+    assert np.allclose(heads.loc[want.index].to_numpy(), want.to_numpy(), rtol=0, atol=1e-6)
+    assert not np.allclose(want.to_numpy(), whole.to_numpy(), rtol=0, atol=1e-4)  # the span matters here too

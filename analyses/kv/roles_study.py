@@ -64,7 +64,11 @@ SCORING_SEED_OFFSET = 1000
 # `gate_seconds` remains, as a cap only (the report says when it cut training).
 GATE_STEPS = 32
 SELECT_LENGTHS = (1024,)  # prompt lengths of `interp kv select` (fitted to a shorter model's context)
-LOSS_TOKENS = 1024  # the streaming-loss ranking reads the text's first 1024 tokens (892 past sinks + window 128)  # scoring prompts: keys drawn from seed + 1000, never an evaluation key
+# The streaming-loss ranking reads the perplexity text's first LOSS_TOKENS tokens (892 predicted past sinks 4 +
+# window 128): `loss_tokens` in settings.json. It is what the ranking's heads depend on: on SmolLM2-135M the
+# same command with the whole 2,048-token text (as before 2026-11-25 17:26, when this cap came in for speed)
+# keeps a different half of the KV heads, 5 of 8 pass keys at 50% instead of 0 of 8 (README, head roles).
+LOSS_TOKENS = 1024
 
 
 def gate_cache_dir() -> Path:
@@ -89,8 +93,9 @@ def scoring_prompts(model, eval_prompts: Sequence[RetrievalPrompt], n: int, seed
 
 def score_heads(model, prompts: Sequence[RetrievalPrompt], text: torch.Tensor, selections: Sequence[str], *,
                 sinks: int, window: int, n_scoring: int, seed: int, gate_seconds: float, gate_steps: int,
-                progress_bar=None, stage: Callable | None = None):
-    """(query-head table, KV-head table, gate curve or None). `stage`: a study's stage timer (`study.run`)."""
+                loss_tokens: int = LOSS_TOKENS, progress_bar=None, stage: Callable | None = None):
+    """(query-head table, KV-head table, gate curve or None). `stage`: a study's stage timer (`study.run`);
+    `loss_tokens`: the streaming-loss ranking reads the text's first that many tokens."""
     stage = stage or stages({})
 
     scoring = scoring_prompts(model, prompts, n_scoring, seed)
@@ -103,7 +108,7 @@ def score_heads(model, prompts: Sequence[RetrievalPrompt], text: torch.Tensor, s
     loss = None
     if "loss" in selections:
         loss = stage("streaming loss per KV head",
-                     lambda: loss_scores(model, text[:, :LOSS_TOKENS], sinks=sinks, window=window,
+                     lambda: loss_scores(model, text[:, :loss_tokens], sinks=sinks, window=window,
                                          progress_bar=progress_bar))
     gates = curve = None
     if "gates" in selections:
@@ -137,6 +142,7 @@ class RolesSettings(RetrievalSettings):
     gate_seconds: float | None = None
     gate_steps: int = GATE_STEPS
     equal_bytes: str | None = "snapkv"
+    loss_tokens: int = LOSS_TOKENS
 
 
 class RolesStudy(Study):
@@ -154,6 +160,9 @@ class RolesStudy(Study):
         check_int("--selection-seeds", len(s.selection_seeds), minimum=1)
         check_int("--scoring-prompts", s.n_scoring, minimum=1)
         check_int("--gate-steps", s.gate_steps, minimum=1)
+        if "loss" in s.selections:
+            check_int("--loss-tokens", s.loss_tokens, minimum=s.sinks + s.window + 2,
+                      hint=f"the loss ranking scores the tokens past sinks + window = {s.sinks + s.window}")
         if s.gate_seconds is not None:
             check_real("--gate-seconds", s.gate_seconds, minimum=0.0, strict=True)
         s, notes = check_retrieval(cfg, s, SELECT_LENGTHS)
@@ -175,7 +184,8 @@ class RolesStudy(Study):
         text = s.data.tokens(model)
         query, roles, curve = score_heads(model, prompts, text, s.selections, sinks=s.sinks, window=s.window,
                                           n_scoring=s.n_scoring, seed=s.seed, gate_seconds=s.gate_seconds,
-                                          gate_steps=s.gate_steps, progress_bar=s.progress, stage=stage)
+                                          gate_steps=s.gate_steps, loss_tokens=s.loss_tokens, progress_bar=s.progress,
+                                          stage=stage)
         cfg = model.cfg
         rankings = {name: (None if name == "random" else ranking(roles, name)) for name in s.selections}
         stream = f"streaming({s.sinks},{s.window})"
@@ -200,12 +210,17 @@ class RolesStudy(Study):
         return dict(selections=list(s.selections), fractions=list(s.fractions), seeds=list(s.selection_seeds),
                     sinks=s.sinks, window=s.window, n_scoring=s.n_scoring, seed=s.seed, gate_steps=s.gate_steps,
                     gate_seconds=s.gate_seconds, gate_steps_done=None if curve is None else len(curve),
-                    equal_bytes=s.equal_bytes, **prompts_record(m["_prompts"]), max_new_tokens=s.max_new_tokens)
+                    equal_bytes=s.equal_bytes, **prompts_record(m["_prompts"]), max_new_tokens=s.max_new_tokens,
+                    loss_tokens=min(s.loss_tokens, s.data.length) if "loss" in s.selections else None)
 
     def sections(self, s: RolesSettings, m, record) -> list[Section]:
         cells, summary = m["kv_policies"], m["_summary"]
         sections = roles_sections(s.model, cells, summary, m["_query"], m["_roles"], m["kv_gates_curve"], s.sinks,
                                   s.window, gate_steps=s.gate_steps, gate_seconds=s.gate_seconds)
+        if (n := record.get("loss_tokens")) is not None:
+            sections[2].add(f"The streaming-loss ranking reads the perplexity text's first {n} tokens (the loss of the "
+                            f"{n - s.sinks - s.window - 1} tokens predicted past sinks + window): a ranking that decides "
+                            "half the KV heads on small loss differences, so another span of text can keep other heads.")
         return sections + policy_sections(s.model, cells, summary, m["kv_passkey_answers"],
                                           record["data_description"])[1:]
 

@@ -24,4 +24,5 @@ KV_POLICIES = "full,kivi4,kivi2,streaming(4,128),h2o(132),snapkv(132),knorm(132)
 KV_POLICY_FORMS = ("full", "fp32", "fp16", "bf16", "int8", "fp8", "int4", "kivi4", "kivi2", "streaming(sinks,window)",
                    "h2o(budget)", "snapkv(budget)", "knorm(budget)", "tova(budget)")  # interp.models.kv.policies.policy_names()
 GATE_STEPS = 32  # interp.analyses.kv.roles_study.GATE_STEPS
+LOSS_TOKENS = 1024  # interp.analyses.kv.roles_study.LOSS_TOKENS
 KV_TASKS = ("precisions", "passkey", "needle")  # the old `interp kv --task` (commands.legacy): precisions, tasks.VARIANTS

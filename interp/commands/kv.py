@@ -75,7 +75,7 @@ def add_passkey(p) -> None:
 
 
 def add_select(p) -> None:
-    from .choices import GATE_STEPS
+    from .choices import GATE_STEPS, LOSS_TOKENS
 
     g = p.add_argument_group("the head-roles selection")
     g.add_argument("--rankings", default="retrieval,razor,loss,gates,random",
@@ -93,6 +93,9 @@ def add_select(p) -> None:
     g.add_argument("--gate-seconds", type=float, default=None,
                    help="a time cap on gate training (default none); when it stops training early the report says "
                         "so, and the gates then depend on the machine's speed")
+    g.add_argument("--loss-tokens", type=int, default=LOSS_TOKENS,
+                   help=f"the streaming-loss ranking reads the perplexity text's first this many tokens (default "
+                        f"{LOSS_TOKENS}; more text, other heads: README, head roles)")
     checks.add_prompt_options(p, "1024")
     checks.add_text_options(p, 2048, "the perplexity text")
 
@@ -137,6 +140,7 @@ def run_select(args) -> int:
                              data=checks.text_data(args, 2048, rows=1), selections=checks.names(args.rankings),
                              fractions=tuple(checks.numbers(args.fractions, float, "--fractions")),
                              selection_seeds=tuple(range(args.selection_seeds)), sinks=args.sinks, window=args.window,
-                             n_scoring=args.scoring_prompts, gate_steps=args.gate_steps, gate_seconds=args.gate_seconds)
+                             n_scoring=args.scoring_prompts, gate_steps=args.gate_steps, gate_seconds=args.gate_seconds,
+                             loss_tokens=args.loss_tokens)
 
     return checks.run_study(RolesStudy(), args, settings)
