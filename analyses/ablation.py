@@ -70,6 +70,10 @@ def ablation_values(model, tokens: Tensor, method: Method, *, valid: Tensor | No
     """What replaces each head's z, per layer, from one clean forward (see `values_from_z`)."""
     if method not in METHODS:
         raise ValueError(f"ablation method must be one of {METHODS}, got {method!r}")
+    if method == "zero":  # nothing to measure: zeros of z's shape per head and dtype (no forward)
+        cfg = model.cfg
+        z = torch.zeros(1, 1, cfg.n_heads, cfg.d_head, dtype=model.dtype, device=model.device)
+        return {l: z.clone() for l in range(cfg.n_layers)}
     names = [f"blocks.{l}.attn.hook_z" for l in range(model.cfg.n_layers)]
     _, cache = model.run_with_cache(tokens, names_filter=names, attention_mask=attention_mask,
                                     stop_at_layer=model.cfg.n_layers)

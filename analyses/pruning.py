@@ -49,12 +49,15 @@ def pruning_curve(
     max_fraction: float = 1.0,
     progress_bar: bool | None = None,
     eval_tokens=None,
+    shared: "Shared | None" = None,
 ) -> pd.DataFrame:
     """Loss (and `metric_fn(logits, tokens)`) as heads are pruned cumulatively.
 
     step: a share of all heads pruned per step (0 < step < 1), or a number of heads (int >= 1).
     max_fraction: stop once this share of the heads is pruned (default: all of them).
     eval_tokens: held-out data the loss is measured on (default: `tokens`, which orders the heads).
+    shared: what several curves on the same data share (`Shared`: the ablation values, the unpruned
+    evaluation, the importance of a pruned set already scored); `pruning_study` passes one to all its curves.
 
     Returns one row per step, the first being the unpruned model (its loss is the clean loss):
     step, n_pruned, fraction_pruned, loss, [metric], pruned (heads removed at that step, "L{l}H{h}"),
@@ -70,15 +73,18 @@ def pruning_curve(
     if not step > 0:
         raise ValueError(f"step must be > 0 (a share of the heads, or a count), got {step}")
     per_step = int(step) if step >= 1 else max(1, round(step * total))
-    values = ablation_values(model, tokens, method, valid=valid, attention_mask=attention_mask)
     held_out = tokens if eval_tokens is None else token_batch(model, eval_tokens)
     eval_mask = attention_mask if eval_tokens is None else None
+    if shared is None:
+        shared = Shared(model, tokens, held_out, method, attention_mask=attention_mask, eval_mask=eval_mask,
+                        metric_fn=metric_fn)
     all_heads = [(l, h) for l in range(cfg.n_layers) for h in range(cfg.n_heads)]
     if order == "random":
         g = torch.Generator().manual_seed(seed)
         shuffled = [all_heads[i] for i in torch.randperm(total, generator=g).tolist()]
 
     pruned: list[tuple[int, int]] = []
+    state = None  # the last evaluation of this curve: the next one resumes from it
     rows = []
     limit = int(round(max_fraction * total))
     n_steps = -(-limit // per_step)
@@ -89,12 +95,12 @@ def pruning_curve(
             if order == "random":
                 chosen = [hd for hd in shuffled if hd not in pruned][:k]
             else:
-                scores = _scores(order, model, tokens, valid, attention_mask, pruned, remaining, values)
+                scores = shared.scores(order, valid, pruned, remaining)
                 chosen = sorted(remaining, key=lambda hd: scores[hd], reverse=order == "reverse")[:k]
             pruned = pruned + chosen
         else:
             chosen = []
-        loss, metric = _evaluate(model, held_out, values, pruned, eval_mask, metric_fn)
+        loss, metric, state = shared.evaluate(pruned, state)
         row = dict(step=i, n_pruned=len(pruned), fraction_pruned=len(pruned) / total, loss=loss)
         if metric_fn is not None:
             row[getattr(metric_fn, "__name__", "metric")] = metric
@@ -102,34 +108,92 @@ def pruning_curve(
     return pd.DataFrame(rows)
 
 
-def _scores(order, model, tokens, valid, attention_mask, pruned, remaining, values) -> dict:
-    """{head: score} for the remaining heads on the current pruned model; lowest is pruned first."""
-    if order in ("importance", "reverse"):
-        grad_xi, _, _ = gated_gradients(model, tokens, valid=valid, attention_mask=attention_mask,
-                                        pruned=pruned, values=values)
-        imp = michel_importance(grad_xi, normalize=True)
-        return {(l, h): float(imp[l, h]) for l, h in remaining}
-    runner = AblationRunner(model, tokens, values, base=pruned, attention_mask=attention_mask)
-    return runner.sweep(remaining, show_progress=False)
+class Shared:
+    """What the pruning curves of one model on one fit / held-out split share, computed once, each number
+    the one a curve computing it alone gets (tests/test_pruning_equal.py checks the curves against a plain
+    recomputation):
+
+    * the ablation values (zero: no forward at all; mean: one forward on the fit data);
+    * the held-out evaluation of the unpruned model (step 0 of every curve);
+    * the importance of a pruned set already scored (importance and reverse orders both start from none);
+    * each evaluation resumes from the last one of its curve: a pruned set grows by the step's heads, and
+      blocks below the lowest layer of those heads see nothing new, so the residual stream cached there
+      (`hook_resid_pre` of every layer) is where the forward starts (`start_at_layer`). A wrapped model
+      (transformers runs it) cannot start mid-model: there every evaluation is a whole forward."""
+
+    def __init__(self, model, tokens: Tensor, held_out: Tensor, method: str = "zero", *,
+                 attention_mask: Tensor | None = None, eval_mask: Tensor | None = None,
+                 metric_fn: Callable[[Tensor, Tensor], Tensor] | None = None) -> None:
+        self.model, self.tokens, self.held_out = model, tokens, held_out
+        self.attention_mask, self.eval_mask, self.metric_fn = attention_mask, eval_mask, metric_fn
+        self.values = ablation_values(model, tokens, method, valid=valid_mask(tokens, attention_mask),
+                                      attention_mask=attention_mask)
+        self.resumes = getattr(model, "native", True)
+        self._unpruned = None
+        self._importance: dict = {}
+
+    def scores(self, order: str, valid: Tensor, pruned: list, remaining: list) -> dict:
+        """{head: score} for the remaining heads on the current pruned model; lowest is pruned first."""
+        model = self.model
+        if order in ("importance", "reverse"):
+            key = frozenset(pruned)
+            if key not in self._importance:
+                grad_xi, _, _ = gated_gradients(model, self.tokens, valid=valid, attention_mask=self.attention_mask,
+                                                pruned=pruned, values=self.values)
+                self._importance = {key: michel_importance(grad_xi, normalize=True)}  # only the latest is asked again
+            imp = self._importance[key]
+            return {(l, h): float(imp[l, h]) for l, h in remaining}
+        runner = AblationRunner(model, self.tokens, self.values, base=pruned, attention_mask=self.attention_mask)
+        return runner.sweep(remaining, show_progress=False)
+
+    @torch.no_grad()
+    def evaluate(self, pruned: list, state=None) -> tuple[float, float | None, tuple]:
+        """(held-out loss, metric or None, state) with the `pruned` heads' z replaced; `state` is the
+        previous evaluation's of the same curve (its pruned heads a subset of these), to resume from."""
+        if not pruned and self._unpruned is not None:
+            return self._unpruned
+        model, n_layers = self.model, self.model.cfg.n_layers
+        start = 0
+        if state is not None and self.resumes:
+            before, resid, loss, metric = state
+            new = set(pruned) - before
+            if not new:
+                return loss, metric, state
+            start = min(l for l, _ in new)
+        by_layer: dict[int, list[int]] = {}
+        for l, h in pruned:
+            if l >= start:
+                by_layer.setdefault(l, []).append(h)
+        kept: dict[int, Tensor] = {}
+
+        def keep(x: Tensor, hook) -> None:
+            kept[int(hook.name.split(".")[1])] = x
+
+        hooks = [(f"blocks.{l}.attn.hook_z", _replace(self.values[l], heads)) for l, heads in by_layer.items()]
+        if self.resumes:
+            hooks += [(f"blocks.{l}.hook_resid_pre", keep) for l in range(start, n_layers)]
+        kind = "loss" if self.metric_fn is None else "both"  # the loss alone never holds the [batch, pos, vocab] logits
+        with model.hooks(hooks):
+            if start == 0:
+                out = model(self.held_out, kind, attention_mask=self.eval_mask)
+            else:
+                out = model(resid[start], kind, start_at_layer=start, tokens=self.held_out, attention_mask=self.eval_mask)
+        loss, metric = (out, None) if self.metric_fn is None else (out[1], self.metric_fn(out[0], self.held_out))
+        loss, metric = float(loss), None if metric is None else float(metric)
+        resid_all = [resid[l] for l in range(start)] + [kept[l] for l in range(start, n_layers)] if self.resumes else None
+        result = (loss, metric, (frozenset(pruned), resid_all, loss, metric))
+        if not pruned:
+            self._unpruned = result
+        return result
 
 
-@torch.no_grad()
-def _evaluate(model, tokens, values, pruned, attention_mask, metric_fn) -> tuple[float, float | None]:
-    by_layer: dict[int, list[int]] = {}
-    for l, h in pruned:
-        by_layer.setdefault(l, []).append(h)
-
-    def replace(z: Tensor, hook) -> Tensor:
-        heads = by_layer[int(hook.name.split(".")[1])]
+def _replace(values: Tensor, heads: list[int]):
+    def hook(z: Tensor, hook) -> Tensor:
         z = z.clone()
-        z[:, :, heads] = values[int(hook.name.split(".")[1])][:, :, heads].to(z.dtype)
+        z[:, :, heads] = values[:, :, heads].to(z.dtype)
         return z
 
-    hooks = [(f"blocks.{l}.attn.hook_z", replace) for l in by_layer]
-    if metric_fn is None:  # the loss alone never holds the whole [batch, pos, vocab] logits
-        return float(model.run_with_hooks(tokens, fwd_hooks=hooks, return_type="loss", attention_mask=attention_mask)), None
-    logits, loss = model.run_with_hooks(tokens, fwd_hooks=hooks, return_type="both", attention_mask=attention_mask)
-    return float(loss), float(metric_fn(logits, tokens))
+    return hook
 
 
 def pruning_study(
@@ -148,8 +212,9 @@ def pruning_study(
                          "use at least 2 sequences (--n-seqs) and 0 < split < 1")
     fit, held_out = tokens[:n_fit], tokens[n_fit:]
     runs = [("importance", 0), ("reverse", 0)] + [("random", s) for s in seeds]
+    shared = Shared(model, fit, held_out, method)
     frames = [pruning_curve(model, fit, order=o, step=step, method=method, seed=s, max_fraction=max_fraction,
-                            eval_tokens=held_out, progress_bar=progress_bar) for o, s in runs]
+                            eval_tokens=held_out, progress_bar=progress_bar, shared=shared) for o, s in runs]
     curves = pd.concat(frames, ignore_index=True)
     clean = float(curves.loc[curves["n_pruned"] == 0, "loss"].iloc[0])
     curves.attrs["clean_loss"] = clean

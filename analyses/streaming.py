@@ -63,9 +63,9 @@ def streaming_loss(
     if positions == "cache" and window is not None and n_sink > 0:
         if attention_mask is not None and not bool(attention_mask.bool().all()):
             raise ValueError("positions='cache' streams unpadded sequences; drop the padding or use positions='original'")
+        hooks = (_cache_position_hooks if _needs_scores(model) else _cache_position_z_hooks)(model, window, n_sink)
         with sliding_window(model, window):
-            logits = model.run_with_hooks(tokens, fwd_hooks=_cache_position_hooks(model, window, n_sink),
-                                          attention_mask=attention_mask)
+            logits = model.run_with_hooks(tokens, fwd_hooks=hooks, attention_mask=attention_mask)
         return lm_loss(logits, tokens, valid, per_token=True)
     step = n if chunk_size is None else chunk_size
     cache = model.new_kv_cache(batch, n, n_sink=n_sink)
@@ -76,6 +76,76 @@ def streaming_loss(
             for s in range(0, n, step)
         ]
     return lm_loss(torch.cat(logits, dim=1), tokens, valid, per_token=True)
+
+
+BLOCK = 256  # queries per block of the cache-position attention (`_cache_position_z_hooks`)
+
+
+def _needs_scores(model) -> bool:
+    """Whether the cache positions need the whole [pos, pos] scores (`_cache_position_hooks`): a model with
+    learned sink logits (gpt-oss) has a softmax term the z hooks do not write out."""
+    return any(getattr(b.attn, "sinks", None) is not None for b in model.blocks)
+
+
+def _cache_position_z_hooks(model, window: int, n_sink: int) -> list:
+    """StreamingLLM's cache positions without the [pos, pos] scores: the model runs its fused path through
+    the window alone (cheap, banded), and each layer's z is replaced by the attention the rolling cache
+    gives, written out in blocks of BLOCK queries: the sink keys scored with the query rotated to slot
+    min(p, n_sink + window - 1) (against the rotated sink keys, as `_cache_position_hooks` does), the keys
+    n_sink <= j in the layer's window scored as usual, one softmax over both, in float32. O(pos x (BLOCK +
+    window)) per head, where the score hooks cost O(pos^2) on the instrumented path (the two agree to
+    float32 round-off: tests/test_analyses_sinks.py, tests/test_gemma3.py)."""
+    if model.rotary is None:
+        raise NotImplementedError(
+            f"positions='cache' re-numbers rotary positions inside the cache; this model's positions are "
+            f"{model.cfg.positional!r}. Use positions='original'.")
+    seen: dict = {}
+
+    def keep(name):
+        def hook(x: Tensor, hook) -> None:
+            seen[(hook.name.split(".")[1], name)] = x
+        return hook
+
+    def z_hook(z: Tensor, hook) -> Tensor:  # [batch, pos, head, d_head]
+        layer = hook.name.split(".")[1]
+        l = int(layer)
+        q0, q, k, v = (seen.pop((layer, name)) for name in ("q0", "q", "k", "v"))
+        attn = model.blocks[l].attn
+        b, n, h, _ = q.shape
+        group = h // k.shape[2]
+        w, own = attn.window, model.cfg.window(l)  # the narrowed window; the layer's own (its sinks' limit)
+        p = torch.arange(n, device=q.device)
+        cos, sin = model.rotary.cos_sin(p.clamp(max=n_sink + window - 1)[None].expand(b, n), q.dtype, layer=l)
+        heads = lambda x: x.transpose(1, 2).repeat_interleave(group, dim=1).float()  # noqa: E731 - [b, h, pos, dh]
+        q_slot = attn.rotate(q0, cos, sin).transpose(1, 2).float()
+        q, k, v = q.transpose(1, 2).float(), heads(k), heads(v)
+        ns = min(n_sink, n)
+
+        def scored(x: Tensor) -> Tensor:
+            x = x * attn.scale
+            return x if attn.softcap is None else soft_cap(x, attn.softcap)
+
+        sink = scored(q_slot @ k[:, :, :ns].transpose(-1, -2))  # [b, h, pos, ns]
+        delta = p[:, None] - torch.arange(ns, device=q.device)[None]
+        sink = sink.masked_fill(~((delta >= 0) if own is None else (delta >= 0) & (delta < own)), float("-inf"))
+        out = torch.empty_like(q)
+        for c in range(0, n, BLOCK):
+            e = min(c + BLOCK, n)
+            lo = max(ns, c - w + 1)
+            band = scored(q[:, :, c:e] @ k[:, :, lo:e].transpose(-1, -2))
+            d = p[c:e, None] - torch.arange(lo, e, device=q.device)[None]
+            band = band.masked_fill(~((d >= 0) & (d < w)), float("-inf"))
+            a = torch.cat([sink[:, :, c:e], band], -1).softmax(-1)
+            out[:, :, c:e] = a[..., :ns] @ v[:, :, :ns] + a[..., ns:] @ v[:, :, lo:e]
+        return out.transpose(1, 2).to(z.dtype)
+
+    query = "attn.hook_q_normed" if model.cfg.qk_norm else "attn.hook_q"  # what RoPE rotates
+    hooks = []
+    for l in range(model.cfg.n_layers):
+        hooks += [(f"blocks.{l}.{query}", keep("q0")), (f"blocks.{l}.attn.hook_rot_q", keep("q")),
+                  (f"blocks.{l}.attn.hook_rot_k", keep("k")), (f"blocks.{l}.attn.hook_v", keep("v")),
+                  (f"blocks.{l}.attn.hook_z", z_hook)]
+    return hooks
 
 
 def _cache_position_hooks(model, window: int, n_sink: int) -> list:

@@ -253,3 +253,41 @@ def composition_scores(left: FactoredMatrix, right: FactoredMatrix, broadcast_di
                      for i in range(0, gl.shape[0], step)])
     out = out / (norm_l.reshape(-1, 1) * norm_r.reshape(1, -1))
     return out.reshape(*lead_l, *lead_r)
+
+
+def _psd_sqrt(gram: Tensor) -> Tensor:
+    """The symmetric square root of PSD matrices [..., m, m] (eigenvalues clamped at 0), in float64."""
+    vals, vecs = torch.linalg.eigh(gram.double())
+    return (vecs * vals.clamp(min=0).sqrt()[..., None, :]) @ vecs.transpose(-2, -1)
+
+
+def layered_composition_scores(left: FactoredMatrix, right: FactoredMatrix, dtype: torch.dtype = torch.float32,
+                               budget: int = 1 << 24) -> Tensor:
+    """[layer_a, head_a, layer_b, head_b] composition scores of every left head with every right head of a
+    later layer (0 elsewhere), for `left` and `right` of shape [layer, head, d, d] (`all_composition_scores`).
+
+    The same score as `composition_scores`, as one large matrix product per left layer: with symmetric
+    square roots R = (A_l^T A_l)^(1/2) and S = (B_r B_r^T)^(1/2) (m x m each, from an eigendecomposition
+    in float64), tr(P^T R^2 P S^2) = ||R P S||_F^2 and R P S = (R B_l)(A_r S). So the left heads' R B_l
+    stacked [heads x m, d] times the later right heads' A_r S [d, heads x m] holds every pair's R P S as
+    an m x m block, whose squared sum is the pair's ||L R||_F^2; no per-pair product of small matrices.
+    Right layers are taken in chunks of at most `budget` output floats."""
+    L, H = left.shape[:2]
+    la, lb = left.A.to(dtype), left.B.to(dtype)
+    ra, rb = right.A.to(dtype), right.B.to(dtype)
+    m_l, m_r = lb.shape[-2], ra.shape[-1]
+    gram_l = la.transpose(-2, -1) @ la
+    gram_r = rb @ rb.transpose(-2, -1)
+    norm_l = (gram_l * (lb @ lb.transpose(-2, -1))).sum((-2, -1)).clamp(min=0).sqrt()  # [L, H]
+    norm_r = (gram_r * (ra.transpose(-2, -1) @ ra)).sum((-2, -1)).clamp(min=0).sqrt()
+    left_w = (_psd_sqrt(gram_l).to(dtype) @ lb).reshape(L, H * m_l, -1)  # [L, H m, d]
+    right_w = (ra @ _psd_sqrt(gram_r).to(dtype)).permute(0, 2, 1, 3).reshape(L, -1, H * m_r)  # [L, d, H m]
+    out = torch.zeros(L, H, L, H, dtype=dtype, device=la.device)
+    per = max(1, budget // max(1, H * m_l * H * m_r))  # right layers per product
+    for a in range(L - 1):
+        for b0 in range(a + 1, L, per):
+            b1 = min(L, b0 + per)
+            block = left_w[a] @ torch.cat(list(right_w[b0:b1]), dim=-1)  # [H m_l, (b1 - b0) H m_r]
+            sq = block.view(H, m_l, b1 - b0, H, m_r).square().sum((1, 4))  # [H, b1 - b0, H]
+            out[a, :, b0:b1] = sq.clamp(min=0).sqrt() / (norm_l[a][:, None, None] * norm_r[b0:b1][None])
+    return out

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import ModelConfig
-from .factored import FactoredMatrix, composition_scores
+from .factored import FactoredMatrix, layered_composition_scores
 
 
 def or_zeros(bias: Tensor | None, like: Tensor, size: int) -> Tensor:
@@ -198,17 +198,14 @@ class WeightViews:
         random baseline."""
         if mode not in ("Q", "K", "V"):
             raise ValueError(f"mode must be 'Q', 'K' or 'V', got {mode!r}")
-        L, H = self.cfg.n_layers, self.cfg.n_heads
         # Only pairs with an earlier first layer are computed (half the work of all pairs); float32 at
-        # least, as TransformerLens computes them in the weights' dtype.
+        # least, as TransformerLens computes them in the weights' dtype; one matrix product per layer
+        # (`layered_composition_scores`).
         dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
-        scores = torch.zeros(L, H, L, H, device=self.device, dtype=dtype)
         with torch.no_grad():
             left = self.OV
             right = {"Q": self.QK, "K": self.QK.T, "V": left}[mode]
-            for la in range(L - 1):
-                scores[la, :, la + 1:] = composition_scores(left[la], right[la + 1:], dtype=dtype)
-        return scores
+            return layered_composition_scores(left, right, dtype)
 
     def accumulated_bias(self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True) -> Tensor:
         """[d_model]: the attention (b_O) and MLP (b_out) output biases added to the residual stream

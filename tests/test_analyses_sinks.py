@@ -245,3 +245,17 @@ def test_streaming_keeps_per_layer_windows():
         want = float(_masked_loss_per_layer(base, toks, rule(window, n_sink)).mean())
         assert frame.loc[row, "loss"] == pytest.approx(want, abs=1e-5), (window, n_sink)
     assert [b.attn.window for b in model.blocks] == [5, None]
+
+
+@pytest.mark.parametrize("block", [4, 7])
+@pytest.mark.parametrize("window, n_sink", [(5, 2), (9, 1)])
+def test_cache_positions_in_blocks_of_queries_equal_the_rolling_cache(monkeypatch, block, window, n_sink):
+    """The cache positions are written out in blocks of BLOCK queries (each with its band of keys): with
+    blocks far smaller than the sequence, every block edge, band start and sink overlap is crossed."""
+    import interp.analyses.streaming as streaming
+
+    monkeypatch.setattr(streaming, "BLOCK", block)
+    model = build("rotary-gqa")
+    toks = tokens(2, 22, seed=6)
+    want = _rolling_cache_by_hand(model, toks, window, n_sink)
+    assert torch.allclose(streaming_loss(model, toks, window, n_sink, positions="cache"), want, atol=2e-5)
