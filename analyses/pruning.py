@@ -123,12 +123,12 @@ class Shared:
 
     def __init__(self, model, tokens: Tensor, held_out: Tensor, method: str = "zero", *,
                  attention_mask: Tensor | None = None, eval_mask: Tensor | None = None,
-                 metric_fn: Callable[[Tensor, Tensor], Tensor] | None = None) -> None:
+                 metric_fn: Callable[[Tensor, Tensor], Tensor] | None = None, resume: bool = True) -> None:
         self.model, self.tokens, self.held_out = model, tokens, held_out
         self.attention_mask, self.eval_mask, self.metric_fn = attention_mask, eval_mask, metric_fn
         self.values = ablation_values(model, tokens, method, valid=valid_mask(tokens, attention_mask),
                                       attention_mask=attention_mask)
-        self.resumes = getattr(model, "native", True)
+        self.resumes = resume and getattr(model, "native", True)
         self._unpruned = None
         self._importance: dict = {}
 
@@ -199,12 +199,15 @@ def _replace(values: Tensor, heads: list[int]):
 def pruning_study(
     model, tokens, *, split: float = 0.5, seeds=(0, 1, 2), step: float | int = 0.1, max_fraction: float = 0.5,
     method: Literal["zero", "mean"] = "zero", tolerance: float = 0.05, progress_bar: bool | None = None,
+    reuse: bool = True,
 ) -> pd.DataFrame:
     """Michel et al.'s pruning experiment: heads ordered on the first `split` of the sequences, the
     loss measured on the rest, for the importance order, the reverse order and a random order per
     seed. Returns the curves (order, seed, step, fraction_pruned, loss, pruned, ...) with
     `.attrs["prunable"]` = {order: the largest fraction whose held-out loss stays within
-    (1 + tolerance) x the unpruned loss} (random: the mean over seeds) and `.attrs["clean_loss"]`."""
+    (1 + tolerance) x the unpruned loss} (random: the mean over seeds) and `.attrs["clean_loss"]`.
+    reuse=False: every curve computes alone and every evaluation is a whole forward (the plain
+    algorithm, the same numbers; `interp bench --sections atlas` times both)."""
     tokens = token_batch(model, tokens)
     n_fit = int(round(split * len(tokens)))
     if not 1 <= n_fit < len(tokens):
@@ -212,9 +215,10 @@ def pruning_study(
                          "use at least 2 sequences (--n-seqs) and 0 < split < 1")
     fit, held_out = tokens[:n_fit], tokens[n_fit:]
     runs = [("importance", 0), ("reverse", 0)] + [("random", s) for s in seeds]
-    shared = Shared(model, fit, held_out, method)
+    shared = Shared(model, fit, held_out, method) if reuse else None
     frames = [pruning_curve(model, fit, order=o, step=step, method=method, seed=s, max_fraction=max_fraction,
-                            eval_tokens=held_out, progress_bar=progress_bar, shared=shared) for o, s in runs]
+                            eval_tokens=held_out, progress_bar=progress_bar,
+                            shared=shared or Shared(model, fit, held_out, method, resume=reuse)) for o, s in runs]
     curves = pd.concat(frames, ignore_index=True)
     clean = float(curves.loc[curves["n_pruned"] == 0, "loss"].iloc[0])
     curves.attrs["clean_loss"] = clean

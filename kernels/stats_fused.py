@@ -447,7 +447,7 @@ def row_max(qf: Tensor, kf: Tensor, *, causal: bool, window: int | None, scale: 
 @torch.no_grad()
 def pairwise_masses(qf: Tensor, kf: Tensor, tokens: Tensor | None, lse: Tensor, *, window: int | None,
                     scale: float, key_padding_mask: Tensor | None, alibi_slopes: Tensor | None,
-                    budget: int = PAIR_BUDGET) -> dict[str, Tensor]:
+                    softcap: float | None = None, budget: int = PAIR_BUDGET) -> dict[str, Tensor]:
     """``{"previous", and with tokens "duplicate", "induction": float32 [batch, heads, n_q]}``: the mass of
     each query's row (``P_ij = exp(s_ij - lse_i)``, `lse` the row's full logsumexp) on those pairs.
 
@@ -460,7 +460,11 @@ def pairwise_masses(qf: Tensor, kf: Tensor, tokens: Tensor | None, lse: Tensor, 
     (its own entries and a few before for most tokens; more for a frequent token) in one dense ``q k^T``
     product, masked to the pairs (same token, earlier position, window, padding). So the work is about
     pairs x heads x d on dense matrix products, never a per-pair gather, and the scores held at once
-    are at most `budget` floats."""
+    are at most `budget` floats. `softcap`: the scores are capped, ``cap * tanh(s / cap)``, before ALiBi (as
+    the model and the Triton kernel score them; the fused route never sees a capped layer)."""
+    def capped(s: Tensor) -> Tensor:
+        return s if softcap is None else softcap * torch.tanh(s / softcap)
+
     batch, heads, n_q, d = qf.shape
     kv_heads, n_k = kf.shape[1], kf.shape[2]
     group = heads // kv_heads
@@ -472,7 +476,7 @@ def pairwise_masses(qf: Tensor, kf: Tensor, tokens: Tensor | None, lse: Tensor, 
     # previous: j = p - 1, visible unless p = 0, a window of 1, or padding
     j = (pos - 1).clamp(min=0)
     k_prev = kf[:, :, j]  # [batch, kv_heads, n_q, d]
-    s = (qf.view(batch, kv_heads, group, n_q, d) * k_prev[:, :, None]).sum(-1).view(batch, heads, n_q) * scale
+    s = capped((qf.view(batch, kv_heads, group, n_q, d) * k_prev[:, :, None]).sum(-1).view(batch, heads, n_q) * scale)
     if alibi_slopes is not None:
         s = s - alibi_slopes[None, :, None]
     ok = (pos >= 1)[None].expand(batch, n_q)
@@ -537,7 +541,7 @@ def pairwise_masses(qf: Tensor, kf: Tensor, tokens: Tensor | None, lse: Tensor, 
             if not bool(same.any()):
                 continue
             for name, (k_t, j_all, real_all) in keys.items():
-                s = torch.matmul(q_t, k_t[:, :, c0:c1]).view(heads, r1 - r0, c1 - c0) * scale
+                s = capped(torch.matmul(q_t, k_t[:, :, c0:c1]).view(heads, r1 - r0, c1 - c0) * scale)
                 j = j_all[None, c0:c1]
                 if slopes is not None:
                     s = s - slopes * (p_row - j).abs().to(s.dtype)

@@ -1,18 +1,23 @@
-"""Streaming attention statistics as one fused Triton kernel: the GPU path of ``attention_stats``.
+"""Streaming attention statistics on the GPU: one Triton kernel for what the pattern applied to values
+gives, the pairs gathered outside it (the same split as :mod:`interp.kernels.stats_fused`).
 
-This is triton-lang/triton's ``python/tutorials/06-fused-attention.py`` forward pass with the
-value matrix replaced. Each program owns ``BLOCK_M`` queries of one (batch, head) and walks the
-key blocks they can see, keeping the tutorial's running state per query row:
+The kernel is triton-lang/triton's ``python/tutorials/06-fused-attention.py`` forward pass with the value
+matrix replaced by the keys themselves. Each program owns ``BLOCK_M`` queries of one (batch, head) and
+walks the key blocks they can see, with the tutorial's running state per query row (``m_i`` the running
+max of the base-2 scores, ``l_i`` the sum of ``exp2(s - m_i)``, ``alpha`` the rescale when ``m_i`` grows),
+and accumulates
 
-    m_i    running max of the (base-2) scores
-    l_i    sum_j exp2(s_ij - m_i)
-    alpha  exp2(m_old - m_new), the rescale applied to every accumulator when m_i grows
+    P @ K            on the tensor cores (float32 accumulators; ``tf32x3`` for the 16-bit inputs' weights,
+                     IEEE products for float32 inputs): the entropy is ``lse - scale * q . E[k]`` (plus
+                     ALiBi's ``slope * E[p - j]`` under causality);
+    P @ (p - j)      the distance, and ``P`` on ``j < n_sink`` (the first key blocks only), as row sums.
 
-Where the tutorial accumulates ``P @ V``, this kernel accumulates ``P @ F`` for a *virtual*
-value matrix F of indicator features computed in registers from the tile's positions and
-tokens (see :mod:`interp.kernels.stats` for the definitions): sink, previous, duplicate,
-induction, the centred score ``s - m`` (entropy) and ``p - j`` (distance). Nothing of size
-``n_q x n_k`` ever leaves the chip; the output is 7 floats per query.
+It writes the sink mass, entropy, top weight (``exp(m - lse) = 1 / l``), distance and each row's
+logsumexp; nothing of size ``n_q x n_k`` leaves the chip. The pairwise statistics (previous, duplicate,
+induction) are ``exp(s_ij - lse_i)`` at exactly their pairs, found by sorting the tokens
+(:func:`interp.kernels.stats_fused.pairwise_masses`, dense products over the sorted order). Where the
+expected score is not linear in k (soft-capped scores, ALiBi without causality) the kernel carries
+``sum p (s - m)`` per element instead of ``P @ K``.
 
 Differences from the tutorial, all deliberate:
 
@@ -22,7 +27,7 @@ Differences from the tutorial, all deliberate:
 * ``input_precision="ieee"`` for float32 inputs: these are statistics to compare against a
   materialised pattern, so no TF32 rounding of the scores. fp16 / bf16 inputs go to the tensor
   cores as they are (their products are exact in the fp32 accumulator);
-* rows that see no key (left padding) are guarded (``m_use``) and come out NaN.
+* rows that see no key (left padding) are guarded (``m_use``) and come out NaN (their logsumexp too).
 
 Importing this module imports Triton and decides, from ``TRITON_INTERPRET``, whether the kernel
 runs compiled (CUDA tensors) or in Triton's interpreter (CPU tensors, for tests); set that
@@ -38,6 +43,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .stats_common import LOG2E, STAT_NAMES
+from .stats_fused import pairwise_masses
 
 __all__ = ["attention_stats_triton"]
 
@@ -58,18 +64,17 @@ def _tanh(x):
 
 @triton.jit
 def _attention_stats_kernel(
-    Q, K, TOKENS, KPM, SLOPES, OUT,  # pointers (TOKENS / KPM / SLOPES: dummies when unused)
+    Q, K, KPM, SLOPES, OUT, LSE,  # pointers (KPM / SLOPES: dummies when unused)
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_tb, stride_tn,
     stride_pb, stride_pn,
     stride_os, stride_ob, stride_oh, stride_om,
+    stride_lb, stride_lh, stride_lm,
     n_q, n_k, d, heads, group, n_sink, window,
     qk_scale,  # scale * log2(e): scores are kept in base 2
     cap_scale,  # softcap * log2(e): the soft cap in base 2 (unused without HAS_SOFTCAP)
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
-    HAS_TOKENS: tl.constexpr,
     HAS_KPM: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -96,19 +101,14 @@ def _attention_stats_kernel(
         other=0.0,
     )
     k_base = K + off_b * stride_kb + off_kvh * stride_kh
-    if HAS_TOKENS:
-        tok_base = TOKENS + off_b * stride_tb
-        tok_q = tl.load(tok_base + pos * stride_tn, mask=row_ok, other=0)
     if HAS_ALIBI:
         slope = tl.load(SLOPES + off_h) * 1.4426950408889634  # base 2, like the scores
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc_k = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # sum p k: the entropy's E[score] = scale q . (P K)
+    acc_ent = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum p (s - m), base 2: only where E[score] is not linear in k
     acc_sink = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc_prev = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc_dup = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc_ind = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc_ent = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum p (s - m), base 2
     acc_dist = tl.zeros([BLOCK_M], dtype=tl.float32)  # sum p (pos - j)
 
     # Key blocks this query block can see: causal stops at its last query, a window starts
@@ -155,54 +155,62 @@ def _attention_stats_kernel(
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
-        s = s - m_use[:, None]
-        p = tl.exp2(s)  # unnormalised weights, 0 where masked
-        s = tl.where(visible, s, 0.0)  # centred score, the entropy feature (0, not -inf, if masked)
+        p = tl.exp2(s - m_use[:, None])  # unnormalised weights, 0 where masked
 
-        # -- accumulate P @ F for the virtual value matrix F --
-        # entropy: sum p (s - m) re-centred on m_new: alpha * (C + l (m_old - m_new))
-        shift = l_i * tl.where(l_i > 0, m_i - m_use, 0.0)  # no -inf * 0, even in dead lanes
-        acc_ent = acc_ent * alpha + alpha * shift + tl.sum(p * s, 1)
+        # -- P @ [K | position | sink]: the keys on the tensor cores (float32 accumulators; tf32x3 keeps
+        # ~float32 accuracy for P's products), position and sink as row sums --
+        if HAS_SOFTCAP or (HAS_ALIBI and not CAUSAL):  # E[score] is not scale q . E[k] (- slope E[p - j]) here
+            sc = tl.where(visible, s - m_use[:, None], 0.0)  # centred score (0, not -inf, if masked)
+            shift = l_i * tl.where(l_i > 0, m_i - m_use, 0.0)  # no -inf * 0, even in dead lanes
+            acc_ent = acc_ent * alpha + alpha * shift + tl.sum(p * sc, 1)
+        else:
+            if IEEE_DOT:
+                acc_k = acc_k * alpha[:, None] + tl.dot(p, k.to(tl.float32), input_precision="ieee")
+            else:
+                acc_k = acc_k * alpha[:, None] + tl.dot(p, k.to(tl.float32), input_precision="tf32x3")
         acc_dist = acc_dist * alpha + tl.sum(p * delta_f, 1)
-        acc_sink = acc_sink * alpha + tl.sum(tl.where(offs_n[None, :] < n_sink, p, 0.0), 1)
-        acc_prev = acc_prev * alpha + tl.sum(tl.where(delta == 1, p, 0.0), 1)
-        if HAS_TOKENS:
-            tok_k = tl.load(tok_base + offs_n * stride_tn, mask=col_ok, other=0)
-            tok_before = tl.load(tok_base + (offs_n - 1) * stride_tn, mask=col_ok & (offs_n >= 1), other=0)
-            same = (tok_k[None, :] == tok_q[:, None]) & (delta > 0)  # earlier key, same token
-            after = (tok_before[None, :] == tok_q[:, None]) & (delta >= 0) & (offs_n[None, :] >= 1)
-            acc_dup = acc_dup * alpha + tl.sum(tl.where(same, p, 0.0), 1)
-            acc_ind = acc_ind * alpha + tl.sum(tl.where(after, p, 0.0), 1)
+        acc_sink = acc_sink * alpha
+        if start_n < n_sink:  # the sink keys live in the first block(s) only
+            acc_sink += tl.sum(tl.where(offs_n[None, :] < n_sink, p, 0.0), 1)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
-    # -- epilogue: divide by l; a row that saw no key is NaN --
+    # -- epilogue: divide by l; a row that saw no key is NaN (its lse too, so the pairs are NaN) --
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)  # no 1/0 or log(0), even in lanes that are thrown away
     inv_l = tl.where(seen, 1.0 / l_safe, float("nan"))
+    lse2 = m_i + tl.log2(l_safe)  # base 2, over the model's scores
+    dist = acc_dist * inv_l
+    if HAS_SOFTCAP or (HAS_ALIBI and not CAUSAL):
+        entropy = tl.log(l_safe) - acc_ent * inv_l * 0.6931471805599453
+    else:
+        # H = lse - E[score]: E[score] = scale q . E[k], less slope * E[p - j] under (causal) ALiBi; base 2 -> e
+        e_score = tl.sum(q.to(tl.float32) * acc_k, 1) * inv_l * qk_scale
+        if HAS_ALIBI:
+            e_score = e_score - slope * dist
+        entropy = (lse2 - e_score) * 0.6931471805599453
+    entropy = tl.where(seen, entropy, float("nan"))
     out = OUT + off_b * stride_ob + off_h * stride_oh + offs_m * stride_om
     tl.store(out + 0 * stride_os, acc_sink * inv_l, mask=row_ok)
-    tl.store(out + 1 * stride_os, acc_prev * inv_l, mask=row_ok)
-    if HAS_TOKENS:
-        tl.store(out + 2 * stride_os, acc_dup * inv_l, mask=row_ok)
-        tl.store(out + 3 * stride_os, acc_ind * inv_l, mask=row_ok)
-    tl.store(out + 4 * stride_os, tl.log(l_safe) - acc_ent * inv_l * 0.6931471805599453, mask=row_ok)
+    tl.store(out + 4 * stride_os, entropy, mask=row_ok)
     tl.store(out + 5 * stride_os, inv_l, mask=row_ok)  # the top weight is exp2(m - m) / l
-    tl.store(out + 6 * stride_os, acc_dist * inv_l, mask=row_ok)
+    tl.store(out + 6 * stride_os, dist, mask=row_ok)
+    lse = tl.where(seen, lse2 * 0.6931471805599453, float("nan"))
+    tl.store(LSE + off_b * stride_lb + off_h * stride_lh + offs_m * stride_lm, lse, mask=row_ok)
 
 
 def default_blocks(dtype: torch.dtype, d: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N) for num_warps=8 that compile without register spills.
 
-    Checked with ``triton.compile`` for sm_90 and sm_80 (``cuobjdump --dump-resource-usage``),
-    every feature on: fp16 / bf16 64 x 32 uses 105-158 registers for d = 32..256; fp32 (FMA
-    path, ``input_precision="ieee"``) 64 x 32 uses 106 at d <= 64 but spills at d = 128, where
-    64 x 16 uses 136 (d = 128) and 122 (d = 256). 64 x 64 with 4 warps, the tutorial's shape,
-    needs 255 registers and spills for fp32: the feature masks are extra live tiles.
+    Checked with ``triton.compile`` for sm_90 (``cuobjdump --dump-resource-usage``), every feature on,
+    the ``P @ K`` accumulator [BLOCK_M, d] included: fp16 / bf16 64 x 32 uses 226 registers at d = 64 and
+    247 at d = 128, and spills at d = 256 (64 x 32, 32 x 32 and 64 x 16 all do), where 32 x 16 uses 220;
+    fp32 (FMA path, ``input_precision="ieee"``) 64 x 32 uses 138 at d = 64 and spills at d = 128
+    (64 x 16 too), where 32 x 16 uses 103 (130 at d = 256).
     """
-    if dtype == torch.float32 or dtype not in (torch.float16, torch.bfloat16):
-        return (64, 32) if d <= 64 else (64, 16)
-    return 64, 32
+    if dtype in (torch.float16, torch.bfloat16):
+        return (64, 32) if d <= 128 else (32, 16)
+    return (64, 32) if d <= 64 else (32, 16)
 
 
 def _interpreting() -> bool:
@@ -258,23 +266,21 @@ def attention_stats_triton(
     dtype = q.dtype if q.dtype == k.dtype and q.dtype in half else torch.float32
     q, k = q.to(dtype), k.to(dtype)
     out = torch.full((len(STAT_NAMES), batch, heads, n_q), float("nan"), dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, heads, n_q, dtype=torch.float32, device=q.device)
     dummy = out  # any tensor: the kernel never reads an unused pointer
-    tokens_arg = tokens.contiguous() if tokens is not None else dummy
     kpm_arg = key_padding_mask.to(torch.int8).contiguous() if key_padding_mask is not None else dummy
     slopes_arg = alibi_slopes.to(torch.float32).contiguous() if alibi_slopes is not None else dummy
-    tok_strides = tokens_arg.stride()[:2] if tokens is not None else (0, 0)
     kpm_strides = kpm_arg.stride()[:2] if key_padding_mask is not None else (0, 0)
 
     grid = (triton.cdiv(n_q, block_q), batch * heads)
     _attention_stats_kernel[grid](
-        q, k, tokens_arg, kpm_arg, slopes_arg, out,
-        *q.stride(), *k.stride(), *tok_strides, *kpm_strides, *out.stride(),
+        q, k, kpm_arg, slopes_arg, out, lse,
+        *q.stride(), *k.stride(), *kpm_strides, *out.stride(), *lse.stride(),
         n_q, n_k, d, heads, heads // kv_heads, n_sink, window or 0,
         scale * LOG2E,
         (softcap or 1.0) * LOG2E,
         CAUSAL=causal,
         HAS_WINDOW=window is not None,
-        HAS_TOKENS=tokens is not None,
         HAS_KPM=key_padding_mask is not None,
         HAS_ALIBI=alibi_slopes is not None,
         HAS_SOFTCAP=softcap is not None,
@@ -284,4 +290,11 @@ def attention_stats_triton(
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         num_warps=num_warps,
     )
+    # the pairs (previous, duplicate, induction): exp(s - lse) at exactly those, found by sorting the tokens
+    masses = pairwise_masses(q.float(), k.float(), tokens, lse, window=window, scale=scale,
+                             key_padding_mask=key_padding_mask, alibi_slopes=slopes_arg if alibi_slopes is not None
+                             else None, softcap=softcap)
+    for name, value in masses.items():
+        out[STAT_NAMES.index(name)] = value
+    out[:, lse.isnan()] = float("nan")  # a row that saw no key: NaN everywhere
     return out

@@ -515,12 +515,12 @@ def _native_worker() -> None:
     except ValueError as error:
         print("CPU_ERROR", error)
 
-    pointers = {"Q": "*{dt}", "K": "*{dt}", "TOKENS": "*i64", "KPM": "*i8", "SLOPES": "*fp32", "OUT": "*fp32"}
+    pointers = {"Q": "*{dt}", "K": "*{dt}", "KPM": "*i8", "SLOPES": "*fp32", "OUT": "*fp32", "LSE": "*fp32"}
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     configs = (("fp16", torch.float16, 64), ("bf16", torch.bfloat16, 128), ("fp32", torch.float32, 128))
     for dt, torch_dtype, d in configs:
         block_m, block_n = default_blocks(torch_dtype, d)
-        constexprs = dict(CAUSAL=True, HAS_WINDOW=True, HAS_TOKENS=True, HAS_KPM=True, HAS_ALIBI=True, HAS_SOFTCAP=True,
+        constexprs = dict(CAUSAL=True, HAS_WINDOW=True, HAS_KPM=True, HAS_ALIBI=True, HAS_SOFTCAP=False,
                           IEEE_DOT=dt == "fp32", BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=d)
         signature = {
             name: pointers[name].format(dt=dt) if name in pointers

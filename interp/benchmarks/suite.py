@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import (ablation, caching, forward, generation, gpu, head_scan, kv_cache, kv_policies, long_context, patching,
+from . import (ablation, atlas, caching, forward, generation, gpu, head_scan, kv_cache, kv_policies, long_context, patching,
                real_model, stats_kernel, window_bands, wrapped)
 from interp.models.errors import check_threads
 
@@ -41,6 +41,7 @@ SECTIONS: dict[str, Callable[[Options], Section]] = {
     "window_bands": window_bands.section,
     "stats_kernel": stats_kernel.section,
     "wrapped": wrapped.section,
+    "atlas": atlas.section,
 }
 ALL = (*SECTIONS, "gpu")
 
