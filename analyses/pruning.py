@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ._common import progress, token_batch, token_input, valid_mask
-from .ablation import AblationRunner, ablation_values
+from .ablation import AblationRunner, _replace_heads, ablation_values
 from .importance import gated_gradients, michel_importance
 
 Order = Literal["importance", "reverse", "random", "ablation"]
@@ -169,7 +169,7 @@ class Shared:
         def keep(x: Tensor, hook) -> None:
             kept[int(hook.name.split(".")[1])] = x
 
-        hooks = [(f"blocks.{l}.attn.hook_z", _replace(self.values[l], heads)) for l, heads in by_layer.items()]
+        hooks = [(f"blocks.{l}.attn.hook_z", _replace_heads(self.values[l], heads)) for l, heads in by_layer.items()]
         if self.resumes:
             hooks += [(f"blocks.{l}.hook_resid_pre", keep) for l in range(start, n_layers)]
         kind = "loss" if self.metric_fn is None else "both"  # the loss alone never holds the [batch, pos, vocab] logits
@@ -185,15 +185,6 @@ class Shared:
         if not pruned:
             self._unpruned = result
         return result
-
-
-def _replace(values: Tensor, heads: list[int]):
-    def hook(z: Tensor, hook) -> Tensor:
-        z = z.clone()
-        z[:, :, heads] = values[:, :, heads].to(z.dtype)
-        return z
-
-    return hook
 
 
 def pruning_study(
@@ -215,10 +206,11 @@ def pruning_study(
                          "use at least 2 sequences (--n-seqs) and 0 < split < 1")
     fit, held_out = tokens[:n_fit], tokens[n_fit:]
     runs = [("importance", 0), ("reverse", 0)] + [("random", s) for s in seeds]
-    shared = Shared(model, fit, held_out, method) if reuse else None
+    shared = Shared(model, fit, held_out, method)
     frames = [pruning_curve(model, fit, order=o, step=step, method=method, seed=s, max_fraction=max_fraction,
                             eval_tokens=held_out, progress_bar=progress_bar,
-                            shared=shared or Shared(model, fit, held_out, method, resume=reuse)) for o, s in runs]
+                            shared=shared if reuse else Shared(model, fit, held_out, method, resume=False))
+              for o, s in runs]
     curves = pd.concat(frames, ignore_index=True)
     clean = float(curves.loc[curves["n_pruned"] == 0, "loss"].iloc[0])
     curves.attrs["clean_loss"] = clean

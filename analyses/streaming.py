@@ -81,6 +81,22 @@ def streaming_loss(
 BLOCK = 256  # queries per block of the cache-position attention (`_cache_position_z_hooks`)
 
 
+def _keeper(model, seen: dict):
+    """For the cache-position hooks: refuse a model without rotary positions (nothing to re-number), and
+    return `keep(name)`, a hook that files its activation in `seen` under (layer, name)."""
+    if model.rotary is None:
+        raise NotImplementedError(
+            f"positions='cache' re-numbers rotary positions inside the cache; this model's positions are "
+            f"{model.cfg.positional!r}. Use positions='original'.")
+
+    def keep(name):
+        def hook(x: Tensor, hook) -> None:
+            seen[(hook.name.split(".")[1], name)] = x
+        return hook
+
+    return keep
+
+
 def _needs_scores(model) -> bool:
     """Whether the cache positions need the whole [pos, pos] scores (`_cache_position_hooks`): a model with
     learned sink logits (gpt-oss) has a softmax term the z hooks do not write out."""
@@ -95,16 +111,8 @@ def _cache_position_z_hooks(model, window: int, n_sink: int) -> list:
     n_sink <= j in the layer's window scored as usual, one softmax over both, in float32. O(pos x (BLOCK +
     window)) per head, where the score hooks cost O(pos^2) on the instrumented path (the two agree to
     float32 round-off: tests/test_analyses_sinks.py, tests/test_gemma3.py)."""
-    if model.rotary is None:
-        raise NotImplementedError(
-            f"positions='cache' re-numbers rotary positions inside the cache; this model's positions are "
-            f"{model.cfg.positional!r}. Use positions='original'.")
     seen: dict = {}
-
-    def keep(name):
-        def hook(x: Tensor, hook) -> None:
-            seen[(hook.name.split(".")[1], name)] = x
-        return hook
+    keep = _keeper(model, seen)
 
     def z_hook(z: Tensor, hook) -> Tensor:  # [batch, pos, head, d_head]
         layer = hook.name.split(".")[1]
@@ -156,17 +164,9 @@ def _cache_position_hooks(model, window: int, n_sink: int) -> list:
     The query kept is the one RoPE rotates: after QK-norm where the model has it (`hook_q_normed`,
     Gemma 3), else `hook_q`; it is rotated with its layer's own table (`cos_sin(..., layer=)`: Gemma 3's
     local and global layers have different RoPE bases)."""
-    if model.rotary is None:
-        raise NotImplementedError(
-            f"positions='cache' re-numbers rotary positions inside the cache; this model's positions are "
-            f"{model.cfg.positional!r}. Use positions='original'.")
     group = model.cfg.n_heads // model.cfg.kv_heads
     seen: dict = {}
-
-    def keep(name):
-        def hook(x: Tensor, hook) -> None:
-            seen[(hook.name.split(".")[1], name)] = x
-        return hook
+    keep = _keeper(model, seen)
 
     def scores(s: Tensor, hook) -> Tensor:  # [batch, head, q, k], -inf where not visible
         layer = hook.name.split(".")[1]

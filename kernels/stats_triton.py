@@ -292,8 +292,8 @@ def attention_stats_triton(
     )
     # the pairs (previous, duplicate, induction): exp(s - lse) at exactly those, found by sorting the tokens
     masses = pairwise_masses(q.float(), k.float(), tokens, lse, window=window, scale=scale,
-                             key_padding_mask=key_padding_mask, alibi_slopes=slopes_arg if alibi_slopes is not None
-                             else None, softcap=softcap)
+                             key_padding_mask=key_padding_mask,
+                             alibi_slopes=None if alibi_slopes is None else slopes_arg, softcap=softcap)
     for name, value in masses.items():
         out[STAT_NAMES.index(name)] = value
     out[:, lse.isnan()] = float("nan")  # a row that saw no key: NaN everywhere

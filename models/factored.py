@@ -220,6 +220,18 @@ class FactoredMatrix:
         return FactoredMatrix(self.A[head + (rows, slice(None))], self.B[head + (slice(None), cols)])
 
 
+def _grams(left: FactoredMatrix, right: FactoredMatrix, dtype: torch.dtype):
+    """What both composition scores read, in `dtype`: B_l, A_r, the Gram matrices G_l = A_l^T A_l and
+    G_r = B_r B_r^T ([..., m, m]), and the Frobenius norms of the left and right products."""
+    la, lb = left.A.to(dtype), left.B.to(dtype)
+    ra, rb = right.A.to(dtype), right.B.to(dtype)
+    gram_l = la.transpose(-2, -1) @ la
+    gram_r = rb @ rb.transpose(-2, -1)
+    norm_l = (gram_l * (lb @ lb.transpose(-2, -1))).sum((-2, -1)).clamp(min=0).sqrt()
+    norm_r = (gram_r * (ra.transpose(-2, -1) @ ra)).sum((-2, -1)).clamp(min=0).sqrt()
+    return lb, ra, gram_l, gram_r, norm_l, norm_r
+
+
 def composition_scores(left: FactoredMatrix, right: FactoredMatrix, broadcast_dims: bool = True,
                        dtype: torch.dtype = torch.float64) -> Tensor:
     """||L R||_F / (||L||_F ||R||_F), the composition score of Elhage et al. (2021), computed in `dtype`.
@@ -231,12 +243,7 @@ def composition_scores(left: FactoredMatrix, right: FactoredMatrix, broadcast_di
     d_head x d_head products (taken in chunks to bound memory)."""
     if left.rdim != right.ldim:
         raise FactoredShapeError(f"composition of {tuple(left.shape)} with {tuple(right.shape)}: inner dimensions differ")
-    la, lb = left.A.to(dtype), left.B.to(dtype)
-    ra, rb = right.A.to(dtype), right.B.to(dtype)
-    gram_l = la.transpose(-2, -1) @ la  # [..., m_l, m_l]
-    gram_r = rb @ rb.transpose(-2, -1)  # [..., m_r, m_r]
-    norm_l = (gram_l * (lb @ lb.transpose(-2, -1))).sum((-2, -1)).clamp(min=0).sqrt()
-    norm_r = (gram_r * (ra.transpose(-2, -1) @ ra)).sum((-2, -1)).clamp(min=0).sqrt()
+    lb, ra, gram_l, gram_r, norm_l, norm_r = _grams(left, right, dtype)
 
     def scores(gl, blk, gr, ar):
         P = blk @ ar
@@ -273,16 +280,11 @@ def layered_composition_scores(left: FactoredMatrix, right: FactoredMatrix, dtyp
     an m x m block, whose squared sum is the pair's ||L R||_F^2; no per-pair product of small matrices.
     Right layers are taken in chunks of at most `budget` output floats."""
     L, H = left.shape[:2]
-    la, lb = left.A.to(dtype), left.B.to(dtype)
-    ra, rb = right.A.to(dtype), right.B.to(dtype)
+    lb, ra, gram_l, gram_r, norm_l, norm_r = _grams(left, right, dtype)
     m_l, m_r = lb.shape[-2], ra.shape[-1]
-    gram_l = la.transpose(-2, -1) @ la
-    gram_r = rb @ rb.transpose(-2, -1)
-    norm_l = (gram_l * (lb @ lb.transpose(-2, -1))).sum((-2, -1)).clamp(min=0).sqrt()  # [L, H]
-    norm_r = (gram_r * (ra.transpose(-2, -1) @ ra)).sum((-2, -1)).clamp(min=0).sqrt()
     left_w = (_psd_sqrt(gram_l).to(dtype) @ lb).reshape(L, H * m_l, -1)  # [L, H m, d]
     right_w = (ra @ _psd_sqrt(gram_r).to(dtype)).permute(0, 2, 1, 3).reshape(L, -1, H * m_r)  # [L, d, H m]
-    out = torch.zeros(L, H, L, H, dtype=dtype, device=la.device)
+    out = torch.zeros(L, H, L, H, dtype=dtype, device=lb.device)
     per = max(1, budget // max(1, H * m_l * H * m_r))  # right layers per product
     for a in range(L - 1):
         for b0 in range(a + 1, L, per):
