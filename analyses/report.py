@@ -31,6 +31,7 @@ from .registry import ANALYSES, RunView, metrics
 from .registry.induction import phase_change  # noqa: F401 - public here since the report first computed it
 from .store import ResultStore, _slug, load_results
 from .sweep_data import source_line
+from interp.models.rope_choice import describe
 
 _FIXED_HEAD = (("summary", "Summary"), ("errors", "Errors and skipped checkpoints"))
 _HEATMAPS = ("heatmaps", "Head scores at the last checkpoint")
@@ -130,6 +131,19 @@ def _data_line(settings: dict) -> str:
     return md_escape(source_line(settings["data_source"])) + " "
 
 
+def _rope_line(settings: dict) -> str:
+    """The RoPE scaling the models ran with when one was chosen (settings.json's `rope_scaling`, settled per run
+    in `runs`), in one sentence, or per run where their original lengths differ."""
+    if settings.get("rope_scaling") is None:
+        return ""
+    runs = {run: info["rope_scaling"] for run, info in settings.get("runs", {}).items()
+            if isinstance(info, dict) and info.get("rope_scaling")}
+    said = {json.dumps(d, sort_keys=True) for d in runs.values()}
+    if len(said) > 1:
+        return "".join(f" {md_escape(run)}: {describe(d)}" for run, d in runs.items())
+    return " " + describe(next(iter(runs.values())) if runs else settings["rope_scaling"])
+
+
 def _summary(settings, table, errors, timing, store, views: list[RunView]) -> Section:
     s = Section("summary", "Summary")
     run_rows = []
@@ -151,7 +165,7 @@ def _summary(settings, table, errors, timing, store, views: list[RunView]) -> Se
                            f"past its trained context of {n:,} tokens (--extrapolate); its numbers describe a model "
                            "used beyond what it was trained on." for run, n in past.items())
     s.add(f"Analyses: {', '.join(settings.get('analyses', []))}. Data: {md_escape(settings.get('data_description', ''))}."
-          + extrapolated
+          + extrapolated + _rope_line(settings)
           + (f" {', '.join(expensive).capitalize()} ran on "
              f"{'every checkpoint' if settings.get('expensive_on') == 'all' else 'the last checkpoint of each run'}."
              if expensive else "") + _compute_line(settings.get("compute")),

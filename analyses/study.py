@@ -26,10 +26,11 @@ every task's results, `run` owns, for every study:
 - the tables: each declared `Table`, checked for its columns and written by `store.write_table`
   (parquet, CSV where pyarrow is missing: the same for every table, and never a failure after the
   work is done);
-- settings.json: `SHARED_KEYS` for every study (the study, the model, the data and its sha256, where
-  it computed, the versions, the seconds per stage), then the study's own (`Study.record`);
-- the report (report.html, report.md, figures/): the study's sections, the time per stage and the
-  data source added to the first one.
+- settings.json: `SHARED_KEYS` for every study (the study, the model, the data and its sha256, the RoPE
+  scaling chosen at inference or null, where it computed, the versions, the seconds per stage), then the
+  study's own (`Study.record`);
+- the report (report.html, report.md, figures/): the study's sections, the time per stage, the data
+  source and a RoPE scaling chosen at inference added to the first one.
 
 `Study.check(cfg, settings)` is pure: it reads a config (no weights) and returns the settings to run,
 with a default length fitted to the model (`fit_default`: said in one note) and anything that cannot
@@ -52,6 +53,7 @@ from torch import Tensor
 
 from interp.models.device import compute_record, installed_version
 from interp.models.errors import as_user_errors
+from interp.models.rope_choice import as_hf, describe
 
 from ._common import stages
 from .document import Section, write_document
@@ -59,7 +61,7 @@ from .store import SETTINGS_KEYS, OutputError, OutputFolder, read_json_file, wri
 from .sweep_data import DataSpec, build_tokens, check_data, data_source, read_token_file, source_line
 
 # What every settings.json interp writes holds, whatever wrote it (a study or the sweep).
-SHARED_KEYS = ("study", "model", "data_description", "data_source", "compute", "versions", "seconds")
+SHARED_KEYS = ("study", "model", "data_description", "data_source", "rope_scaling", "compute", "versions", "seconds")
 
 
 def versions() -> dict:
@@ -279,13 +281,15 @@ def run(study: Study, model, out, settings: StudySettings, *, force: bool = Fals
     source = data.named() if data is not None else None  # hashed before the work, as the data is read
     measured = study.measure(model, settings, stages(timings, log, prefix=study.name))
     frames = _frames(study, measured)
+    # the model's own word for it, however it was loaded (`interp.load(rope_scaling=)`, `rescale_rope_`)
+    rope = as_hf(model.cfg.rope_scaling) if model.runtime.rope_chosen else None
     record = {"study": study.name, "model": settings.model,
               "data_description": data.describe() if data is not None else None, "data_source": source,
-              **study.record(settings, measured), "compute": compute_record(model.device), "versions": versions(),
-              "seconds": {str(k): round(v, 2) for k, v in timings.items()}}
+              **study.record(settings, measured), "rope_scaling": rope, "compute": compute_record(model.device),
+              "versions": versions(), "seconds": {str(k): round(v, 2) for k, v in timings.items()}}
     sections = study.sections(settings, measured, record)
     sections[0].add("Time: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()) + "." if timings else None,
-                    source_line(source) if data is not None and data.says_source() else None)
+                    source_line(source) if data is not None and data.says_source() else None, describe(rope))
     return _write(folder, frames, record, f"{study.title}: {settings.model}", sections)
 
 

@@ -41,9 +41,10 @@ from .executors import ExecutorSettings, make_executor
 from .registry import ANALYSES, Context, as_output, resolve_analyses
 from .report import write_report
 from interp.models.formats import checkpoint  # checkpoint.load_checkpoint looked up at call time: tests monkeypatch it
-from interp.models.formats.checkpoint import CheckpointError, is_wrapped, read_config
+from interp.models.formats.checkpoint import CheckpointError, is_wrapped, read_config, rope_scaling_for
 from interp.models.device import compute_record, resolve_device
 from interp.models.memory import check_fits
+from interp.models.rope_choice import as_hf, choose, rope_spec
 from interp.models.formats.folder import refuse_code_in
 from interp.models.runs.names import resolve_run
 from interp.models.runs.discover import Checkpoint, Run
@@ -74,6 +75,9 @@ class SweepSettings:
     expensive_on "last": analyses marked expensive (ablation, pruning, importance: a forward pass
                  per head or more) run on the last checkpoint of each run only; "all": everywhere.
     device       where models run (None: CUDA when available); not part of the results' meaning.
+    rope_scaling a RoPE scaling every model runs with, in place of its own (`interp.models.rope_choice`:
+                 transformers' dict, or any spelling `rope_spec` reads; None: each checkpoint's own);
+                 its original length, when not given, is each model's trained context.
 
     Settings are checked here, once, when they are made (the CLI makes them before it resolves a name
     or loads a model; `sweep()` remakes them when it settles data kind "auto"): unknown analyses,
@@ -86,16 +90,19 @@ class SweepSettings:
     expensive_on: Literal["last", "all"] = "last"
     device: str | None = None
     extrapolate: bool = False  # allow --seq-len past a rotary model's trained context (n_ctx); marked in the report
+    rope_scaling: dict | None = None
 
     def __post_init__(self) -> None:
         resolve_analyses(self.analyses)  # raises on unknown names
+        if self.rope_scaling is not None:  # any spelling, kept as transformers' dict (settings.json's)
+            object.__setattr__(self, "rope_scaling", rope_spec(self.rope_scaling))
         if self.expensive_on not in EXPENSIVE_ON:
             raise ValueError(f"expensive_on must be one of {EXPENSIVE_ON}, got {self.expensive_on!r}")
         check_data(self.data)  # kind "auto" is checked once settled (`_resolve_data` remakes the settings)
 
     def meaning(self) -> dict:
         """The part of the settings results depend on (compared against an existing folder)."""
-        meaning = {"data": self.data.to_dict(), "expensive_on": self.expensive_on,
+        meaning = {"data": self.data.to_dict(), "expensive_on": self.expensive_on, "rope_scaling": self.rope_scaling,
                    "params": {a: dict(ANALYSES[a].params) for a in self.analyses}}
         return json.loads(json.dumps(meaning))  # as settings.json will hold it (tuples become lists)
 
@@ -109,6 +116,7 @@ class CheckpointTask:
     data: DataSpec
     device: str | None
     tokens: object = None  # the data, when the driver could build it once for all (`prebuild_tokens`)
+    rope_scaling: dict | None = None  # `SweepSettings.rope_scaling`
 
 
 @dataclass(frozen=True)
@@ -146,7 +154,7 @@ def run_checkpoint(task: CheckpointTask) -> Iterator[PartEvent | ErrorEvent]:
     ckpt = task.checkpoint
     device = str(resolve_device(task.device))
     try:
-        model = checkpoint.load_checkpoint(ckpt.path, device=device)
+        model = checkpoint.load_checkpoint(ckpt.path, device=device, rope_scaling=task.rope_scaling)
         tokens = build_tokens(task.data, model, task.tokens).to(model.device)
     except Exception as e:  # noqa: BLE001 - any failure to load is reported, and the sweep goes on
         yield ErrorEvent(ckpt, LOAD, type(e).__name__, str(e), n_analyses=len(task.analyses))
@@ -192,7 +200,8 @@ def plan(runs: Sequence[Run], settings: SweepSettings, done: set,
             pending = tuple(a for a in wanted if (run.name, ckpt.name, a) not in done)
             skipped += len(wanted) - len(pending)
             if pending:
-                tasks.append(CheckpointTask(ckpt, pending, settings.data, settings.device))
+                tasks.append(CheckpointTask(ckpt, pending, settings.data, settings.device,
+                                            rope_scaling=settings.rope_scaling))
     return tasks, skipped
 
 
@@ -203,7 +212,7 @@ def _check_settings(store: ResultStore, settings: SweepSettings, runs: Sequence[
               **settings.meaning(),
               "data_description": settings.data.describe(), "data_source": data_source(settings.data),
               "runs": {r.name: {"source": r.source, "checkpoints": [c.name for c in r.checkpoints],
-                                **_run_facts(r, settings.data.seq_len)} for r in runs},
+                                **_run_facts(r, settings)} for r in runs},
               "versions": versions(), "compute": compute_record(settings.device), "seconds": {}}
     if force:
         store.folder.discard()
@@ -217,8 +226,8 @@ def _check_settings(store: ResultStore, settings: SweepSettings, runs: Sequence[
     if clash := data_clash(old, record["data_source"]):  # never rows of two data sources in one table
         raise SettingsMismatch(f"{store.out} {clash}: use another --out folder, or pass --force to discard the old "
                                "results")
-    old_meaning = {k: old.get(k) for k in ("data", "expensive_on")}
-    new_meaning = {k: record[k] for k in ("data", "expensive_on")}
+    old_meaning = {k: old.get(k) for k in ("data", "expensive_on", "rope_scaling")}
+    new_meaning = {k: record[k] for k in ("data", "expensive_on", "rope_scaling")}
     clash = [a for a in settings.analyses if a in old.get("params", {}) and old["params"][a] != record["params"][a]]
     if old_meaning != new_meaning or clash:
         diff = {k: (old_meaning[k], new_meaning[k]) for k in old_meaning if old_meaning[k] != new_meaning[k]}
@@ -383,25 +392,27 @@ def _wrapped(run: Run) -> bool:
         return False
 
 
-def _run_facts(run: Run, seq_len: int) -> dict:
+def _run_facts(run: Run, settings: SweepSettings) -> dict:
     """What settings.json records of a run's config, read without weights: {"layer_windows": [window or
     None per layer]} when its layers differ in attention window (Gemma's local and global layers, so the
-    report can say where heads live), and {"extrapolated_past": n_ctx} when it is analysed past its
-    trained context (`--extrapolate`); {} for neither, or for a config that cannot be read."""
+    report can say where heads live), {"extrapolated_past": n_ctx} when it is analysed past its trained
+    context (`--extrapolate`), and {"rope_scaling": transformers' dict} with the scaling it runs with when
+    one was chosen (its original length settled); {} for none, or for a config that cannot be read."""
     try:
         cfg = _config_at(str(run.checkpoints[-1].path))
     except (CheckpointError, FileNotFoundError, ValueError, KeyError, ImportError):
         return {}
-    windows = cfg.windows()
+    windows, rope = cfg.windows(), settings.rope_scaling
     return {**({"layer_windows": windows} if len(set(windows)) > 1 else {}),
-            **({"extrapolated_past": cfg.n_ctx} if seq_len > cfg.n_ctx else {})}
+            **({"extrapolated_past": cfg.n_ctx} if settings.data.seq_len > cfg.n_ctx else {}),
+            **({"rope_scaling": as_hf(choose(cfg, rope))} if rope is not None else {})}
 
 
 def check_up_front(settings: SweepSettings, runs: Sequence[Run]) -> None:
     """Refuse, before anything is loaded or written, settings that would fail on every checkpoint:
     a device this machine does not have, sequences longer than a learned position table, token ids
-    outside the vocabulary. Configs are read without weights; an unreadable one is left to the
-    sweep, which reports that checkpoint and goes on."""
+    outside the vocabulary, a RoPE scaling a model cannot take (no rotary positions, wrapped). Configs are
+    read without weights; an unreadable one is left to the sweep, which reports that checkpoint and goes on."""
     resolve_device(settings.device)
     spec = settings.data
     file_tokens = int(prebuild_tokens(spec).max()) if spec.kind == "file" else None
@@ -412,6 +423,8 @@ def check_up_front(settings: SweepSettings, runs: Sequence[Run]) -> None:
             cfg = _config_at(str(run.checkpoints[-1].path))
         except (CheckpointError, FileNotFoundError, ValueError, KeyError, ImportError):
             continue
+        if settings.rope_scaling is not None:
+            rope_scaling_for(run.checkpoints[-1].path, settings.rope_scaling, cfg=cfg)
         if cfg.positional in ("learned", "sinusoidal") and spec.seq_len > cfg.n_ctx:
             raise ValueError(f"--seq-len {spec.seq_len} is longer than {run.name}'s context (n_ctx={cfg.n_ctx}, "
                              f"{cfg.positional} positions): pass --seq-len {cfg.n_ctx} or less")

@@ -41,7 +41,8 @@ from interp.models.runs.names import (  # noqa: F401 - name resolution is the mo
 def load(name_or_path, *, revision: str | None = None, dtype: torch.dtype = torch.float32,
          device: torch.device | str | None = None, tokenizer=None, default_prepend_bos: bool | None = None,
          fold_ln: bool = False, center_writing_weights: bool = False, center_unembed: bool = False,
-         fold_value_biases: bool = False, refactor_factored_attn_matrices: bool = False) -> HookedTransformer:
+         fold_value_biases: bool = False, refactor_factored_attn_matrices: bool = False,
+         rope_scaling=None) -> HookedTransformer:
     """Load a model, resolving `name_or_path` in this order:
 
     1. a local path: a checkpoint folder (ours or Hugging Face's, or a file inside one) or a `.gguf` file;
@@ -58,9 +59,20 @@ def load(name_or_path, *, revision: str | None = None, dtype: torch.dtype = torc
     center_unembed, fold_value_biases, refactor_factored_attn_matrices: TransformerLens's weight
     processing (`model.process_weights_`), all off by default so logits stay the checkpoint's own;
     TransformerLens's processed defaults are fold_ln, center_writing_weights, center_unembed and
-    fold_value_biases all True."""
+    fold_value_biases all True.
+
+    rope_scaling: run a rotary model with a RoPE scaling chosen here, e.g. to read past the context it was
+    trained on: transformers' `rope_parameters` dict (`{"rope_type": "yarn", "factor": 2.0}`, its names
+    and defaults), interp's `RopeScaling`, or the command line's "TYPE:FACTOR[:ORIGINAL_LEN]" ("yarn:2").
+    Types: linear, dynamic, ntk (static NTK-aware: the base rescaled once), yarn, llama3, longrope (its
+    factors per frequency in the dict), and default (plain RoPE). The original length defaults to the
+    model's trained context (n_ctx). It REPLACES a scaling the checkpoint has (default removes it);
+    `model.runtime.rope_chosen` says it was chosen. A type interp does not compute, a factor <= 0 (< 1 for
+    dynamic, yarn, llama3, longrope), a model without rotary positions, or one transformers runs (wrapped:
+    set rope_parameters in its config.json instead) is refused in one line (`UserError`) before any weight
+    is read (`interp.models.rope_choice`)."""
     path = resolve(name_or_path, revision=revision)
-    model = load_checkpoint(path, dtype=dtype, device=device, tokenizer=tokenizer)
+    model = load_checkpoint(path, dtype=dtype, device=device, tokenizer=tokenizer, rope_scaling=rope_scaling)
     name = str(name_or_path) if revision is None else f"{name_or_path}@{revision}"
     return _conventions(model, name, default_prepend_bos, fold_ln=fold_ln, center_writing_weights=center_writing_weights,
                         center_unembed=center_unembed, fold_value_biases=fold_value_biases,

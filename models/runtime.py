@@ -6,6 +6,8 @@
                   the config's `prepend_bos`, else TransformerLens's rule (BOS when the tokenizer has one)
     hook_flags    TransformerLens's optional hook points switched on (`set_use_*`)
     processing    TransformerLens's weight-processing steps applied (`process_weights_`)
+    rope_chosen   whether `cfg.rope_scaling` was chosen at inference (`load(rope_scaling=)`, `rescale_rope_`)
+                  in place of the checkpoint's own; studies record it in settings.json and their report
 
 The config stays immutable and describes the model's shape only. TransformerLens code reads some of
 the above off `model.cfg` (`cfg.default_prepend_bos`, `cfg.device`, `cfg.use_attn_in`, ...): the model
@@ -30,6 +32,7 @@ class Runtime:
     prepend_bos: bool | None = None
     hook_flags: dict = field(default_factory=lambda: dict.fromkeys(HOOK_FLAGS, False))
     processing: dict = field(default_factory=dict)
+    rope_chosen: bool = False
 
     def default_prepend_bos(self, cfg: ModelConfig) -> bool:
         """Whether text gets BOS first by default: this model's override, else its config's

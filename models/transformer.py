@@ -34,7 +34,8 @@ from .components import (
     init_weights,
     make_norm,
 )
-from .config import ModelConfig
+from .config import ModelConfig, RopeScaling
+from .errors import BadValue, UserError
 from .generate import generate as _generate
 from .positions import Rotary
 from .moe import make_mlp
@@ -237,6 +238,21 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
         out = super()._apply(fn, *args, **kwargs)
         self._refresh_view()
         return out
+
+    def rescale_rope_(self, scaling: RopeScaling | None) -> "HookedTransformer":
+        """Run the rotary positions with `scaling` from now on (None: plain RoPE), in place of the config's
+        own, and say so (`runtime.rope_chosen`). `interp.load(..., rope_scaling=)` is the checked way, from
+        any spelling and before the weights load (`interp.models.rope_choice`). Returns the model."""
+        if not self.native:
+            raise UserError("rope scaling at inference is interp's own transformer's; this model is wrapped "
+                            "(transformers runs it): set rope_parameters in its config instead")
+        if self.rotary is None:
+            raise BadValue(f"rope scaling rescales rotary positions; this model's are {self.cfg.positional or 'none'}")
+        self.cfg = self.cfg.replace(rope_scaling=scaling)  # checked by ModelConfig
+        self.rotary = Rotary(self.cfg).to(self.device)  # frequencies in float32, as built
+        self.runtime.rope_chosen = True
+        self._refresh_view()
+        return self
 
     # ---- weight processing ----------------------------------------------------------------------
     def process_weights_(

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 # ---- options ---------------------------------------------------------------------------------------
 def add_output_options(p) -> None:
-    """--out, --force, --device, --no-progress: every study command's."""
+    """--out, --force, --device, --rope-scaling, --no-progress: every study command's."""
+    from .choices import ROPE_SCALING_HELP
+
     g = p.add_argument_group("output and machine (every study)")
     g.add_argument("--out", required=True,
                    help="output folder (created; a rerun of the same study replaces what interp wrote there; a folder "
@@ -21,6 +23,7 @@ def add_output_options(p) -> None:
                    help="write over another study's or a sweep's results in --out (files interp did not write are "
                         "never touched)")
     g.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
+    g.add_argument("--rope-scaling", default=None, metavar="TYPE:FACTOR", help=ROPE_SCALING_HELP)
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -102,21 +105,27 @@ def common(args) -> dict:
 def run_study(study, args, settings, *, path=None) -> int:
     """Check, then load and run. `settings` (a function of no arguments, so that its own checks raise
     inside the checks) builds the study's settings; `path`: the checkpoint to load (default: the one
-    `args.model` names)."""
+    `args.model` names). `--rope-scaling` is checked against the model's config with the rest, and the
+    model loads with it (`interp.load(rope_scaling=)`; the study records what the model ran with)."""
     import time
 
     from interp.analyses.study import check_folder, run
     from interp.models.errors import as_user_errors
-    from interp.models.formats.checkpoint import read_config
+    from interp.models.formats.checkpoint import read_config, rope_scaling_for
+    from interp.models.rope_choice import rope_spec
 
     with as_user_errors(ValueError, FileNotFoundError, ImportError):
+        rope = None if args.rope_scaling is None else rope_spec(args.rope_scaling)  # the spelling, before any name
         settings = settings()
         if path is None:
             from interp.loading import resolve
 
-            cfg = read_config(resolve(args.model))
+            target = resolve(args.model)
         else:
-            cfg = read_config(str(path))
+            target = str(path)
+        cfg = read_config(target)
+        if rope is not None:
+            rope_scaling_for(target, rope, cfg=cfg)
         settings, notes = study.check(cfg, settings)
         check_folder(study, args.out, force=args.force)
 
@@ -126,7 +135,8 @@ def run_study(study, args, settings, *, path=None) -> int:
     for note in notes:
         print(note)
     start = time.perf_counter()
-    model = interp.load(args.model if path is None else str(path), device=resolve_device(args.device))
+    model = interp.load(args.model if path is None else str(path), device=resolve_device(args.device),
+                        rope_scaling=rope)
     report = run(study, model, args.out, settings, force=args.force)
     print(f"done in {time.perf_counter() - start:.0f} s; report: {report} (and {study.files()})")
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .choices import ANALYSES, DATA_KINDS, DATA_N_SEQS, DATA_SEED, DATA_SEQ_LEN, EXECUTOR_KINDS
+from .choices import ANALYSES, DATA_KINDS, DATA_N_SEQS, DATA_SEED, DATA_SEQ_LEN, EXECUTOR_KINDS, ROPE_SCALING_HELP
 from .choices import DEFAULT_ANALYSES as SWEEP_DEFAULT
 
 HELP = "run head analyses over every checkpoint of training runs (resumable; local processes or Ray)"
@@ -62,6 +62,7 @@ def add_sweep_options(p, default_analyses=None) -> None:
                       help="allow --seq-len past the model's trained context (n_ctx); the report marks those numbers "
                            "as extrapolated")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    p.add_argument("--rope-scaling", default=None, metavar="TYPE:FACTOR", help=ROPE_SCALING_HELP)
     p.add_argument("--force", action="store_true",
                    help="discard the results interp wrote in --out (e.g. computed with other settings); files interp "
                         "did not write are never touched")
@@ -104,7 +105,7 @@ def settings_from_args(args):
     data = DataSpec(kind=kind, n_seqs=n_seqs, seq_len=seq_len, seed=args.seed, path=path)
     analyses = resolve_analyses(tuple(a.strip() for a in args.analyses.split(",") if a.strip()))
     return SweepSettings(analyses=analyses, data=data, expensive_on=args.expensive_on, device=args.device,
-                         extrapolate=args.extrapolate)
+                         extrapolate=args.extrapolate, rope_scaling=args.rope_scaling)
 
 
 def fit_default_length(settings, runs):

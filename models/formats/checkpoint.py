@@ -23,14 +23,16 @@ from . import hf as format_hf
 from . import ours as format_ours
 from . import gguf
 from .build import build_model, check_finite, convert_weights
-from ..config import ModelConfig
-from ..errors import CheckpointError, OwnCodeRefused
+from .. import rope_choice
+from ..config import ModelConfig, RopeScaling
+from ..errors import CheckpointError, OwnCodeRefused, UserError
 from .folder import local_tokenizer, refuse_own_code
 from ..tensor_files import FORMAT_VERSION, read_state_dict, save_model
 from ..transformer import HookedTransformer
 
 __all__ = ["CheckpointError", "FORMAT_VERSION", "OwnCodeRefused", "build_model", "check_finite", "convert_weights",
-           "is_wrapped", "load_checkpoint", "local_tokenizer", "read_config", "read_state_dict", "save_model"]
+           "is_wrapped", "load_checkpoint", "local_tokenizer", "read_config", "read_state_dict", "rope_scaling_for",
+           "save_model"]
 
 
 def _format_of(path, *, tokenizer_given: bool):
@@ -57,12 +59,32 @@ def _format_of(path, *, tokenizer_given: bool):
 
 
 def load_checkpoint(path, *, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                    tokenizer=None) -> HookedTransformer:
+                    tokenizer=None, rope_scaling=None) -> HookedTransformer:
     """A model from a local checkpoint directory (or a file inside it): our format, or a Hugging Face
     checkpoint converted by its family (by config.json's `model_type`), without `transformers`;
-    or a llama-architecture `.gguf` file (`interp.models.formats.gguf`)."""
+    or a llama-architecture `.gguf` file (`interp.models.formats.gguf`). `rope_scaling` (any spelling of
+    `rope_choice`; None: the checkpoint's own) replaces the checkpoint's rotary scaling, checked against
+    its config before a weight is read (`rope_scaling_for`)."""
     fmt, path, raw = _format_of(path, tokenizer_given=tokenizer is not None)
-    return fmt.load(path, raw, dtype=dtype, device=device, tokenizer=tokenizer)
+    scaling = None if rope_scaling is None else _rope_scaling(fmt, path, raw, rope_scaling)
+    model = fmt.load(path, raw, dtype=dtype, device=device, tokenizer=tokenizer)
+    return model if rope_scaling is None else model.rescale_rope_(scaling)
+
+
+def rope_scaling_for(path, rope_scaling, *, cfg: ModelConfig | None = None) -> RopeScaling | None:
+    """The `RopeScaling` that `rope_scaling` (any spelling of `rope_choice`) means for the checkpoint at
+    `path`, from its config alone (`cfg`, when the caller has read it already); refused in one line for a
+    model without rotary positions or one that transformers runs (wrapped: its rope_parameters are
+    transformers' to apply)."""
+    return _rope_scaling(*_format_of(path, tokenizer_given=False), rope_scaling, cfg=cfg)
+
+
+def _rope_scaling(fmt, path, raw, rope_scaling, *, cfg: ModelConfig | None = None) -> RopeScaling | None:
+    if fmt is format_hf and not format_hf.native(raw):
+        rope_choice.rope_spec(rope_scaling)  # a bad spelling is said as such first
+        raise UserError(f"rope_scaling is interp's own transformer's, and {path} is a {raw.get('model_type')} model "
+                        "that transformers runs (wrapped): set rope_parameters in its config.json instead")
+    return rope_choice.choose(cfg or fmt.config(path, raw), rope_scaling)
 
 
 def is_wrapped(path) -> bool:
