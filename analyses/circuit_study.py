@@ -1,0 +1,380 @@
+"""`CircuitStudy` (`interp circuit`): which heads and edges carry a task's behaviour, scored by exact
+patching, EAP or EAP-IG (`circuit.py`), circuits chosen at MIB's sizes and judged by faithfulness, the
+circuit's overlap with the atlas's induction and duplicate-token heads, and a report that draws it.
+
+    from interp.analyses.circuit_study import CircuitSettings, CircuitStudy
+    from interp.analyses.study import run
+    run(CircuitStudy(), model, "out/ioi", CircuitSettings(model="smollm2-135m", task="ioi", method="eap-ig"))
+
+Writes edges.parquet (sender, receiver, input, score, method; `exact` with --oracle edges), nodes.parquet
+(node, layer, head, kind, score, method, in_circuit; `exact` with an oracle), faithfulness.csv (fraction,
+edges, faithfulness), settings.json and the report.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from interp.models.device import to_numpy
+from interp.models.errors import as_user_errors
+
+from ._common import spearman
+from .circuit import FRACTIONS, IG_ON, METHODS, SELECTIONS, Graph, Runner, areas, faithfulness_curve, select
+from .circuit_tasks import METRICS, TASKS, build_task, read_task_file
+from .document import Html, Section, number, png
+from .study import Study, StudySettings, Table
+
+# exact edge patching is one forward per edge: past this many edges it is refused (with the way round)
+MAX_PATCHED_EDGES = 20_000
+ROLE_TOP = 3  # the atlas's heads of a role: the top 3 by its score (as the KV precision study names them)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class CircuitSettings(StudySettings):
+    """task     "ioi", "induction", "greater-than", or a JSON-lines file (`circuit_tasks.read_task_file`)
+    method   "patching" (exact, one run per edge), "eap", "eap-ig"
+    steps    EAP-IG's interpolation points; ig: "inputs" (the embeddings) or "activations"
+    metric   None: the task's own (logit-diff; prob-diff for greater-than; loss for a file without wrong answers)
+    prompts  None: the task's default (64)
+    select   "top" (the n edges of largest |score|) or "greedy" (grown from the logits); dangling edges pruned
+    size     the fraction of edges in the circuit the report draws and names (default 5%)
+    oracle   "none", "nodes" (exact node patching: one run per node), "edges" (exact edge patching), to
+             report how the fast scores agree (Spearman of |score| ranks)"""
+
+    task: str = "ioi"
+    method: str = "eap-ig"
+    steps: int = 5
+    ig: str = "inputs"
+    metric: str | None = None
+    prompts: int | None = None
+    seed: int = 0
+    batch_size: int = 16
+    select: str = "top"
+    size: float = 0.05
+    oracle: str = "none"
+
+
+def _edge_cost_line(n_edges: int) -> str:
+    return (f"exact edge patching is one forward per edge, and this model's graph has {n_edges:,} edges (at most "
+            f"{MAX_PATCHED_EDGES:,}): use --method eap-ig (--oracle nodes checks it against exact node patching)")
+
+
+class CircuitStudy(Study):
+    name, title = "circuit", "Circuit"
+    tables = (Table("edges", ("sender", "receiver", "input", "score", "method")),
+              Table("nodes", ("node", "layer", "head", "kind", "score", "method", "in_circuit")),
+              Table("faithfulness", ("fraction", "edges", "faithfulness"), csv=True))
+
+    def check(self, cfg, s: CircuitSettings):
+        if s.task not in TASKS:
+            if not Path(s.task).suffix and not Path(s.task).exists():
+                raise ValueError(f"unknown task {s.task!r}: choose one of {', '.join(TASKS)}, or give a JSON-lines file")
+            read_task_file(s.task)
+        if s.method not in METHODS:
+            raise ValueError(f"unknown method {s.method!r}: choose one of {', '.join(METHODS)}")
+        if s.ig not in IG_ON:
+            raise ValueError(f"--ig must be one of {', '.join(IG_ON)}, got {s.ig!r}")
+        if s.metric is not None and s.metric not in METRICS:
+            raise ValueError(f"unknown metric {s.metric!r}: choose one of {', '.join(METRICS)}")
+        if s.select not in SELECTIONS:
+            raise ValueError(f"unknown selection {s.select!r}: choose one of {', '.join(SELECTIONS)}")
+        if s.oracle not in ("none", "nodes", "edges"):
+            raise ValueError(f"--oracle must be none, nodes or edges, got {s.oracle!r}")
+        for name, value, low in (("--steps", s.steps, 1), ("--batch-size", s.batch_size, 1),
+                                 ("--prompts", s.prompts if s.prompts is not None else 1, 1)):
+            if value < low:
+                raise ValueError(f"{name} must be at least {low}, got {value}")
+        if not 0 < s.size <= 1:
+            raise ValueError(f"--size is a fraction of the edges in (0, 1], got {s.size}")
+        n_edges = Graph(cfg).n_edges
+        if (s.method == "patching" or s.oracle == "edges") and n_edges > MAX_PATCHED_EDGES:
+            raise ValueError(_edge_cost_line(n_edges))
+        return s, []
+
+    def measure(self, model, s: CircuitSettings, stage):
+        with as_user_errors(ValueError, NotImplementedError):
+            task = stage("task", lambda: build_task(model, s.task, n_prompts=s.prompts, seed=s.seed, metric=s.metric))
+            runner = stage("clean and corrupted", lambda: Runner(model, task, batch_size=s.batch_size,
+                                                                 show_progress=s.progress))
+        g = runner.graph
+        if s.method == "patching":
+            scores = stage("patching", runner.patch_edges)
+        elif s.method == "eap":
+            scores = stage("eap", runner.eap)
+        else:
+            scores = stage("eap-ig", lambda: runner.eap_ig(s.steps, s.ig))
+        method = s.method if s.method != "eap-ig" else f"eap-ig ({s.ig}, {s.steps} steps)"
+        edges = g.edge_frame(scores).assign(method=method)
+        node_scores = scores.sum(1) if s.method != "patching" else None
+        exact_nodes = exact_edges = None
+        if s.oracle == "nodes" or s.method == "patching":
+            exact_nodes = stage("exact nodes", runner.patch_nodes)
+        if s.oracle == "edges":
+            exact_edges = scores if s.method == "patching" else stage("exact edges", runner.patch_edges)
+            edges["exact"] = g.edge_frame(exact_edges)["score"]
+        if node_scores is None:
+            node_scores = exact_nodes
+        curve = stage("faithfulness", lambda: faithfulness_curve(runner, scores, FRACTIONS, s.select, s.progress))
+        circuit = select(g, scores, max(1, int(round(s.size * g.n_edges))), s.select)
+        drawn = runner.faithfulness(circuit)
+        nodes = _node_frame(g, node_scores, method, circuit)
+        if exact_nodes is not None:
+            nodes["exact"] = to_numpy(exact_nodes, np.float64)
+        roles = stage("roles", lambda: _roles(model))
+        movers = stage("movers", lambda: _movers(model, task, edges))
+        patterns = stage("patterns", lambda: _patterns(model, task, nodes[nodes.in_circuit & (nodes.kind == "head")]))
+        s_edges, r_edges = g.edges()
+        agreement = {}
+        if exact_nodes is not None and s.method != "patching":
+            agreement["nodes"] = spearman(node_scores.abs(), exact_nodes.abs())
+        if exact_edges is not None and s.method != "patching":
+            agreement["edges"] = spearman(scores[s_edges, r_edges].abs(), exact_edges[s_edges, r_edges].abs())
+        return {"edges": edges, "nodes": nodes, "faithfulness": curve, "_task": task, "_runner": runner,
+                "_circuit": circuit, "_drawn": drawn, "_roles": roles, "_movers": movers, "_patterns": patterns, "_agreement": agreement,
+                "_scores": scores, "_graph": g}
+
+    def record(self, s: CircuitSettings, m) -> dict:
+        task, runner, curve = m["_task"], m["_runner"], m["faithfulness"]
+        circuit = m["_circuit"]
+        heads = m["nodes"][m["nodes"].in_circuit & (m["nodes"].kind == "head")]["node"].tolist()
+        return {"task": s.task, "task_description": task.description, "metric": task.metric_name,
+                "method": s.method, "steps": s.steps if s.method == "eap-ig" else None,
+                "ig": s.ig if s.method == "eap-ig" else None, "prompts": int(task.clean.shape[0]),
+                "answers": task.n_answers, "seed": s.seed, "select": s.select, "oracle": s.oracle,
+                "clean_metric": runner.clean_metric, "corrupted_metric": runner.corrupted_metric,
+                "n_edges": runner.graph.n_edges, **areas(curve),
+                "circuit": {"fraction": s.size, "edges": int(circuit.sum()), "faithfulness": m["_drawn"],
+                            "heads": heads},
+                "roles": {k: v for k, v in m["_roles"].items()},
+                "movers": None if m["_movers"] is None else m["_movers"].to_dict("records"),
+                "agreement_spearman": m["_agreement"]}
+
+    def sections(self, s: CircuitSettings, m, record) -> list[Section]:
+        return _sections(s, m, record)
+
+
+# ---- measuring helpers -------------------------------------------------------------------------------
+def _node_frame(g: Graph, scores, method: str, circuit) -> pd.DataFrame:
+    in_circuit = circuit.any(1).clone()  # sends an edge of the circuit, or receives one:
+    for r in circuit.any(0).nonzero().flatten().tolist():
+        in_circuit[g.receiver_senders[r]] = True
+    rows = []
+    for i, name in enumerate(g.senders):
+        kind = "embed" if name == "embed" else "mlp" if name.startswith("MLP") else "head"
+        head = int(name.split("H")[1]) if kind == "head" else -1
+        rows.append({"node": name, "layer": g.sender_layer[i], "head": head, "kind": kind,
+                     "score": float(scores[i]), "method": method, "in_circuit": bool(in_circuit[i])})
+    return pd.DataFrame(rows)
+
+
+def _roles(model) -> dict:
+    """The atlas's induction and duplicate-token heads: the top `ROLE_TOP` by Olsson et al.'s scores on
+    repeated random tokens (`heads.induction_scores`)."""
+    from .heads import induction_scores
+
+    frame = induction_scores(model, seq_len=50, batch_size=8)
+    out = {}
+    for kind, label in (("induction", "induction"), ("duplicate_token", "duplicate")):
+        top = frame[frame.kind == kind].nlargest(ROLE_TOP, "score")
+        out[label] = [{"head": f"L{int(r.layer)}H{int(r.head)}", "score": float(r.score)} for r in top.itertuples()]
+    return out
+
+
+def _movers(model, task, edges: pd.DataFrame, top: int = 5) -> pd.DataFrame | None:
+    """The heads whose edges into the logits score most (|score|), and where they look from the answer
+    position: their mean attention to the positions holding the answer's token and the wrong answer's
+    (IOI's name movers attend to the indirect object; an induction head to the token it copies)."""
+    if task.answer_tokens is None:
+        return None
+    into = edges[(edges.receiver == "logits") & edges.sender.str.match(r"L\d+H\d+$")]
+    into = into.reindex(into.score.abs().sort_values(ascending=False).index).head(top)
+    heads = [tuple(int(x) for x in name[1:].split("H")) for name in into.sender]
+    layers = sorted({l for l, _ in heads})
+    names = [f"blocks.{l}.attn.hook_pattern" for l in layers]
+    sums = {h: [0.0, 0.0] for h in heads}
+    clean = task.clean
+    for start in range(0, clean.shape[0], 16):
+        part = slice(start, start + 16)
+        answers = ((task.rows >= start) & (task.rows < start + 16)).nonzero().flatten()
+        rows, pos = task.rows[answers] - start, task.positions[answers]
+        tokens = clean[part].to(model.device)
+        with torch.no_grad():
+            _, cache = model.run_with_cache(tokens, names_filter=lambda n: n in names)
+        for l, h in heads:
+            a = cache[f"blocks.{l}.attn.hook_pattern"][rows, h, pos].float().cpu()  # [n, keys]
+            on = tokens[rows].cpu()
+            sums[(l, h)][0] += float((a * (on == task.answer_tokens[answers, None])).sum())
+            if task.wrong_tokens is not None:
+                sums[(l, h)][1] += float((a * (on == task.wrong_tokens[answers, None])).sum())
+    n = task.n_answers
+    return pd.DataFrame({"head": list(into.sender), "score_into_logits": into.score.to_numpy(),
+                         "attention_to_answer": [sums[h][0] / n for h in heads],
+                         "attention_to_wrong": [sums[h][1] / n if task.wrong_tokens is not None else float("nan")
+                                                for h in heads]})
+
+
+def _patterns(model, task, heads: pd.DataFrame, limit: int = 24):
+    """The circuit's heads' patterns on the task's first clean prompt (its real tokens): (names, [n, p, p], tokens)."""
+    if heads.empty:
+        return None
+    heads = heads.reindex(heads.score.abs().sort_values(ascending=False).index).head(limit)
+    n = int(task.positions[task.rows == 0].max()) + 1
+    tokens = task.clean[:1, :n].to(model.device)
+    layers = sorted(set(int(l) for l in heads.layer))
+    names = [f"blocks.{l}.attn.hook_pattern" for l in layers]
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens, names_filter=lambda name: name in names)
+    stack = torch.stack([cache[f"blocks.{int(r.layer)}.attn.hook_pattern"][0, int(r.head)] for r in heads.itertuples()])
+    try:
+        strings = model.to_str_tokens(tokens[0])
+    except Exception:  # no tokenizer: positions
+        strings = [str(i) for i in range(n)]
+    return list(heads.node), to_numpy(stack, np.float32), strings
+
+
+# ---- the report ------------------------------------------------------------------------------------------
+def _sections(s: CircuitSettings, m, record) -> list[Section]:
+    task, runner, curve, g = m["_task"], m["_runner"], m["faithfulness"], m["_graph"]
+    edges, nodes, circuit = m["edges"], m["nodes"], m["_circuit"]
+    c = record["circuit"]
+    at = lambda f: curve.loc[(curve.fraction - f).abs().idxmin()]  # noqa: E731
+    heads = c["heads"]
+    summary = Section("summary", "Summary").add(
+        f"Task: {task.description}. Metric: {task.metric_name}, the mean over {task.n_answers:,} answers of "
+        f"{record['prompts']} prompts: {runner.clean_metric:.4g} on the clean prompts, {runner.corrupted_metric:.4g} "
+        "on the corrupted ones.",
+        f"Scores: {edges['method'].iloc[0]} over {g.n_edges:,} edges ({len(g.senders)} senders, {len(g.receivers)} "
+        "receivers). Faithfulness is (metric of the circuit - corrupted) / (clean - corrupted), every edge outside "
+        "the circuit patched from the corrupted run: 1 is the model's behaviour, 0 none of it.",
+        f"Faithfulness at 1% of the edges: {at(0.01).faithfulness:.3f} ({int(at(0.01).edges)} edges after pruning); "
+        f"at 5%: {at(0.05).faithfulness:.3f} ({int(at(0.05).edges)} edges). CPR (area under the curve) "
+        f"{record['cpr']:.3f}, CMD (area under |1 - faithfulness|) {record['cmd']:.3f}.",
+        f"The circuit drawn ({s.select} selection, {c['fraction']:.1%} of the edges, {c['edges']} after pruning, "
+        f"faithfulness {c['faithfulness']:.3f}) holds {len(heads)} heads: {', '.join(heads[:30]) or 'none'}"
+        + (" ..." if len(heads) > 30 else "") + ".",
+        _roles_line(record["roles"], set(heads)),
+        _agreement_line(record["agreement_spearman"]))
+    sections = [summary,
+                Section("circuit", "The circuit").add(Html(_svg(g, edges, circuit), "(drawing: open report.html)")),
+                _curve_section(curve),
+                Section("edges", "Top edges").add(_top(edges, 25)),
+                *([Section("movers", "The heads that write the answer").add(
+                    "The heads whose edges into the logits score most, and their mean attention from the answer "
+                    "position to the positions holding the answer's token and the wrong answer's (on the clean "
+                    "prompts).", m["_movers"])] if m["_movers"] is not None else []),
+                Section("nodes", "Top nodes").add(_top(nodes.drop(columns=["method"]), 25))]
+    if m["_patterns"] is not None:
+        from interp.models.attention_view import pattern_view
+
+        names, stack, strings = m["_patterns"]
+        view = pattern_view(strings, stack, head_names=names, title="the circuit's heads on the first clean prompt")
+        sections.append(Section("patterns", "The circuit's heads: patterns").add(
+            "Each head of the circuit on the first clean prompt (click a thumbnail; hover a token).",
+            Html(view.fragment, "(interactive: open report.html)")))
+    return sections
+
+
+def _roles_line(roles: dict, heads: set) -> str:
+    parts = []
+    for label, top in roles.items():
+        named = [f"{r['head']} ({r['score']:.2f}{', in' if r['head'] in heads else ', not in'})" for r in top]
+        parts.append(f"{label}: {', '.join(named)}")
+    return "The atlas's top heads by role (Olsson et al.'s scores on repeated random tokens) and the circuit: " + \
+        "; ".join(parts) + "."
+
+
+def _agreement_line(agreement: dict) -> str | None:
+    if not agreement:
+        return None
+    return "Agreement with exact patching (Spearman of |score| ranks): " + ", ".join(
+        f"{k} {v:.3f}" for k, v in agreement.items()) + "."
+
+
+def _top(frame: pd.DataFrame, n: int) -> pd.DataFrame:
+    return frame.reindex(frame.score.abs().sort_values(ascending=False).index).head(n)
+
+
+def _curve_section(curve: pd.DataFrame) -> Section:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 3.6))
+    ax = fig.subplots()
+    x = curve.fraction.clip(lower=1e-4)
+    ax.plot(x, curve.faithfulness, marker="o")
+    ax.set_xscale("log")
+    ax.axhline(1, color="gray", linewidth=0.8, linestyle=":")
+    ax.set_xlabel("fraction of edges kept (0 drawn at 1e-4)")
+    ax.set_ylabel("faithfulness")
+    fig.tight_layout()
+    return Section("faithfulness", "Faithfulness over circuit sizes").add(
+        png(fig, "faithfulness.png", "faithfulness of the circuit against its share of the edges"), curve)
+
+
+def _svg(g: Graph, edges: pd.DataFrame, circuit, max_edges: int = 80) -> str:
+    """The circuit as an SVG: layers bottom to top (embed below, logits above), heads left to right, the MLP
+    at the right end of its layer; an edge's width is its |score|, blue positive, red negative; q edges
+    solid, k dashed, v dotted. A node links to its pattern below."""
+    H = g.n_heads
+    s_idx, r_idx = g.edges()
+    keep = to_numpy(circuit[s_idx, r_idx])
+    chosen = edges[keep].copy()
+    chosen = chosen.reindex(chosen.score.abs().sort_values(ascending=False).index).head(max_edges)
+    if chosen.empty:
+        return "<p>The circuit at this size holds no edge.</p>"
+    dx, dy, pad = 56, 46, 30
+    width = pad * 2 + dx * (H + 1)
+    height = pad * 2 + dy * (g.n_layers + 1)
+
+    def where(name: str) -> tuple[float, float]:
+        if name == "embed":
+            return width / 2, height - pad
+        if name == "logits":
+            return width / 2, pad
+        if name.startswith("MLP"):
+            layer, col = int(name[3:]), H
+        elif "KV" in name:
+            layer, kv = name[1:].split("KV")
+            layer, col = int(layer), int(kv) * (H // g.n_kv) + (H // g.n_kv - 1) / 2
+        else:
+            layer, head = name[1:].split("H")
+            layer, col = int(layer), int(head)
+        return pad + dx * col + dx / 2, height - pad - dy * (layer + 1)
+
+    top = float(chosen.score.abs().max()) or 1.0
+    lines, used = [], set()
+    dash = {"q": "", "k": ' stroke-dasharray="6,3"', "v": ' stroke-dasharray="2,3"', "-": ""}
+    for r in chosen.itertuples():
+        (x1, y1), (x2, y2) = where(r.sender), where(r.receiver)
+        x2 += {"q": -7, "k": 0, "v": 7}.get(r.input, 0)  # a head's three inputs side by side
+        used.update((r.sender, r.receiver))
+        color = "#2166ac" if r.score > 0 else "#b2182b"
+        w = 0.6 + 4.4 * abs(r.score) / top
+        tip = html.escape(f"{r.sender} -> {r.receiver} ({r.input}): {number(r.score)}")
+        lines.append(f'<line x1="{x1:.0f}" y1="{y1:.0f}" x2="{x2:.0f}" y2="{y2:.0f}" stroke="{color}" '
+                     f'stroke-width="{w:.2f}" stroke-opacity="0.7"{dash.get(r.input, "")}><title>{tip}</title></line>')
+    dots = []
+    for name in sorted(used):
+        x, y = where(name)
+        label = html.escape(name)
+        shape = (f'<rect x="{x - 18:.0f}" y="{y - 9:.0f}" width="36" height="18" rx="3" fill="#fff" stroke="#555"/>'
+                 if not name.startswith("L") else f'<circle cx="{x:.0f}" cy="{y:.0f}" r="14" fill="#fff" stroke="#555"/>')
+        text = f'<text x="{x:.0f}" y="{y + 3:.0f}" font-size="8" text-anchor="middle">{label}</text>'
+        link = "#patterns" if name.startswith("L") and "KV" not in name else None
+        node = f"{shape}{text}<title>{label}</title>"
+        dots.append(f'<a href="{link}">{node}</a>' if link else node)
+    rows = "".join(f'<text x="4" y="{height - pad - dy * (l + 1) + 3:.0f}" font-size="9" fill="#777">{l}</text>'
+                   for l in range(g.n_layers))
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'viewBox="0 0 {width} {height}" role="img" aria-label="circuit">{rows}{"".join(lines)}{"".join(dots)}</svg>'
+            f"<p>The circuit's {len(chosen)} strongest edges (of {int(keep.sum())}); layer numbers at the left. "
+            "Width: |score|; red: corrupting the edge lowers the metric (the edge carries the behaviour), blue: "
+            "raises it. Into a head: q solid, k dashed, v dotted.</p>")

@@ -1,0 +1,60 @@
+"""`interp circuit MODEL --task ioi --method eap-ig --out DIR`: which heads and edges carry a task
+(`interp.analyses.circuit_study.CircuitStudy`)."""
+
+from __future__ import annotations
+
+from . import checks
+
+# the choices of interp.analyses.circuit (METHODS, IG_ON, SELECTIONS), here so that --help does not import torch
+METHODS, IG_ON, SELECTIONS = ("patching", "eap", "eap-ig"), ("inputs", "activations"), ("top", "greedy")
+
+HELP = "circuits: which heads and head-to-head edges carry a task (exact patching, EAP, EAP-IG) and how faithful they are"
+EPILOG = """examples:
+  interp circuit smollm2-135m --task ioi --out out/ioi                       # EAP-IG, 5 steps, 64 prompts
+  interp circuit smollm2-135m --task ioi --oracle nodes --out out/ioi        # and exact node patching beside it
+  interp circuit attn-only-2l --task induction --method patching --out out/ind
+  interp circuit gemma3-270m --task greater-than --method eap --out out/gt
+  interp circuit MODEL --task pairs.jsonl --out out/mine   # {"clean": ..., "corrupted": ..., "answer": " Paris", "wrong": " Rome"}
+
+The graph: senders (embed, each head's output, each MLP's), receivers (each head's q, k and v inputs,
+each MLP's input, the logits), an edge where a sender writes before a receiver reads. Scores are
+metric(edge patched from the corrupted run) - metric(clean); EAP and EAP-IG estimate them from
+gradients. Circuits at MIB's sizes (0.1% .. 100% of the edges) are judged by faithfulness, (metric of
+the circuit - corrupted) / (clean - corrupted). Writes DIR/edges.parquet, nodes.parquet,
+faithfulness.csv, settings.json and a report that draws the circuit, its faithfulness curve and its
+heads' patterns on the task.
+"""
+
+
+def add_arguments(p) -> None:
+    p.add_argument("model", help="a checkpoint folder, .gguf file, real-model name or zoo name")
+    g = p.add_argument_group("the task")
+    g.add_argument("--task", required=True, help="ioi, induction, greater-than, or a JSON-lines file of clean / "
+                                                 "corrupted prompts and answers")
+    g.add_argument("--prompts", type=int, default=None, help="prompts (default 64; a file: all of its pairs)")
+    g.add_argument("--metric", default=None, help="logit-diff, prob, loss or prob-diff (default: the task's own)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the prompts (default 0)")
+    m = p.add_argument_group("the scores and the circuit")
+    m.add_argument("--method", default="eap-ig", choices=METHODS, help="default eap-ig")
+    m.add_argument("--steps", type=int, default=5, help="EAP-IG's interpolation steps (default 5)")
+    m.add_argument("--ig", default="inputs", choices=IG_ON, help="EAP-IG interpolates the embeddings (inputs, "
+                                                                "default) or every receiver's input (activations)")
+    m.add_argument("--select", default="top", choices=SELECTIONS,
+                   help="top: the n edges of largest |score|; greedy: grown from the logits (default top)")
+    m.add_argument("--size", type=float, default=0.05, help="the circuit the report draws, as a fraction of the "
+                                                            "edges (default 0.05)")
+    m.add_argument("--oracle", default="none", choices=("none", "nodes", "edges"),
+                   help="also patch every node (or edge) exactly and report the agreement (default none)")
+    m.add_argument("--batch-size", type=int, default=16, help="prompts per forward (default 16)")
+    checks.add_output_options(p)
+
+
+def run(args) -> int:
+    from interp.analyses.circuit_study import CircuitSettings, CircuitStudy  # start-up time: torch
+
+    def settings():
+        return CircuitSettings(**checks.common(args), task=args.task, method=args.method, steps=args.steps,
+                               ig=args.ig, metric=args.metric, prompts=args.prompts, seed=args.seed,
+                               batch_size=args.batch_size, select=args.select, size=args.size, oracle=args.oracle)
+
+    return checks.run_study(CircuitStudy(), args, settings)
