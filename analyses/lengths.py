@@ -23,6 +23,8 @@ puts all its attention on token 0).
 `scores_by_length(model, tokens, lengths)` takes sequences of the longest length and scores their
 first L tokens for each L (the same text at every length: what changes is only how much of it the
 model has read), with a `length` column and `extrapolated` (L past the model's trained context).
+`scores_at_lengths` gives the same rows from one forward over the longest length (attention is causal:
+the first L tokens' queries attend there as they do alone), and the residual stream for a loss.
 `role_changes` names the heads whose scores move most between the shortest and longest length;
 `how_far` summarises the distance distribution per kind of layer (a sliding window of W tokens, or
 global). `LengthStudy` (`interp lengths`; `run_length_study` from Python) writes it all to a folder
@@ -68,6 +70,25 @@ def first_query(n: int, from_fraction: float) -> int:
     return min(n - 1, int(n * from_fraction))
 
 
+def head_metrics(st, start: int = 0, end: int | None = None) -> Tensor:
+    """[len(METRICS), head] from the per-query statistics `st` ([batch, head, query] each): every mean over
+    (batch, queries start..end-1) and the quantiles over them of the expected distance, on the stats' device."""
+    picked = slice(start, end)
+    means = [getattr(st, _STAT[name])[:, :, picked].float().mean((0, 2)) for name in MEANS]
+    dist = st.distance[:, :, picked].float().transpose(0, 1)
+    dist = dist.reshape(dist.shape[0], -1)  # [head, batch * queries]
+    return torch.cat([torch.stack(means), torch.quantile(dist, torch.tensor(QUANTILES, device=dist.device), dim=1)])
+
+
+def metric_rows(values: Tensor) -> pd.DataFrame:
+    """Long rows layer, head, metric, value of `values` [len(METRICS), layer, head]."""
+    n_layers, n_heads = values.shape[1:]
+    layer, head = np.meshgrid(np.arange(n_layers), np.arange(n_heads), indexing="ij")
+    return pd.concat([pd.DataFrame({"layer": layer.ravel(), "head": head.ravel(), "metric": m,
+                                    "value": to_numpy(values[i].reshape(-1))}) for i, m in enumerate(METRICS)],
+                     ignore_index=True)
+
+
 def length_scores(model, tokens: Tensor, *, from_fraction: float = FROM_FRACTION, backend: str = "auto") -> pd.DataFrame:
     """Long rows layer, head, metric, value (`METRICS`) for every head on `tokens` [batch, pos] (equal
     lengths, no padding), over the queries at positions >= floor(pos * from_fraction) (0: all, as
@@ -79,21 +100,55 @@ def length_scores(model, tokens: Tensor, *, from_fraction: float = FROM_FRACTION
     start = first_query(tokens.shape[1], from_fraction)
     cfg = model.cfg
     out = torch.empty(len(METRICS), cfg.n_layers, cfg.n_heads)
-    qs = torch.tensor(QUANTILES)
 
     def fn(layer, q, k, v):
         st = attention_stats(q[:, :, start:], k, tokens, n_sink=1, backend=backend, **_layer_geometry(model, layer))
-        for i, name in enumerate(MEANS):
-            out[i, layer] = getattr(st, _STAT[name]).float().mean((0, 2)).cpu()
-        dist = st.distance.float().transpose(0, 1).reshape(cfg.n_heads, -1)  # [head, batch * pos]
-        out[len(MEANS):, layer] = torch.quantile(dist, qs.to(dist.device), dim=1).cpu()
+        out[:, layer] = head_metrics(st).cpu()
 
     with torch.no_grad():
         for_each_layer_qk(model, tokens, fn)
-    layer, head = np.meshgrid(np.arange(cfg.n_layers), np.arange(cfg.n_heads), indexing="ij")
-    return pd.concat([pd.DataFrame({"layer": layer.ravel(), "head": head.ravel(), "metric": m,
-                                    "value": to_numpy(out[i].reshape(-1))}) for i, m in enumerate(METRICS)],
-                     ignore_index=True)
+    return metric_rows(out)
+
+
+def scores_at_lengths(model, tokens: Tensor, lengths: Sequence[int], *, from_fraction: float = FROM_FRACTION,
+                      backend: str = "auto", each_layer=None) -> tuple[pd.DataFrame, Tensor]:
+    """`scores_by_length`'s rows from ONE forward over `tokens` [batch, max(lengths)]: attention is causal, so
+    the queries of the first L tokens attend exactly as they do in a forward over those L tokens alone, and
+    each layer's kernel call scores the queries from floor(min(L) * from_fraction) on, once, against every
+    key; each length then reads its own queries [floor(L * from_fraction), L) out of those per-query
+    statistics (not so where the rotary frequencies follow the call's length: dynamic NTK, LongRoPE past its
+    original length; run those a length at a time). Returns (long rows length, layer, head, metric, value,
+    extrapolated; the residual stream after the last layer, [batch, pos, d_model], for a loss at no second
+    forward). `each_layer(layer, q, k)` is called with each layer's q [batch, head, pos, d_head] and k (after
+    RoPE) as they are computed."""
+    tokens = model.prepare(tokens, padding=False).tokens
+    lengths = check_lengths(list(lengths), 10**12)
+    if tokens.shape[1] != lengths[-1]:
+        raise ValueError(f"the sequences hold {tokens.shape[1]} tokens; scores_at_lengths reads sequences of the "
+                         f"longest length, {lengths[-1]}")
+    if not 0.0 <= from_fraction < 1.0:
+        raise ValueError(f"from_fraction must be in [0, 1), got {from_fraction!r}")
+    cfg = model.cfg
+    lo = min(first_query(n, from_fraction) for n in lengths)
+    out = torch.empty(len(lengths), len(METRICS), cfg.n_layers, cfg.n_heads)
+
+    def fn(layer, q, k, v):
+        st = attention_stats(q[:, :, lo:], k, tokens, n_sink=1, backend=backend, **_layer_geometry(model, layer))
+        for i, n in enumerate(lengths):
+            out[i, :, layer] = head_metrics(st, first_query(n, from_fraction) - lo, n - lo).cpu()
+        if each_layer is not None:
+            each_layer(layer, q, k)
+
+    with torch.no_grad():
+        resid = for_each_layer_qk(model, tokens, fn)
+    frames = []
+    for i, n in enumerate(lengths):
+        frame = metric_rows(out[i])
+        bad = nonfinite_rows(frame)
+        if bad:  # NaN is an error, never a finding
+            raise ValueError(f"length {n}: non-finite scores at {', '.join(bad[:5])}")
+        frames.append(frame.assign(length=n, extrapolated=n > cfg.n_ctx))
+    return pd.concat(frames, ignore_index=True)[["length", "layer", "head", "metric", "value", "extrapolated"]], resid
 
 
 def check_lengths(lengths: Sequence[int], n_ctx: int, *, extrapolate: bool = False, minimum: int = 2) -> list[int]:

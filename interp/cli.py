@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "sweep": "interp.commands.sweep",
     "analyze": "interp.commands.analyze",
     "lengths": "interp.commands.lengths",
+    "extrapolate": "interp.commands.extrapolate",
     "circuit": "interp.commands.circuit",
     "report": "interp.commands.report",
     "kv": "interp.commands.kv",

@@ -50,8 +50,9 @@ reported with its count: `accuracy_label(8, 10) == "8 of 10"`.
     ok = is_correct(model.to_string(out[0, p.n_tokens:]), p.key)  # ' 18248.\n': True
 
 Bad input (an unknown variant, a depth outside [0, 1], a length too short for the instruction, needle
-and question or above the model's context `cfg.n_ctx`, n_per_cell < 1, a model without a tokenizer)
-raises `BadValue` before any prompt is built.
+and question or above the model's context `cfg.n_ctx` (or the `max_length` a study passes to read past
+it: `interp extrapolate`), n_per_cell < 1, a model without a tokenizer) raises `BadValue` before any
+prompt is built.
 """
 
 from __future__ import annotations
@@ -126,10 +127,13 @@ def _check_model(model) -> None:
                        "(model.tokenizer = tok) or load a model that has one")
 
 
-def _check_length(model, length) -> int:
+def _check_length(model, length, max_length: int | None = None) -> int:
     n_ctx = model.cfg.n_ctx
     check_int("length", length, minimum=1)
-    if length > n_ctx:
+    if max_length is not None:  # a study that reads past the trained context on purpose (interp extrapolate)
+        if length > max_length:
+            raise BadValue(f"length {length} is above max_length={max_length}")
+    elif length > n_ctx:
         raise BadValue(f"length {length} is above this model's context (n_ctx={n_ctx}); ask for at most {n_ctx} tokens")
     return length
 
@@ -257,12 +261,13 @@ def _span_by_decoding(tokenizer, ids: list[int], key: str) -> tuple[int, int]:
 
 # ---- the public surface --------------------------------------------------------------------------
 def passkey_prompt(model, length: int, depth: float, key: str, *, variant: Variant = "passkey",
-                   seed: int | None = None) -> RetrievalPrompt:
+                   seed: int | None = None, max_length: int | None = None) -> RetrievalPrompt:
     """One retrieval prompt of at most `length` tokens with the needle holding `key` at `depth`
-    (`seed`: only recorded, for a key drawn by the caller)."""
+    (`seed`: only recorded, for a key drawn by the caller). `max_length`: the longest length allowed
+    (default the model's context, n_ctx; past it only for a study of reading past it)."""
     variant, depth, key = _check_variant(variant), _check_depth(depth), _check_key(key)
     _check_model(model)
-    length = _check_length(model, length)
+    length = _check_length(model, length, max_length)
     _check_room(model, variant, length, [key])
     return _build(model, variant, length, depth, key, seed)
 
@@ -274,13 +279,14 @@ def cell_keys(seed: int, length: int, depth: float, n: int) -> list[str]:
 
 
 def retrieval_prompts(model, lengths: Sequence[int], depths: Sequence[float], n_per_cell: int, seed: int,
-                      variant: Variant = "passkey") -> list[RetrievalPrompt]:
+                      variant: Variant = "passkey", *, max_length: int | None = None) -> list[RetrievalPrompt]:
     """`n_per_cell` prompts for every (length, depth), in that order (lengths outer, depths inner), keys
-    from `cell_keys(seed, length, depth, n_per_cell)`: the same arguments give the same prompts."""
+    from `cell_keys(seed, length, depth, n_per_cell)`: the same arguments give the same prompts.
+    `max_length`: the longest length allowed (default n_ctx), as `passkey_prompt`."""
     variant = _check_variant(variant)
     _check_model(model)
     lengths, depths = _check_list("lengths", lengths, "[1024, 2048]"), _check_list("depths", depths, "[0.1, 0.5, 0.9]")
-    lengths = [_check_length(model, length) for length in lengths]
+    lengths = [_check_length(model, length, max_length) for length in lengths]
     depths = [_check_depth(depth) for depth in depths]
     check_int("n_per_cell", n_per_cell, minimum=1)
     check_int("seed", seed, minimum=0)

@@ -31,3 +31,7 @@ ROPE_SCALING_HELP = ("run a rotary model with this RoPE scaling in place of its 
                      "(e.g. yarn:2, or yarn:2:4096; the original length defaults to the model's trained context), "
                      "TYPE one of linear, dynamic, ntk, yarn, llama3, or default for plain RoPE; recorded in "
                      "settings.json and the report")
+EXTRAPOLATE_SCALINGS = ("none", "linear", "ntk", "yarn")  # interp.analyses.extrapolate.SCALINGS
+EXTRAPOLATE_FACTOR = 2.0  # interp.analyses.extrapolate.FACTOR
+EXTRAPOLATE_DEPTHS = (0.25, 0.75)  # interp.analyses.extrapolate.DEPTHS
+EXTRAPOLATE_REPAIR_FRACTION = 0.2  # interp.analyses.extrapolate.REPAIR_FRACTION
