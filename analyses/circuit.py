@@ -335,7 +335,7 @@ class Runner:
             for i, (part, answers) in progress(list(enumerate(self.chunks)), desc="patched run", enabled=show_progress):
                 clean, resid, final = self._cache[i]["clean"]
                 corrupted = self._cache[i]["corrupted"][0]
-                receive = _patching(g, mask, corrupted)
+                receive = _Patching(g, mask, corrupted)
                 p = _Pass(self.model, g, receive, given=list(clean), start=min(start, g.n_layers))
                 with self.model.hooks(p.hooks()):
                     if start >= g.n_layers:  # only the logits change
@@ -446,13 +446,27 @@ class Runner:
         return out
 
     def patch_nodes(self) -> Tensor:
-        """Exact node patching: [S] with metric(every edge out of s patched) - metric(clean)."""
-        g = self.graph
+        """Exact node patching: [S] with metric(every edge out of s patched) - metric(clean). Patched where the
+        sender writes (its value in the stream swapped for the corrupted one: nothing below it has changed, so
+        every reader gets exactly what the edges' mask would give), resumed at its layer, on the fused path."""
+        g, model, L = self.graph, self.model, self.graph.n_layers
         out = torch.zeros(len(g.senders))
-        for s in progress(range(len(g.senders)), desc="patching nodes", enabled=self.show_progress):
-            mask = torch.zeros(len(g.senders), len(g.receivers))
-            mask[s] = 1
-            out[s] = self.patched(mask) - self.clean_metric
+        with torch.no_grad():
+            for s in progress(range(len(g.senders)), desc="patching nodes", enabled=self.show_progress):
+                name, layer = g.senders[s], g.sender_layer[s]
+                total = 0.0
+                for i, (part, answers) in enumerate(self.chunks):
+                    clean, resid, _ = self._cache[i]["clean"]
+                    change = self._cache[i]["corrupted"][0][s] - clean[s]
+                    add = lambda x, hook: x + change.to(x.dtype)  # noqa: E731
+                    if name == "embed":
+                        start, point = 0, "blocks.0.hook_resid_pre"
+                    else:
+                        start, point = layer, f"blocks.{layer}.hook_{'mlp' if name.startswith('MLP') else 'attn'}_out"
+                    with model.hooks([(point, add)]):
+                        final = model(resid[start], start_at_layer=start, stop_at_layer=L)
+                    total += float(_final(model, final, self.task, answers, part.start).double().sum())
+                out[s] = total / self.task.n_answers - self.clean_metric
         return out
 
     def faithfulness(self, circuit: Tensor) -> float:
@@ -469,20 +483,41 @@ def _keeper(store: dict, l: int):
     return hook
 
 
-def _patching(g: Graph, mask: Tensor, corrupted: Tensor):
-    """receive(): input_r - sum_s mask[s, r] (value_s now - value_s corrupted)."""
-    def receive(group, x, values):
-        rs = g.groups[group]
-        sub = mask[:, rs]
-        senders = sub.any(1).nonzero().flatten().tolist()
-        if not senders:
+class _Patching:
+    """receive(): input_r - sum_s mask[s, r] (value_s now - value_s corrupted). A few senders are stacked;
+    many (a circuit's complement: most edges patched) go through one matrix product with the differences,
+    each written once into a buffer as its sender computes it."""
+
+    STACK = 16  # senders up to which a receiver's change is stacked rather than read from the buffer
+
+    def __init__(self, g: Graph, mask: Tensor, corrupted: Tensor) -> None:
+        self.g, self.mask, self.corrupted = g, mask, corrupted
+        self.diff: Tensor | None = None
+        self.filled = 0
+
+    def __call__(self, group, x, values):
+        rs = self.g.groups[group]
+        n = len(values)
+        sub = self.mask[:n, rs]
+        senders = sub.any(1).nonzero().flatten()
+        if senders.numel() == 0:
             return x
-        diff = torch.stack([values[s] - corrupted[s].to(x.dtype) for s in senders])  # [k, b, p, d]
-        w = sub[senders].to(device=x.device, dtype=x.dtype)  # [k, n]
+        if senders.numel() <= self.STACK:
+            picked = senders.tolist()
+            diff = torch.stack([values[s] - self.corrupted[s].to(x.dtype) for s in picked])  # [k, b, p, d]
+            w = sub[picked]
+        else:
+            if self.diff is None:
+                self.diff = torch.empty((len(self.g.senders),) + values[0].shape, dtype=x.dtype, device=x.device)
+            for s in range(self.filled, n):
+                torch.sub(values[s], self.corrupted[s].to(x.dtype), out=self.diff[s])
+            self.filled = n
+            diff, w = self.diff[:n], sub
+        w = w.to(device=x.device, dtype=x.dtype)  # [k, n_receivers]
+        change = (w.T @ diff.flatten(1)).view(w.shape[1], *diff.shape[1:])  # [n_receivers, b, p, d]
         if x.dim() == 4:
-            return x - torch.einsum("kbpd,kn->bpnd", diff, w)
-        return x - torch.einsum("kbpd,k->bpd", diff, w[:, 0])
-    return receive
+            return x - change.permute(1, 2, 0, 3)
+        return x - change[0]
 
 
 # ---- circuits ----------------------------------------------------------------------------------------

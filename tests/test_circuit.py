@@ -277,3 +277,30 @@ def test_the_commands_choices_are_the_engines():
     from interp.commands import circuit as command
 
     assert (command.METHODS, command.IG_ON, command.SELECTIONS) == (C.METHODS, C.IG_ON, C.SELECTIONS)
+
+
+@pytest.mark.parametrize("name", ["learned-layernorm", "gemma3-like", "rotary-partial-parallel"])
+def test_node_patching_where_the_sender_writes_equals_patching_all_its_edges(name):
+    model = build(OWN_CONFIGS[name])
+    runner = Runner(model, random_task(model))
+    g = runner.graph
+    fast = runner.patch_nodes()
+    for s in range(len(g.senders)):
+        mask = torch.zeros(g.allowed.shape)
+        mask[s] = 1
+        assert float(fast[s]) == pytest.approx(runner.patched(mask) - runner.clean_metric, abs=2e-5), g.senders[s]
+
+
+@pytest.mark.parametrize("name", ["rotary-rms-swiglu-gqa", "gemma3-like", "rotary-partial-parallel", "learned-layernorm"])
+def test_a_run_with_many_edges_patched_is_the_same_stacked_or_from_the_buffer(name, monkeypatch):
+    model = build(OWN_CONFIGS[name])
+    runner = Runner(model, random_task(model))
+    g = runner.graph
+    gen = torch.Generator().manual_seed(1)
+    for keep in (0.02, 0.3):
+        mask = (torch.rand(g.allowed.shape, generator=gen) > keep).float()
+        mask[torch.rand(g.allowed.shape, generator=gen) < 0.05] = 0.5  # a mixed edge too
+        monkeypatch.setattr(C._Patching, "STACK", 0)
+        buffered = runner.patched(mask)
+        monkeypatch.setattr(C._Patching, "STACK", 10_000)
+        assert buffered == pytest.approx(runner.patched(mask), abs=2e-5)
