@@ -445,14 +445,16 @@ class Runner:
             out[s, r] = self.patched(mask) - self.clean_metric
         return out
 
-    def patch_nodes(self) -> Tensor:
-        """Exact node patching: [S] with metric(every edge out of s patched) - metric(clean). Patched where the
+    def patch_nodes(self, senders: Sequence[int] | None = None) -> Tensor:
+        """Exact node patching: [S] with metric(every edge out of s patched) - metric(clean) for each sender in
+        `senders` (default all; the others 0). Patched where the
         sender writes (its value in the stream swapped for the corrupted one: nothing below it has changed, so
         every reader gets exactly what the edges' mask would give), resumed at its layer, on the fused path."""
         g, model, L = self.graph, self.model, self.graph.n_layers
         out = torch.zeros(len(g.senders))
         with torch.no_grad():
-            for s in progress(range(len(g.senders)), desc="patching nodes", enabled=self.show_progress):
+            todo = range(len(g.senders)) if senders is None else senders
+            for s in progress(todo, desc="patching nodes", enabled=self.show_progress):
                 name, layer = g.senders[s], g.sender_layer[s]
                 total = 0.0
                 for i, (part, answers) in enumerate(self.chunks):

@@ -32,6 +32,7 @@ from .study import Study, StudySettings, Table
 
 # exact edge patching is one forward per edge: past this many edges it is refused (with the way round)
 MAX_PATCHED_EDGES = 20_000
+GOOD = 0.8  # the faithfulness a circuit drawn by default reaches, where one of MIB's sizes does
 ROLE_TOP = 3  # the atlas's heads of a role: the top 3 by its score (as the KV precision study names them)
 
 
@@ -43,7 +44,8 @@ class CircuitSettings(StudySettings):
     metric   None: the task's own (logit-diff; prob-diff for greater-than; loss for a file without wrong answers)
     prompts  None: the task's default (64)
     select   "top" (the n edges of largest |score|) or "greedy" (grown from the logits); dangling edges pruned
-    size     the fraction of edges in the circuit the report draws and names (default 5%)
+    size     the fraction of edges in the circuit the report draws and names; None (the default): the smallest
+             of MIB's sizes whose faithfulness reaches `GOOD` (0.8), else 5%
     oracle   "none", "nodes" (exact node patching: one run per node), "edges" (exact edge patching), to
              report how the fast scores agree (Spearman of |score| ranks)"""
 
@@ -56,8 +58,14 @@ class CircuitSettings(StudySettings):
     seed: int = 0
     batch_size: int = 16
     select: str = "top"
-    size: float = 0.05
+    size: float | None = None
     oracle: str = "none"
+
+
+def chosen_size(curve: pd.DataFrame) -> float:
+    """The smallest fraction on the curve (short of the whole model) whose faithfulness reaches `GOOD`, else 5%."""
+    good = curve[(curve.fraction > 0) & (curve.fraction < 1) & (curve.faithfulness >= GOOD)]
+    return float(good.fraction.min()) if not good.empty else 0.05
 
 
 def _edge_cost_line(n_edges: int) -> str:
@@ -90,7 +98,7 @@ class CircuitStudy(Study):
                                  ("--prompts", s.prompts if s.prompts is not None else 1, 1)):
             if value < low:
                 raise ValueError(f"{name} must be at least {low}, got {value}")
-        if not 0 < s.size <= 1:
+        if s.size is not None and not 0 < s.size <= 1:
             raise ValueError(f"--size is a fraction of the edges in (0, 1], got {s.size}")
         n_edges = Graph(cfg).n_edges
         if (s.method == "patching" or s.oracle == "edges") and n_edges > MAX_PATCHED_EDGES:
@@ -121,7 +129,8 @@ class CircuitStudy(Study):
         if node_scores is None:
             node_scores = exact_nodes
         curve = stage("faithfulness", lambda: faithfulness_curve(runner, scores, FRACTIONS, s.select, s.progress))
-        circuit = select(g, scores, max(1, int(round(s.size * g.n_edges))), s.select)
+        size = s.size if s.size is not None else chosen_size(curve)
+        circuit = select(g, scores, max(1, int(round(size * g.n_edges))), s.select)
         drawn = runner.faithfulness(circuit)
         nodes = _node_frame(g, node_scores, method, circuit)
         if exact_nodes is not None:
@@ -136,7 +145,7 @@ class CircuitStudy(Study):
         if exact_edges is not None and s.method != "patching":
             agreement["edges"] = spearman(scores[s_edges, r_edges].abs(), exact_edges[s_edges, r_edges].abs())
         return {"edges": edges, "nodes": nodes, "faithfulness": curve, "_task": task, "_runner": runner,
-                "_circuit": circuit, "_drawn": drawn, "_roles": roles, "_movers": movers, "_patterns": patterns, "_agreement": agreement,
+                "_circuit": circuit, "_drawn": drawn, "_size": size, "_roles": roles, "_movers": movers, "_patterns": patterns, "_agreement": agreement,
                 "_scores": scores, "_graph": g}
 
     def record(self, s: CircuitSettings, m) -> dict:
@@ -149,7 +158,7 @@ class CircuitStudy(Study):
                 "answers": task.n_answers, "seed": s.seed, "select": s.select, "oracle": s.oracle,
                 "clean_metric": runner.clean_metric, "corrupted_metric": runner.corrupted_metric,
                 "n_edges": runner.graph.n_edges, **areas(curve),
-                "circuit": {"fraction": s.size, "edges": int(circuit.sum()), "faithfulness": m["_drawn"],
+                "circuit": {"fraction": m["_size"], "chosen": s.size is None, "edges": int(circuit.sum()), "faithfulness": m["_drawn"],
                             "heads": heads},
                 "roles": {k: v for k, v in m["_roles"].items()},
                 "movers": None if m["_movers"] is None else m["_movers"].to_dict("records"),
@@ -255,7 +264,10 @@ def _sections(s: CircuitSettings, m, record) -> list[Section]:
         f"Faithfulness at 1% of the edges: {at(0.01).faithfulness:.3f} ({int(at(0.01).edges)} edges after pruning); "
         f"at 5%: {at(0.05).faithfulness:.3f} ({int(at(0.05).edges)} edges). CPR (area under the curve) "
         f"{record['cpr']:.3f}, CMD (area under |1 - faithfulness|) {record['cmd']:.3f}.",
-        f"The circuit drawn ({s.select} selection, {c['fraction']:.1%} of the edges, {c['edges']} after pruning, "
+        f"The circuit drawn ({s.select} selection, {c['fraction']:.1%} of the edges"
+        + (f": the smallest of the sizes above with faithfulness >= {GOOD}" if c["chosen"] and c["faithfulness"] >= GOOD
+           else f": none of the sizes reaches faithfulness {GOOD}, so 5%" if c["chosen"] else "")
+        + f", {c['edges']} after pruning, "
         f"faithfulness {c['faithfulness']:.3f}) holds {len(heads)} heads: {', '.join(heads[:30]) or 'none'}"
         + (" ..." if len(heads) > 30 else "") + ".",
         _roles_line(record["roles"], set(heads)),

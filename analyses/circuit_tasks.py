@@ -185,11 +185,11 @@ def greater_than_task(model, n_prompts: int = 64, *, seed: int = 0, metric: str 
     two-digit tokens ("33".."99" vs "00".."32") where the tokenizer has them, else the tens digit
     ("4".."9" vs "0".."2"; the equal digit is left out). Corrupted: the start year ..01 (Hanna et al.)."""
     century = "17"
-    probe = GT_TEMPLATE.format(noun="war", century=century, yy="00")
-    prefix = _encode(model, probe[: probe.rindex(century) + len(century)])
+    probe = GT_TEMPLATE.format(noun="war", century=century, yy="00")  # ends "... to the year 17"
+    prefix = _encode(model, probe)
     nxt = {}
-    for yy in range(100):
-        full = _encode(model, GT_TEMPLATE.format(noun="war", century=century, yy=f"{yy:02d}") + f"{yy:02d}")
+    for yy in range(100):  # how the end year continues the prompt
+        full = _encode(model, probe + f"{yy:02d}")
         if full[: len(prefix)] != prefix or len(full) <= len(prefix):
             raise ValueError("greater-than: this tokenizer does not continue the prompt with the year's digits")
         nxt[yy] = full[len(prefix)]

@@ -41,8 +41,9 @@ def add_arguments(p) -> None:
                                                                 "default) or every receiver's input (activations)")
     m.add_argument("--select", default="top", choices=SELECTIONS,
                    help="top: the n edges of largest |score|; greedy: grown from the logits (default top)")
-    m.add_argument("--size", type=float, default=0.05, help="the circuit the report draws, as a fraction of the "
-                                                            "edges (default 0.05)")
+    m.add_argument("--size", type=float, default=None,
+                   help="the circuit the report draws, as a fraction of the edges (default: the smallest of the curve's "
+                        "sizes with faithfulness >= 0.8, else 0.05)")
     m.add_argument("--oracle", default="none", choices=("none", "nodes", "edges"),
                    help="also patch every node (or edge) exactly and report the agreement (default none)")
     m.add_argument("--batch-size", type=int, default=16, help="prompts per forward (default 16)")
