@@ -170,9 +170,12 @@ class CircuitStudy(Study):
 
 # ---- measuring helpers -------------------------------------------------------------------------------
 def _node_frame(g: Graph, scores, method: str, circuit) -> pd.DataFrame:
-    in_circuit = circuit.any(1).clone()  # sends an edge of the circuit, or receives one:
+    # a node is in the circuit when it sends one of its edges or receives one into its own input (a query, an
+    # MLP's input); a GQA key/value input read by several heads puts none of them in by itself
+    in_circuit = circuit.any(1).clone()
     for r in circuit.any(0).nonzero().flatten().tolist():
-        in_circuit[g.receiver_senders[r]] = True
+        if len(g.receiver_senders[r]) == 1:
+            in_circuit[g.receiver_senders[r]] = True
     rows = []
     for i, name in enumerate(g.senders):
         kind = "embed" if name == "embed" else "mlp" if name.startswith("MLP") else "head"
