@@ -26,6 +26,7 @@ COMMANDS = {
     "select": ["kv", "select", "attn-only-2l", "--rankings", "retrieval,random", "--fractions", "0.5", "--window", "32",
                "--scoring-prompts", "1", "--selection-seeds", "1", *PASSKEY],
     "lengths": ["lengths", "rope-gqa-4l", "--lengths", "32,64", "--no-progress"],
+    "circuit": ["circuit", "attn-only-2l", "--task", "induction", "--prompts", "4", "--method", "eap", "--no-progress"],
     "sweep": ["analyze", "attn-only-2l", "--analyses", "sinks", "--n-seqs", "2", "--seq-len", "32", "--no-progress",
               "--no-report"],
 }
@@ -45,7 +46,7 @@ def test_every_studys_settings_json_has_the_same_keys(folders):
         record = json.loads((folders / name / "settings.json").read_text())
         assert set(SHARED_KEYS) <= set(record), (name, set(SHARED_KEYS) - set(record))
         assert record["study"] == {"precision": "kv-precision", "passkey": "kv-policies", "select": "kv-roles",
-                                   "lengths": "lengths", "sweep": "sweep"}[name]
+                                   "lengths": "lengths", "circuit": "circuit", "sweep": "sweep"}[name]
         assert record["compute"]["device"] == "cpu" and "torch" in record["versions"]
         assert all(isinstance(v, float) for v in record["seconds"].values()) and record["seconds"], name
 
