@@ -486,15 +486,18 @@ def _keeper(store: dict, l: int):
 
 
 class _Patching:
-    """receive(): input_r - sum_s mask[s, r] (value_s now - value_s corrupted). A few senders are stacked;
-    many (a circuit's complement: most edges patched) go through one matrix product with the differences,
-    each written once into a buffer as its sender computes it."""
+    """receive(): input_r - sum_s mask[s, r] (value_s now - value_s corrupted). A few senders are stacked.
+    Past that the differences are read from a buffer, each written once as its sender computes it, with
+    their running sum: a receiver reads every sender computed before it (but a parallel block's MLP), so
+    its change is also that sum less sum_s (1 - mask[s, r]) times the differences, and whichever of the
+    two forms has fewer senders is used (a circuit's complement: few kept edges, one product)."""
 
     STACK = 16  # senders up to which a receiver's change is stacked rather than read from the buffer
 
     def __init__(self, g: Graph, mask: Tensor, corrupted: Tensor) -> None:
         self.g, self.mask, self.corrupted = g, mask, corrupted
         self.diff: Tensor | None = None
+        self.total: Tensor | None = None  # sum of the differences written so far
         self.filled = 0
 
     def __call__(self, group, x, values):
@@ -507,19 +510,35 @@ class _Patching:
         if senders.numel() <= self.STACK:
             picked = senders.tolist()
             diff = torch.stack([values[s] - self.corrupted[s].to(x.dtype) for s in picked])  # [k, b, p, d]
-            w = sub[picked]
+            change = self._product(sub[picked], diff, x)
         else:
-            if self.diff is None:
-                self.diff = torch.empty((len(self.g.senders),) + values[0].shape, dtype=x.dtype, device=x.device)
-            for s in range(self.filled, n):
-                torch.sub(values[s], self.corrupted[s].to(x.dtype), out=self.diff[s])
-            self.filled = n
-            diff, w = self.diff[:n], sub
-        w = w.to(device=x.device, dtype=x.dtype)  # [k, n_receivers]
-        change = (w.T @ diff.flatten(1)).view(w.shape[1], *diff.shape[1:])  # [n_receivers, b, p, d]
+            self._fill(values, x)
+            kept = (1 - sub) * self.g.allowed[:n, rs]
+            rows = kept.any(1).nonzero().flatten()
+            if bool(self.g.allowed[:n, rs].all()) and rows.numel() < senders.numel():
+                change = self.total[None] - self._product(kept[rows], self.diff[rows], x)
+            else:
+                change = self._product(sub[senders], self.diff[senders], x)
         if x.dim() == 4:
             return x - change.permute(1, 2, 0, 3)
         return x - change[0]
+
+    def _fill(self, values, x) -> None:
+        if self.diff is None:
+            self.diff = torch.empty((len(self.g.senders),) + values[0].shape, dtype=x.dtype, device=x.device)
+            self.total = torch.zeros(values[0].shape, dtype=x.dtype, device=x.device)
+        for s in range(self.filled, len(values)):
+            torch.sub(values[s], self.corrupted[s].to(x.dtype), out=self.diff[s])
+            self.total += self.diff[s]
+        self.filled = len(values)
+
+    @staticmethod
+    def _product(w: Tensor, diff: Tensor, x: Tensor) -> Tensor:
+        """sum_k w[k, r] diff[k] for each receiver r: [n_receivers, b, p, d]."""
+        w = w.to(device=x.device, dtype=x.dtype)
+        if w.shape[0] == 0:
+            return torch.zeros((w.shape[1],) + diff.shape[1:], dtype=x.dtype, device=x.device)
+        return (w.T @ diff.flatten(1)).view(w.shape[1], *diff.shape[1:])
 
 
 # ---- circuits ----------------------------------------------------------------------------------------
