@@ -309,6 +309,27 @@ def test_a_run_with_many_edges_patched_is_the_same_stacked_or_from_the_buffer(na
         assert buffered == pytest.approx(runner.patched(mask), abs=2e-5), patched
 
 
+# ---- on a real model ------------------------------------------------------------------------------------
+@pytest.mark.slow
+@needs_smol
+def test_smollm2_ioi_and_greater_than():
+    """SmolLM2 does IOI (the indirect object beats the subject) and greater-than (later years beat earlier
+    ones, and the corrupted ..01 start removes most of it); EAP-IG's node ranking follows exact patching."""
+    from interp.analyses._common import spearman
+    from interp.analyses.circuit_tasks import greater_than_task, ioi_task
+
+    model = interp.load("smollm2-135m")
+    ioi = ioi_task(model, 8)
+    assert (ioi.clean != ioi.corrupted).any(1).all() and ioi.clean.shape == ioi.corrupted.shape
+    runner = Runner(model, ioi)
+    assert runner.clean_metric > 1.0 > runner.corrupted_metric
+    some = list(range(0, len(runner.graph.senders), 4))  # a quarter of the nodes, for time
+    nodes = runner.patch_nodes(some)[some]
+    assert spearman(runner.eap_ig(2).sum(1)[some].abs(), nodes.abs()) > 0.6
+    gt = Runner(model, greater_than_task(model, 8))
+    assert gt.clean_metric > 0.2 and gt.clean_metric > gt.corrupted_metric + 0.1
+
+
 def test_the_circuit_drawn_by_default_is_the_smallest_faithful_one():
     from interp.analyses.circuit_study import chosen_size
 
