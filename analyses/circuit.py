@@ -114,6 +114,11 @@ class Graph:
                 self.receiver_senders.append([index[f"L{l}H{h}"] for h in range(g * group, (g + 1) * group)])
             else:
                 self.receiver_senders.append([index[name]])
+        # the other way round: a sender node -> the receivers that are its inputs (its q, its group's k and v, ...)
+        self.inputs_of: list[list[int]] = [[] for _ in senders]
+        for r, owners in enumerate(self.receiver_senders):
+            for s in owners:
+                self.inputs_of[s].append(r)
 
     @property
     def n_edges(self) -> int:
@@ -294,8 +299,8 @@ class Runner:
         self.chunks = list(task.chunks(batch_size))
         self._cache: dict[int, dict] = {}
         with torch.no_grad():
-            clean = self._values(task.clean)
-            corrupted = self._values(task.corrupted)
+            clean = self._values("clean")
+            corrupted = self._values("corrupted")
         self.clean_metric, self.corrupted_metric = clean, corrupted
         if not (math.isfinite(clean) and math.isfinite(corrupted)):
             raise ValueError(f"the task's metric is not finite (clean {clean}, corrupted {corrupted}): check the "
@@ -305,9 +310,10 @@ class Runner:
                              "nothing to attribute; the corrupted prompts must change the answer")
 
     # -- runs --
-    def _values(self, tokens: Tensor) -> float:
-        """Run every chunk of `tokens`, keeping the senders' values and each block's input; the metric."""
-        which = "clean" if tokens is self.task.clean else "corrupted"
+    def _values(self, which: str) -> float:
+        """Run every chunk of the clean or corrupted prompts, keeping the senders' values and each block's
+        input; the metric."""
+        tokens = self.task.clean if which == "clean" else self.task.corrupted
         total = 0.0
         for i, (part, answers) in enumerate(self.chunks):
             p = _Pass(self.model, self.graph)
@@ -560,10 +566,6 @@ def greedy_edges(graph: Graph, scores: Tensor, n: int) -> Tensor:
     among those into a node already in the circuit joins it, with its sender."""
     import heapq
 
-    into: dict[int, list[int]] = {}  # receiving sender node -> its receivers (a KV receiver feeds its group)
-    for r, owners in enumerate(graph.receiver_senders):
-        for s in owners:
-            into.setdefault(s, []).append(r)
     edges_of = {r: graph.allowed[:, r].nonzero().flatten().tolist() for r in range(len(graph.receivers))}
     keep = torch.zeros_like(graph.allowed)
     heap: list = []
@@ -584,7 +586,7 @@ def greedy_edges(graph: Graph, scores: Tensor, n: int) -> Tensor:
         count += 1
         if s not in joined:
             joined.add(s)
-            for r2 in into.get(s, []):
+            for r2 in graph.inputs_of[s]:
                 open_receiver(r2)
     return keep
 
@@ -597,19 +599,15 @@ def prune_dangling(graph: Graph, circuit: Tensor) -> Tensor:
     edges = circuit & graph.allowed
     reached = torch.zeros(S, dtype=torch.bool)
     reached[0] = True  # embed
-    into_node: list[list[int]] = [[] for _ in range(S)]
-    for r, owners in enumerate(graph.receiver_senders):
-        for s in owners:
-            into_node[s].append(r)
     for s in range(1, S):  # senders in the order of computation
-        rs = into_node[s]
+        rs = graph.inputs_of[s]
         reached[s] = bool(rs) and bool((edges[:, rs] & reached[:, None]).any())
     edges = edges & reached[:, None]
     useful = torch.zeros(R, dtype=torch.bool)  # receivers with a path on to the logits
     useful[R - 1] = True
     for s in range(S - 1, -1, -1):  # a node's receivers are decided before the senders that feed them
         if bool((edges[s] & useful).any()):
-            useful[into_node[s]] = True
+            useful[graph.inputs_of[s]] = True
     return edges & useful[None, :]
 
 

@@ -205,17 +205,14 @@ def _movers(model, task, edges: pd.DataFrame, top: int = 5) -> pd.DataFrame | No
     if task.answer_tokens is None:
         return None
     into = edges[(edges.receiver == "logits") & edges.sender.str.match(r"L\d+H\d+$")]
-    into = into.reindex(into.score.abs().sort_values(ascending=False).index).head(top)
+    into = _top(into, top)
     heads = [tuple(int(x) for x in name[1:].split("H")) for name in into.sender]
     layers = sorted({l for l, _ in heads})
     names = [f"blocks.{l}.attn.hook_pattern" for l in layers]
     sums = {h: [0.0, 0.0] for h in heads}
-    clean = task.clean
-    for start in range(0, clean.shape[0], 16):
-        part = slice(start, start + 16)
-        answers = ((task.rows >= start) & (task.rows < start + 16)).nonzero().flatten()
-        rows, pos = task.rows[answers] - start, task.positions[answers]
-        tokens = clean[part].to(model.device)
+    for part, answers in task.chunks(16):
+        rows, pos = task.rows[answers] - part.start, task.positions[answers]
+        tokens = task.clean[part].to(model.device)
         with torch.no_grad():
             _, cache = model.run_with_cache(tokens, names_filter=lambda n: n in names)
         for l, h in heads:
@@ -235,7 +232,7 @@ def _patterns(model, task, heads: pd.DataFrame, limit: int = 24):
     """The circuit's heads' patterns on the task's first clean prompt (its real tokens): (names, [n, p, p], tokens)."""
     if heads.empty:
         return None
-    heads = heads.reindex(heads.score.abs().sort_values(ascending=False).index).head(limit)
+    heads = _top(heads, limit)
     n = int(task.positions[task.rows == 0].max()) + 1
     tokens = task.clean[:1, :n].to(model.device)
     layers = sorted(set(int(l) for l in heads.layer))
