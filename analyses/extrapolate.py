@@ -161,7 +161,8 @@ def length_dependent(model) -> bool:
     """Whether the model's rotary frequencies depend on how long a call is (dynamic NTK; LongRoPE's long
     factors past its original length): then a forward over the longest length does not attend at a shorter
     one as a forward over that length does, and each length gets its own."""
-    return bool(model.rotary.dynamic or model.rotary.long_row is not None)
+    rotary = model.rotary
+    return rotary is not None and bool(rotary.dynamic or rotary.long_row is not None)
 
 
 def autopsy_pass(model, tokens: Tensor, lengths, *, energy: PairEnergy | None = None,

@@ -1,6 +1,8 @@
 """`interp extrapolate MODEL`: a rotary model read at 1x, 1.5x and 2x its trained context (n_ctx) as loaded
 ("none") and with RoPE scalings (PI, NTK-aware, YaRN: factor 2 by default), the heads that break, and a
-repair of those heads alone; measured by `extrapolate.py`, written by `study.run`.
+repair of those heads alone; measured by `extrapolate.py`, written by `study.run`. A model with ALiBi (or
+no) positions is read as loaded only: no scaling, share or repair applies to it (the controlled case beside
+a RoPE twin: the zoo's alibi-gqa-4l and rope-gqa-4l). Learned and sinusoidal positions end at n_ctx.
 
 Per scaling, one pass over the evaluation text at the longest length gives perplexity by position bucket
 and every head's scores at every length (the autopsy); then the passkey prompts at every length and
@@ -43,6 +45,8 @@ from .study import Study, StudyData, StudySettings, Table, run
 from .sweep_data import DataSpec
 
 LOGN = "logn"  # the temperature repair's name
+AUTO = "auto"  # the repair by default: yarn on a rotary model, none elsewhere
+AS_LOADED = ("alibi", None)  # positions read past n_ctx as loaded (None: no positions, NoPE)
 SUMMARY = ("entropy", "sink", "distance", "distance_p99", "previous_token", "induction")
 
 
@@ -50,29 +54,39 @@ SUMMARY = ("entropy", "sink", "distance", "distance_p99", "previous_token", "ind
 class ExtrapolateSettings(StudySettings):
     """lengths: None for n_ctx, 1.5 n_ctx, 2 n_ctx (at least one within n_ctx and one past it); scalings:
     names for `extrapolate.scaling_name` ("none", the model as loaded, always measured), a bare type
-    taking `factor`; the passkey prompts (`depths`, `prompts` per (length, depth), `seed`, `max_new_tokens`);
-    `buckets` of positions for perplexity; the repair: `repair_scaling` (one of the scalings; None: no
-    repair) on at most `repair_fraction` of the heads, and LogN temperature on as many."""
+    taking `factor` (None: `SCALINGS` on a rotary model, none alone on ALiBi); the passkey prompts
+    (`depths`, `prompts` per (length, depth), `seed`, `max_new_tokens`); `buckets` of positions for
+    perplexity; the repair: `repair_scaling` (one of the scalings; None: no repair; "auto": yarn on a
+    rotary model, none elsewhere) on at most `repair_fraction` of the heads, and LogN temperature on as many."""
 
     lengths: tuple[int, ...] | None = None
-    scalings: tuple[str, ...] = SCALINGS
+    scalings: tuple[str, ...] | None = None
     factor: float = FACTOR
     depths: tuple[float, ...] = DEPTHS
     prompts: int = 1
     seed: int = 0
     max_new_tokens: int = 8
     buckets: int = BUCKETS
-    repair_scaling: str | None = "yarn"
+    repair_scaling: str | None = AUTO
     repair_fraction: float = REPAIR_FRACTION
     backend: str = "auto"
     from_fraction: float = FROM_FRACTION
 
 
 def check_scalings(cfg, scalings, factor: float) -> tuple[str, ...]:
-    """The scalings' names (`scaling_name`), "none" first, each checked against the model's config."""
+    """The scalings' names (`scaling_name`), "none" first, each checked against the model's config (None: the
+    default for its positions: `SCALINGS` on RoPE, none alone on ALiBi or no positions)."""
+    if cfg.positional in AS_LOADED:
+        other = [x for x in (scalings or ()) if str(x).strip() != "none"]
+        if other:
+            raise ValueError(f"--scalings {other[0]}: RoPE scalings need rotary positions, and this model's are "
+                             f"{cfg.positional or 'none'}: it is read as loaded (leave --scalings out)")
+        return ("none",)
     if cfg.positional != "rotary":
-        raise ValueError(f"interp extrapolate studies rotary positions and their scalings; this model's positions "
-                         f"are {cfg.positional or 'none'}")
+        raise ValueError(f"interp extrapolate reads a model past its trained context, and this model's positions are "
+                         f"{cfg.positional} embeddings, which end at n_ctx={cfg.n_ctx:,}: give a model with rotary, "
+                         "ALiBi or no positions")
+    scalings = SCALINGS if scalings is None else scalings
     check_real("--factor", factor, minimum=0, strict=True)
     names = [scaling_name(x, factor) for x in scalings]
     repeated = sorted({n for n in names if names.count(n) > 1})
@@ -116,9 +130,14 @@ class ExtrapolateStudy(Study):
         check_int("--new-tokens", s.max_new_tokens, minimum=1)
         check_int("--seed", s.seed, minimum=0)
         check_int("--buckets", s.buckets, minimum=1, maximum=lengths[-1] - 1)
-        repair = None
-        if s.repair_scaling is not None:
-            repair = scaling_name(s.repair_scaling, s.factor)
+        repair = s.repair_scaling
+        if repair == AUTO:
+            repair = "yarn" if cfg.positional == "rotary" else None
+        elif repair is not None and cfg.positional != "rotary":
+            raise ValueError(f"--repair {repair}: a repair rescales RoPE on the heads that break, and this model's "
+                             f"positions are {cfg.positional or 'none'}: leave --repair out")
+        if repair is not None:
+            repair = scaling_name(repair, s.factor)
             if repair == "none" or repair not in scalings:
                 raise ValueError(f"--repair {repair} is compared with the same scaling on every head: list it in "
                                  f"--scalings too (now {','.join(scalings)})")
@@ -142,7 +161,8 @@ class ExtrapolateStudy(Study):
         tokens = s.data.tokens(model)[:, :longest]
         with as_user_errors(ValueError):  # a tokenizer that cannot hold a prompt at the shortest length: one line
             prompts = retrieval_prompts(model, lengths, list(s.depths), s.prompts, s.seed, max_length=longest)
-        energy = PairEnergy(model, n_ctx)
+        rotary = model.rotary is not None
+        energy = PairEnergy(model, n_ctx) if rotary else None
         rescaled = len(scaled_layers(cfg)) * cfg.n_heads  # the heads a global scaling changes
         ppl, answers, autopsy, split = [], [], [], {}
 
@@ -190,7 +210,8 @@ class ExtrapolateStudy(Study):
                         "logn_heads": [head_name(l, h) for l, h in chosen]}
         return {"perplexity": pd.concat(ppl, ignore_index=True), "passkey": pd.concat(answers, ignore_index=True),
                 "autopsy": pd.concat(autopsy, ignore_index=True), "heads": heads, "_split": split, "_first": first,
-                "_repaired": repaired, "_n_ctx": n_ctx, "_tables": rotary_tables(model, n_ctx),
+                "_repaired": repaired, "_n_ctx": n_ctx, "_positional": cfg.positional or "none",
+                "_tables": rotary_tables(model, n_ctx) if rotary else [],
                 "_scalings": {n: as_hf(choose(cfg, n)) for n in s.scalings if n != "none"}, "_windows": cfg.windows()}
 
     def record(self, s: ExtrapolateSettings, m) -> dict:
@@ -200,11 +221,12 @@ class ExtrapolateStudy(Study):
                "factor": s.factor, "depths": list(s.depths), "prompts_per_cell": s.prompts, "seed": s.seed,
                "max_new_tokens": s.max_new_tokens, "n_sequences": s.data.rows, "buckets": s.buckets,
                "queries_from_fraction": s.from_fraction, "rotary_tables": m["_tables"],
-               "spearman": share_correlations(heads),
+               "positions": m["_positional"],
+               "spearman": share_correlations(heads) if m["_tables"] else None,
                "break_first": list(heads.sort_values("break_rank")["name"].head(10)),
                "perplexity_inside_past": {k: [round(a, 4), round(b, 4)] for k, (a, b) in m["_split"].items()},
                "repair": m["_repaired"]}
-        if any(w is not None for w in m["_windows"]):
+        if m["_tables"] and any(w is not None for w in m["_windows"]):
             out["spearman_global_layers"] = share_correlations(heads[heads["window"] == 0])
         return out
 
@@ -225,9 +247,15 @@ def run_extrapolate_study(model, out, settings: ExtrapolateSettings | None = Non
 
 
 def _heads_table(model, energy, changes: pd.DataFrame, first: int, longest: int) -> pd.DataFrame:
-    """One row per head: its share, its changes at the longest length, its entropy change and break rank at
-    the first length past n_ctx."""
-    table = never_completed_shares(model, energy).set_index(["layer", "head"])
+    """One row per head: its share (NaN without rotary positions: `energy` None), its changes at the longest
+    length, its entropy change and break rank at the first length past n_ctx."""
+    if energy is not None:
+        table = never_completed_shares(model, energy)
+    else:
+        cfg = model.cfg
+        table = pd.DataFrame([{"layer": l, "head": h, "share": float("nan"), "never_pairs": 0}
+                              for l in range(cfg.n_layers) for h in range(cfg.n_heads)])
+    table = table.set_index(["layer", "head"])
     table = table.join(changes[changes["length"] == longest].set_index(["layer", "head"])[list(CHANGES)])
     table["first_change"] = changes[changes["length"] == first].set_index(["layer", "head"])["entropy"]
     order = breaking_order(changes, first)
@@ -300,12 +328,15 @@ def report_sections(model_name: str, m, record: dict) -> list[Section]:
     longest, ref, scalings, split = lengths[-1], record["reference_length"], record["scalings"], m["_split"]
     order = heads.sort_values("break_rank")
     named = list(order["name"].head(5))
-    rho = record["spearman"]
-    rho_text = ", ".join(f"{c} {'n/a' if rho[c] is None else f'{rho[c]:+.2f}'}" for c in CHANGES)
+    rho, rotary = record["spearman"], bool(record["rotary_tables"])
+    rho_text = ", ".join(f"{c} {'n/a' if rho[c] is None else f'{rho[c]:+.2f}'}" for c in CHANGES) if rho else ""
     at_longest = passkey[passkey["length"] == longest]
+    read_as = (f"as loaded (none) and with {', '.join(scalings[1:]) or 'no scaling'}, each from an original length of "
+               "n_ctx" if rotary else f"as loaded: its positions are {record.get('positions', 'not rotary')}, which no "
+               "RoPE scaling applies to")
     summary = Section("summary", "Summary").add(
-        f"{model_name} read at {', '.join(f'{n:,}' for n in lengths)} tokens (trained context n_ctx = {n_ctx:,}) as "
-        f"loaded (none) and with {', '.join(scalings[1:]) or 'no scaling'}, each from an original length of n_ctx. Per "
+        f"{model_name} read at {', '.join(f'{n:,}' for n in lengths)} tokens (trained context n_ctx = {n_ctx:,}) "
+        f"{read_as}. Per "
         f"scaling one forward over {record['n_sequences']} sequence(s) of the evaluation text at {longest:,} tokens gives "
         "the perplexity by position and every head's scores at every length (queries L/2 .. L-1, by the streaming "
         "statistics kernel: no n x n pattern); the passkey prompts are answered greedily through the full cache.",
@@ -314,10 +345,11 @@ def report_sections(model_name: str, m, record: dict) -> list[Section]:
             f"{n} {_accuracy(g)}" for n, g in at_longest.groupby("scaling", sort=False)) + ".",
         f"The heads that break first (the largest change in attention entropy from {ref:,} to {first:,} tokens, as "
         "loaded): " + ", ".join(f"{r['name']} ({r['first_change']:+.3f} nats)" for _, r in order.head(5).iterrows())
-        + ".",
-        f"Spearman's rho over the {len(heads)} heads between each head's share of |q.k| energy on the rotary pairs "
-        f"that never complete a period within n_ctx and how much it changes from {ref:,} to {longest:,} tokens: "
-        f"{rho_text}.")
+        + ".")
+    if rotary:
+        summary.add(f"Spearman's rho over the {len(heads)} heads between each head's share of |q.k| energy on the "
+                    f"rotary pairs that never complete a period within n_ctx and how much it changes from {ref:,} to "
+                    f"{longest:,} tokens: {rho_text}.")
     repaired = record.get("repair")
     if repaired:
         def said(name):
@@ -352,7 +384,7 @@ def report_sections(model_name: str, m, record: dict) -> list[Section]:
 
     means = autopsy[autopsy["metric"].isin(SUMMARY)].pivot_table(index=["scaling", "length"], columns="metric",
                                                                  values="value", sort=False)[list(SUMMARY)]
-    top = order.head(10)[["name", "share", "first_change", *CHANGES]].rename(
+    top = order.head(10)[["name", *(["share"] if rotary else []), "first_change", *CHANGES]].rename(
         columns={"first_change": f"entropy change at {first:,}", **{c: f"{c} change at {longest:,}" for c in CHANGES}})
     sections.append(Section("autopsy", "The heads, by length and scaling").add(
         "The mean over heads of each score at each length and scaling (queries L/2 .. L-1):",
@@ -361,14 +393,15 @@ def report_sections(model_name: str, m, record: dict) -> list[Section]:
         "of (distance + 1) over the reference's; the autopsy table holds every head's scores):",
         top.round(4)))
 
-    tables = "; ".join(f"{_layers(t['layers'])}: {t['never_completed_pairs']} of {t['pairs']} pairs ("
-                       + (f"from pair {t['first_never_completed']} on; " if t["never_completed_pairs"] else "")
-                       + f"the longest period {t['longest_period']:,.0f} tokens)" for t in record["rotary_tables"])
-    sections.append(Section("frequencies", "Never-completed rotary pairs").add(
-        f"Pair i turns at theta_i; it completes a period within n_ctx = {n_ctx:,} when 2 pi / theta_i <= n_ctx. Pairs "
-        f"that never do: {tables}. A head's share is its |q_i| |k_i| (means over the trained context's positions) "
-        f"on those pairs over all its dimensions. Spearman's rho with the change from {ref:,} to {longest:,}: "
-        f"{rho_text}.", png(plot_change_vs_share(heads, rho, named, longest), "change_vs_share.png")))
+    if rotary:
+        tables = "; ".join(f"{_layers(t['layers'])}: {t['never_completed_pairs']} of {t['pairs']} pairs ("
+                           + (f"from pair {t['first_never_completed']} on; " if t["never_completed_pairs"] else "")
+                           + f"the longest period {t['longest_period']:,.0f} tokens)" for t in record["rotary_tables"])
+        sections.append(Section("frequencies", "Never-completed rotary pairs").add(
+            f"Pair i turns at theta_i; it completes a period within n_ctx = {n_ctx:,} when 2 pi / theta_i <= n_ctx. "
+            f"Pairs that never do: {tables}. A head's share is its |q_i| |k_i| (means over the trained context's "
+            f"positions) on those pairs over all its dimensions. Spearman's rho with the change from {ref:,} to "
+            f"{longest:,}: {rho_text}.", png(plot_change_vs_share(heads, rho, named, longest), "change_vs_share.png")))
 
     if repaired:
         global_name = repaired["scaling"]

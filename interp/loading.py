@@ -23,6 +23,7 @@ from interp.models.formats.checkpoint import (  # noqa: F401 - FORMAT_VERSION, C
     load_checkpoint,
     save_model,
 )
+from interp.models.errors import UserError
 from interp.models.families import FAMILIES, get_family
 from interp.models.wrapped import WrappedModel, check_wrappable
 from interp.models.processing import check_processing
@@ -92,13 +93,20 @@ def _conventions(model: HookedTransformer, name: str | None, default_prepend_bos
 def from_hf(hf_model, *, tokenizer=None, dtype: torch.dtype | None = None, device=None,
             default_prepend_bos: bool | None = None, fold_ln: bool = False, center_writing_weights: bool = False,
             center_unembed: bool = False, fold_value_biases: bool = False,
-            refactor_factored_attn_matrices: bool = False) -> HookedTransformer:
+            refactor_factored_attn_matrices: bool = False, rope_scaling=None) -> HookedTransformer:
     """A `transformers` causal-LM object as an interp model: converted to our own transformer when its
     `model_type` is a native family (`interp.models.families.FAMILIES`), else wrapped
     (`interp.models.wrapped.WrappedModel`: transformers runs it, through interp's attention function,
     with TransformerLens's hook names; the object itself is `model.hf` and is modified in place to run
-    interp's attention). default_prepend_bos and the weight-processing options are `load`'s (native only)."""
+    interp's attention). default_prepend_bos, the weight-processing options and rope_scaling are `load`'s
+    (native only; a bad scaling is refused before a weight is converted)."""
     config = hf_model.config.to_dict()
+    if rope_scaling is not None and config.get("model_type") not in FAMILIES:
+        from interp.models.rope_choice import rope_spec
+
+        rope_spec(rope_scaling)  # a bad spelling is said as such first
+        raise UserError(f"rope_scaling is interp's own transformer's, and this is a {config.get('model_type')} model "
+                        "that transformers runs (wrapped): set rope_parameters in its config instead")
     if config.get("model_type") not in FAMILIES:
         check_wrappable(config.get("model_type"))
         model = WrappedModel(hf_model, tokenizer=tokenizer, name=getattr(hf_model.config, "name_or_path", None) or None)
@@ -110,11 +118,18 @@ def from_hf(hf_model, *, tokenizer=None, dtype: torch.dtype | None = None, devic
                             refactor_factored_attn_matrices=refactor_factored_attn_matrices)
     family = get_family(config.get("model_type"))
     cfg = family.config(config)
+    scaling = None
+    if rope_scaling is not None:
+        from interp.models.rope_choice import choose
+
+        scaling = choose(cfg, rope_scaling)
     tensors = dict(hf_model.state_dict())
     sd = convert_weights(family, cfg, tensors, f"{type(hf_model).__name__} state_dict")
     first = next(iter(tensors.values()))
     model = build_model(cfg, sd, type(hf_model).__name__, dtype or first.dtype, device or first.device)
     model.tokenizer = tokenizer
+    if rope_scaling is not None:
+        model.rescale_rope_(scaling)
     return _conventions(model, getattr(hf_model.config, "name_or_path", None) or None, default_prepend_bos, fold_ln=fold_ln, center_writing_weights=center_writing_weights,
                         center_unembed=center_unembed, fold_value_biases=fold_value_biases,
                         refactor_factored_attn_matrices=refactor_factored_attn_matrices)

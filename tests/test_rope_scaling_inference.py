@@ -179,6 +179,19 @@ def test_every_spelling_is_one_scaling(llama, tokens):
     assert parse_rope_scaling("default") == {"rope_type": "default"}
 
 
+def test_from_hf_takes_the_scaling_as_load_does(llama, tokens):
+    """`interp.from_hf(hf_model, rope_scaling=...)` is the same model as `interp.load(folder, rope_scaling=...)`,
+    and transformers' own with those rope_parameters; a bad one is refused before a weight is converted."""
+    hf = transformers.LlamaForCausalLM.from_pretrained(llama).eval()
+    model = interp.from_hf(hf, rope_scaling="yarn:2")
+    assert model.runtime.rope_chosen and model.cfg.rope_scaling == interp.load(llama, rope_scaling="yarn:2").cfg.rope_scaling
+    with torch.no_grad():
+        ref = _reference(llama, {"rope_type": "yarn", "factor": 2.0})(tokens).logits
+        assert float((model(tokens) - ref).abs().max()) < 1e-4
+    with pytest.raises(UserError, match="rope_scaling type 'wavy' is not one of"):
+        interp.from_hf(hf, rope_scaling="wavy:2")
+
+
 def test_a_checkpoints_own_scaling_is_replaced(tmp_path, tokens):
     """A checkpoint with YaRN in its config: rope_scaling replaces it (default: plain RoPE), as transformers'
     Llama with the replacing rope_parameters computes."""

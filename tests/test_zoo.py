@@ -17,7 +17,7 @@ from interp.models.zoo import ZOO_DIR, list_runs, resolve
 from interp.models.zoo.recipes import RECIPES
 from interp.models.formats.tokenizer import ByteTokenizer, load_tokenizer
 
-RUNS = ("attn-only-2l", "rope-gqa-4l")
+RUNS = ("attn-only-2l", "rope-gqa-4l", "alibi-gqa-4l")
 
 
 # ---- tokenizer -----------------------------------------------------------------------------------
@@ -186,6 +186,23 @@ def _retrain_step_10(tmp_path):
     recipe = dataclasses.replace(RECIPES["attn-only-2l"], eval_windows=8)  # evaluation never touches training
     out = train(recipe, tmp_path, steps=10, corpus=corpus, progress=False, log=lambda s: None)
     return out, info.run, corpus
+
+
+def test_the_alibi_and_rope_twins_differ_only_in_their_positions():
+    """alibi-gqa-4l is rope-gqa-4l's recipe with ALiBi for RoPE: the same corpus, seed and steps, and (neither
+    scheme having parameters) the very same initial weights, so what they do past n_ctx is down to positions."""
+    from safetensors.torch import load_file
+
+    runs = {r.name: r for r in list_runs()}
+    rope, alibi = runs["rope-gqa-4l"].run, runs["alibi-gqa-4l"].run
+    assert rope["corpus"] == alibi["corpus"] and rope["seed"] == alibi["seed"] and rope["steps"] == alibi["steps"]
+    differ = {k for k, v in RECIPES["rope-gqa-4l"].model.to_dict().items()
+              if RECIPES["alibi-gqa-4l"].model.to_dict()[k] != v}
+    assert differ == {"positional"} and RECIPES["alibi-gqa-4l"].model.positional == "alibi"
+    first = [load_file(str(ZOO_DIR / name / "step_00000" / "model.safetensors")) for name in ("rope-gqa-4l", "alibi-gqa-4l")]
+    assert first[0].keys() == first[1].keys() and all(torch.equal(first[0][k], first[1][k]) for k in first[0])
+    last = [load_file(str(ZOO_DIR / name / "step_01000" / "model.safetensors")) for name in ("rope-gqa-4l", "alibi-gqa-4l")]
+    assert not torch.equal(last[0]["blocks.0.attn.W_qkv"], last[1]["blocks.0.attn.W_qkv"])  # trained apart
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """`interp extrapolate MODEL --out DIR`: a rotary model read past its trained context, as loaded and with RoPE
-scalings; the heads that break, and a repair of those heads alone (`interp.analyses.extrapolate_study`)."""
+scalings; the heads that break, and a repair of those heads alone; an ALiBi model as loaded
+(`interp.analyses.extrapolate_study`)."""
 
 from __future__ import annotations
 
@@ -11,36 +12,42 @@ EPILOG = """examples:
   interp extrapolate rope-gqa-4l --out out/past --depths 0.5               # the zoo's rotary model: 256-512 tokens
   interp extrapolate smollm2-135m --scalings none,yarn,yarn:4 --lengths 8192,32768 --out DIR
   interp extrapolate gemma3-270m --lengths 16384,32768,49152 --scalings none,yarn --out out/g-extrapolate
+  interp extrapolate alibi-gqa-4l --lengths 256,512,768,1024 --n-seqs 16 --out out/alibi   # ALiBi: as loaded
+  interp extrapolate rope-gqa-4l --lengths 256,512,768,1024 --factor 4 --n-seqs 16 --out out/rope   # its twin
 
 Per scaling ("none": the model as loaded; a bare type takes --factor; TYPE:FACTOR[:ORIGINAL_LEN] as
 --rope-scaling spells it), one pass over the evaluation text (the Python Language Reference as interp
-ships it) at the longest length gives perplexity by position and every head's scores at every length
-(entropy, sink, distance and its quantiles, previous-token, induction; the streaming statistics kernel,
-no n x n pattern); then passkey prompts at every length and depth. Each head's share of q.k energy on
+ships it; the zoo's held-out Python sources for its byte-level models) at the longest length gives
+perplexity by position and every head's scores at every length (entropy, sink, distance and its
+quantiles, previous-token, induction; the streaming statistics kernel, no n x n pattern); then
+passkey prompts at every length and depth. Each head's share of q.k energy on
 the rotary pairs that never complete a period within n_ctx is set against how much it changes past
 n_ctx (Spearman over heads), and the heads that break most (at most --repair-fraction of them) get the
 --repair scaling on their KV heads only, or LogN temperature, compared with the scaling on every head.
 Writes perplexity, passkey, heads (.parquet and .csv), autopsy.parquet, settings.json and a report.
-Lengths past what memory holds, and a model without rotary positions, are refused before loading.
+A model with ALiBi (or no) positions is read as loaded only (the zoo's alibi-gqa-4l beside its RoPE twin
+rope-gqa-4l is the controlled case); learned or sinusoidal positions end at n_ctx and are refused. Lengths
+past what memory holds are refused before loading.
 """
 
 
 def add_arguments(p) -> None:
     from .choices import EXTRAPOLATE_DEPTHS, EXTRAPOLATE_FACTOR, EXTRAPOLATE_REPAIR_FRACTION, EXTRAPOLATE_SCALINGS
 
-    p.add_argument("model", help="a rotary model: real-model name, .gguf file, checkpoint folder, zoo name or run folder")
+    p.add_argument("model", help="a model with rotary or ALiBi positions: real-model name, .gguf file, checkpoint "
+                                 "folder, zoo name or run folder")
     g = p.add_argument_group("the study")
     g.add_argument("--lengths", default=None,
                    help="comma-separated lengths in tokens, one within n_ctx and one past it (default n_ctx, 1.5 n_ctx, "
                         "2 n_ctx)")
-    g.add_argument("--scalings", default=",".join(EXTRAPOLATE_SCALINGS),
+    g.add_argument("--scalings", default=None,
                    help=f"comma-separated: none (as loaded), linear, ntk, yarn, dynamic, llama3, or TYPE:FACTOR"
-                        f"[:ORIGINAL_LEN] (default {','.join(EXTRAPOLATE_SCALINGS)})")
+                        f"[:ORIGINAL_LEN] (default {','.join(EXTRAPOLATE_SCALINGS)} on RoPE; none on ALiBi)")
     g.add_argument("--factor", type=float, default=EXTRAPOLATE_FACTOR,
                    help=f"the factor of a bare scaling type (default {EXTRAPOLATE_FACTOR:g})")
-    g.add_argument("--repair", default="yarn",
-                   help="the scaling put on the breaking heads' KV heads, one of --scalings (default yarn; off: no "
-                        "repair, and no LogN temperature either)")
+    g.add_argument("--repair", default="auto",
+                   help="the scaling put on the breaking heads' KV heads, one of --scalings (default yarn on RoPE, "
+                        "none on ALiBi; off: no repair, and no LogN temperature either)")
     g.add_argument("--repair-fraction", type=float, default=EXTRAPOLATE_REPAIR_FRACTION,
                    help=f"the most heads a repair changes, a fraction of all (default and most "
                         f"{EXTRAPOLATE_REPAIR_FRACTION:g})")
@@ -52,6 +59,9 @@ def add_arguments(p) -> None:
     q.add_argument("--seed", type=int, default=0, help="seed of the pass keys (default 0)")
     q.add_argument("--new-tokens", type=int, default=8, help="greedy tokens decoded per answer (default 8)")
     d = p.add_argument_group("data (the text at the longest length)")
+    d.add_argument("--data", choices=("auto", "text", "corpus"), default="auto",
+                   help="text (--text-file, default the Python Language Reference) or the zoo's held-out corpus; auto: "
+                        "the corpus for byte-level zoo models, text otherwise")
     d.add_argument("--text-file", default=None, help="a UTF-8 text file (default: the Python Language Reference)")
     d.add_argument("--n-seqs", type=int, default=1, help="sequences of the text (default 1)")
     checks.add_output_options(p)
@@ -60,7 +70,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from interp.analyses.extrapolate_study import ExtrapolateSettings, ExtrapolateStudy  # start-up time: torch
     from interp.analyses.study import StudyData
-    from interp.analyses.sweep_data import DataSpec
+    from interp.analyses.sweep_data import DataSpec, resolve_kind
     from interp.models.errors import as_user_errors
     from interp.models.runs.names import resolve_run
 
@@ -69,7 +79,7 @@ def run(args) -> int:
             raise ValueError("interp extrapolate compares RoPE scalings itself: list them in --scalings (none is the "
                              "model as loaded) and leave --rope-scaling out")
         lengths = None if args.lengths is None else tuple(checks.numbers(args.lengths, int, "--lengths"))
-        scalings = checks.names(args.scalings)
+        scalings = None if args.scalings is None else checks.names(args.scalings)
         depths = tuple(checks.numbers(args.depths, float, "--depths"))
         run_ = resolve_run(args.model, last_only=True)
     path = run_.checkpoints[-1].path
@@ -81,7 +91,9 @@ def run(args) -> int:
         if is_wrapped(str(path)):  # per-head RoPE is interp's own transformer's
             raise ValueError(f"interp extrapolate rescales RoPE head by head, which only interp's own transformer does, "
                              f"and {args.model} is a model that transformers runs (wrapped)")
-        spec = DataSpec(kind="text", n_seqs=args.n_seqs, seq_len=max(4, max(lengths or (4,))), path=args.text_file)
+        kind = "text" if args.text_file else resolve_kind(args.data, [str(path)])
+        spec = DataSpec(kind="text" if kind == "repeated_random" else kind, n_seqs=args.n_seqs,
+                        seq_len=max(4, max(lengths or (4,))), path=args.text_file)
         return ExtrapolateSettings(**checks.common(args), data=StudyData.of(spec), lengths=lengths, scalings=scalings,
                                    factor=args.factor, depths=depths, prompts=args.prompts, seed=args.seed,
                                    max_new_tokens=args.new_tokens, buckets=args.buckets,

@@ -6,6 +6,8 @@ of the Python standard library's sources; see `interp.models.training` for the d
 
 from __future__ import annotations
 
+import dataclasses
+
 from interp.models.config import ModelConfig
 from interp.models.training import Recipe
 
@@ -49,7 +51,19 @@ ROPE_GQA_4L = Recipe(
     betas=(0.9, 0.95), weight_decay=0.05, copy_prob=0.5, copy_span=(16, 96), random_span_prob=0.5,
 )
 
-RECIPES: dict[str, Recipe] = {r.name: r for r in (ATTN_ONLY_2L, ROPE_GQA_4L)}
+ALIBI_GQA_4L = dataclasses.replace(
+    ROPE_GQA_4L,
+    name="alibi-gqa-4l",
+    description=(
+        "rope-gqa-4l's twin with ALiBi (Press et al. 2022) in place of RoPE: the same data, seed, initial weights "
+        "(neither scheme has parameters) and steps, so the two differ only in how they see positions; read together "
+        "past their trained 256 tokens by `interp extrapolate` (the controlled case: ALiBi is said to hold its loss at "
+        "several times the trained length, RoPE to fail soon past it)."
+    ),
+    model=dataclasses.replace(ROPE_GQA_4L.model, positional="alibi"),
+)
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in (ATTN_ONLY_2L, ROPE_GQA_4L, ALIBI_GQA_4L)}
 
 
 def get_recipe(name: str) -> Recipe:
@@ -60,4 +74,4 @@ def get_recipe(name: str) -> Recipe:
         raise KeyError(f"no zoo recipe {name!r}; known recipes: {sorted(RECIPES)}") from None
 
 
-__all__ = ["ATTN_ONLY_2L", "RECIPES", "ROPE_GQA_4L", "get_recipe"]
+__all__ = ["ALIBI_GQA_4L", "ATTN_ONLY_2L", "RECIPES", "ROPE_GQA_4L", "get_recipe"]
