@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from interp.models.errors import CheckpointError
-from interp.models.formats.gguf import _dequantize, _reader
+from interp.models.formats.gguf import _reader
+from interp.models.formats.gguf_file import dequantize as _dequantize
 from interp.models.formats.gguf_file import GGUFFile
 
 gguf = pytest.importorskip("gguf")
