@@ -378,6 +378,81 @@ def test_a_tensor_a_layout_has_no_place_for_raises_naming_it(name, edit, message
     assert "\n" not in str(raised.value)
 
 
+def llama_file(path, hf, extra=None, edit=None):
+    """llama.cpp's converter for Llama: Q and K rows permuted for its RoPE layout (each head's halves
+    interleaved), and Llama 3's rope scaling written only as `rope_freqs.weight`, each frequency's divisor:
+    plain over scaled, the scaled ones transformers' own."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    c = hf.config
+    theta, d = float(c.rope_parameters["rope_theta"]), c.head_dim
+
+    def permute(name, a):
+        heads = {"q_proj": c.num_attention_heads, "k_proj": c.num_key_value_heads}.get(name.split(".")[-2])
+        if heads is None:
+            return a
+        return a.reshape(heads, 2, a.shape[0] // heads // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+    tensors = _llama_cpp_tensors(hf, "llama", permute)
+    if c.rope_parameters.get("rope_type") == "llama3":
+        scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](c, "cpu")
+        plain = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+        tensors["rope_freqs.weight"] = (plain / scaled.double()).float().numpy()
+    keys = _rms_keys(c, **{"rope.freq_base": theta})
+    return _write(path, "llama", keys | (extra or {}), tensors, edit)
+
+
+LLAMA3 = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+              intermediate_size=72, max_position_embeddings=128, initializer_range=0.2,
+              rope_parameters={"rope_type": "llama3", "rope_theta": 1000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+
+
+@pytest.mark.parametrize("params", [
+    LLAMA3["rope_parameters"],
+    # another (original, low, high) on the same line gives the same frequencies: read as low 1
+    {**LLAMA3["rope_parameters"], "low_freq_factor": 2.0, "high_freq_factor": 8.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "default", "rope_theta": 1000.0},  # no scaling: no tensor, plain RoPE
+], ids=["llama3", "llama3-same-line", "plain"])
+def test_a_llama3_file_reads_its_rope_freqs_as_the_scaling(params, tmp_path):
+    """Llama 3.1 and later files carry their RoPE scaling only as `rope_freqs.weight`; read as Llama 3's
+    scaling, the file gives the logits of the transformers model it was written from, past the original
+    length (transformers' own GGUF loading drops the tensor, so it is no oracle here)."""
+    hf = _hf("LlamaConfig", "LlamaForCausalLM", seed=5, **{**LLAMA3, "rope_parameters": params})
+    path = llama_file(tmp_path / "llama3.gguf", hf)
+    toks = _tokens(n=96, seed=6)
+    with torch.no_grad():
+        ref = hf(toks).logits
+    ours = interp.load(path)
+    scaling = ours.cfg.rope_scaling
+    if params["rope_type"] == "llama3":
+        assert scaling.kind == "llama3" and scaling.factor == pytest.approx(8.0)
+        assert scaling.low_freq_factor == 1.0 and scaling.original_max_position == 32
+        assert scaling.high_freq_factor == pytest.approx(4.0, rel=1e-4)
+    else:
+        assert scaling is None
+    assert gguf_format.config(path) == ours.cfg
+    _check(ours, ref, toks)
+
+
+@pytest.mark.parametrize("values, message", [
+    (lambda f: f[:-1], "holds 15 values; the rotary pairs are 16"),
+    (lambda f: np.where(np.arange(len(f)) % 2 == 0, 1.0, 3.0).astype(np.float32), "does not follow Llama 3's"),
+    (lambda f: f * 0.5, "divisors below 1"),
+])
+def test_rope_freqs_that_are_not_llama3s_are_refused(values, message, tmp_path):
+    hf = _hf("LlamaConfig", "LlamaForCausalLM", seed=5, **LLAMA3)
+
+    def edit(tensors):
+        return tensors | {"rope_freqs.weight": values(tensors["rope_freqs.weight"])}
+
+    path = llama_file(tmp_path / "bad.gguf", hf, edit=edit)
+    with pytest.raises(CheckpointError, match=message) as raised:
+        interp.load(path)
+    assert "\n" not in str(raised.value)
+
+
 def test_a_llama_file_with_experts_is_refused_not_loaded_dense(tmp_path):
     """llama.cpp writes Mixtral as a "llama" file with experts; transformers' GGUF loading drops them (no
     oracle), interp refuses the file."""

@@ -20,9 +20,10 @@ its sliding window (llama.cpp turns it off).
 
 The tokenizer is rebuilt from the file's `tokenizer.ggml.*` fields (`gguf_tokenizer.py`).
 
-Supported: architectures llama, mistral, qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3 (partial rotary,
-LongRoPE), falcon (7B, 11B and 40B layouts), bloom, gpt2 (their metadata prefixes); every tensor type
-the `gguf` package can dequantize (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, ...).
+Supported: architectures llama (Llama 3.1 and later: `rope_freqs.weight` read as Llama 3's RoPE scaling),
+mistral, qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3 (partial rotary, LongRoPE), falcon (7B, 11B and 40B
+layouts), bloom, gpt2 (their metadata prefixes); every tensor type the `gguf` package can dequantize (F32,
+F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, ...).
 Not read: llama-architecture files with experts (Mixtral), olmo2, mpt, gpt-oss.
 """
 

@@ -239,6 +239,8 @@ def _no_rope_scaling(meta: _Metadata) -> None:
 
 
 def _llama_config(meta: _Metadata, base: dict, names: set[str]) -> dict:
+    """Llama, Mistral, Qwen 2: llama's keys; a `rope_freqs.weight` tensor (Llama 3.1 and later) is Llama 3's
+    frequency scaling (`_llama3_rope`)."""
     _no_rope_scaling(meta)
     config = {
         "rope_theta": meta.real("rope.freq_base", 10000.0),
@@ -246,11 +248,55 @@ def _llama_config(meta: _Metadata, base: dict, names: set[str]) -> dict:
         "attention_bias": "blk.0.attn_q.bias" in names,
         "mlp_bias": False,
     }
+    if "rope_freqs.weight" in names:
+        rope = _llama3_rope(meta, config["rope_theta"], base["head_dim"])
+        if rope is not None:
+            config["rope_parameters"] = {"rope_theta": config["rope_theta"], **rope}
     if base["model_type"] == "qwen2":  # q/k/v biases, no output bias: the family's defaults
         config.pop("attention_bias")
     if meta.get("attention.sliding_window"):
         config["sliding_window"] = meta.count("attention.sliding_window")
     return config
+
+
+def _llama3_rope(meta: _Metadata, theta: float, rot_dim: int) -> dict | None:
+    """transformers' `rope_parameters` for the per-frequency divisors llama.cpp stores as `rope_freqs.weight`
+    (None when every divisor is 1). llama.cpp's converter writes Llama 3's scaling only as those divisors:
+    f_i = 1 for wavelengths (2 pi / theta_i) under original / high_freq_factor, `factor` over original /
+    low_freq_factor, and 1 / ((1 - s) / factor + s) between, s = (original / wavelength - low) / (high - low).
+    The divisors fix `factor` (the largest) and s as a line in 1 / wavelength (two numbers), not the three
+    parameters: every (original, low, high) on that line gives the same frequencies, and this reads the one
+    with low_freq_factor 1 (Llama 3's). Divisors that follow no such line are refused, naming the tensor."""
+    source = meta.source
+    f = np.asarray(_small_tensor(meta.reader, "rope_freqs.weight", source), np.float64)
+    if len(f) != rot_dim // 2:
+        raise CheckpointError(f"{source}: tensor 'rope_freqs.weight' holds {len(f)} values; the rotary pairs are "
+                              f"{rot_dim // 2}")
+    if not np.isfinite(f).all() or (f < 1 - 1e-6).any():
+        raise CheckpointError(f"{source}: tensor 'rope_freqs.weight' holds divisors below 1 or not finite; the file "
+                              "is corrupt or not Llama 3's")
+    factor = float(f.max())
+    if factor <= 1 + 1e-6:
+        return None
+    x = (theta ** (-np.arange(0, rot_dim, 2, dtype=np.float64) / rot_dim)) / (2 * math.pi)  # 1 / wavelength
+    band = (f > 1 + 1e-4) & (f < factor * (1 - 1e-4))
+    refused = CheckpointError(f"{source}: tensor 'rope_freqs.weight' does not follow Llama 3's frequency scaling "
+                              "(plateaus at 1 and at the factor, a smooth band between); interp reads only that")
+    if band.sum() < 2:
+        raise refused
+    s = (1 / f[band] - 1 / factor) / (1 - 1 / factor)
+    slope, intercept = np.polyfit(x[band], s, 1)
+    if slope <= 0 or intercept >= 0:
+        raise refused
+    original, high = float(round(-slope / intercept)), 1 - 1 / intercept  # low_freq_factor 1
+    low_wave, high_wave = original, original / high
+    wave = 1 / x
+    smooth = (original * x - 1) / (high - 1)
+    want = np.where(wave < high_wave, 1.0, np.where(wave > low_wave, factor, 1 / ((1 - smooth) / factor + smooth)))
+    if not np.allclose(want, f, rtol=1e-4, atol=0):
+        raise refused
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": float(high),
+            "original_max_position_embeddings": int(round(original))}
 
 
 def _qwen3_config(meta: _Metadata, base: dict, names: set[str]) -> dict:
