@@ -436,6 +436,39 @@ def test_a_llama3_file_reads_its_rope_freqs_as_the_scaling(params, tmp_path):
     _check(ours, ref, toks)
 
 
+@pytest.mark.parametrize("params, keys", [
+    ({"rope_type": "linear", "factor": 2.0}, {"rope.scaling.type": "linear", "rope.scaling.factor": 2.0}),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+     {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 32}),
+], ids=["linear", "yarn"])
+def test_a_scaling_stated_in_llama_metadata_is_read(params, keys, tmp_path):
+    """llama.cpp's converters state linear and YaRN scaling in rope.scaling.*: read, the file gives the logits of
+    the transformers model it was written from past the original length; a replacement at load is taken."""
+    hf = _hf("LlamaConfig", "LlamaForCausalLM", seed=5, **{**LLAMA3, "rope_parameters": {"rope_theta": 1000.0, **params}})
+    path = llama_file(tmp_path / "scaled.gguf", hf, extra=keys)
+    toks = _tokens(n=96, seed=6)
+    with torch.no_grad():
+        ref = hf(toks).logits
+    ours = interp.load(path)
+    assert ours.cfg.rope_scaling.kind == params["rope_type"] and ours.cfg.rope_scaling.factor == params["factor"]
+    _check(ours, ref, toks)
+    assert interp.load(path, rope_scaling="default").cfg.rope_scaling is None
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"rope.scaling.type": "longrope", "rope.scaling.factor": 2.0}, "RoPE scaling 'longrope' in GGUF metadata"),
+    ({"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 32,
+      "rope.scaling.attn_factor": 0.5}, "rope.scaling.attn_factor = 0.5 is not supported"),
+    ({"rope.scaling.type": "linear"}, "has no llama.rope.scaling.factor"),
+])
+def test_a_scaling_llama_metadata_cannot_say_is_refused(keys, message, tmp_path):
+    hf = _hf("LlamaConfig", "LlamaForCausalLM", seed=5, **{**LLAMA3, "rope_parameters": {"rope_theta": 1000.0}})
+    path = llama_file(tmp_path / "odd.gguf", hf, extra=keys)
+    with pytest.raises((NotImplementedError, CheckpointError), match=message) as raised:
+        interp.load(path)
+    assert "\n" not in str(raised.value)
+
+
 @pytest.mark.parametrize("values, message", [
     (lambda f: f[:-1], "holds 15 values; the rotary pairs are 16"),
     (lambda f: np.where(np.arange(len(f)) % 2 == 0, 1.0, 3.0).astype(np.float32), "does not follow Llama 3's"),

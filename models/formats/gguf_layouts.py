@@ -239,24 +239,49 @@ def _no_rope_scaling(meta: _Metadata) -> None:
 
 
 def _llama_config(meta: _Metadata, base: dict, names: set[str]) -> dict:
-    """Llama, Mistral, Qwen 2: llama's keys; a `rope_freqs.weight` tensor (Llama 3.1 and later) is Llama 3's
-    frequency scaling (`_llama3_rope`)."""
-    _no_rope_scaling(meta)
+    """Llama, Mistral, Qwen 2: llama's keys. RoPE scaling as llama.cpp's converters write it: linear or YaRN
+    in rope.scaling.* (`_stated_rope`), or a `rope_freqs.weight` tensor (Llama 3.1 and later: Llama 3's
+    frequency scaling, `_llama3_rope`)."""
     config = {
         "rope_theta": meta.real("rope.freq_base", 10000.0),
         "hidden_act": "silu",
         "attention_bias": "blk.0.attn_q.bias" in names,
         "mlp_bias": False,
     }
+    rope = _stated_rope(meta)
     if "rope_freqs.weight" in names:
-        rope = _llama3_rope(meta, config["rope_theta"], base["head_dim"])
         if rope is not None:
-            config["rope_parameters"] = {"rope_theta": config["rope_theta"], **rope}
+            raise NotImplementedError(f"{meta.source}: both {meta.arch}.rope.scaling.type = "
+                                      f"{meta.get('rope.scaling.type')!r} and a rope_freqs.weight tensor; interp reads one")
+        rope = _llama3_rope(meta, config["rope_theta"], base["head_dim"])
+    if rope is not None:
+        config["rope_parameters"] = {"rope_theta": config["rope_theta"], **rope}
     if base["model_type"] == "qwen2":  # q/k/v biases, no output bias: the family's defaults
         config.pop("attention_bias")
     if meta.get("attention.sliding_window"):
         config["sliding_window"] = meta.count("attention.sliding_window")
     return config
+
+
+def _stated_rope(meta: _Metadata) -> dict | None:
+    """transformers' `rope_parameters` for the scaling a llama-layout file states (None: none): linear
+    (rope.scaling.factor), or YaRN (the factor and rope.scaling.original_context_length, with transformers'
+    and llama.cpp's shared defaults: beta_fast 32, beta_slow 1, attention factor 0.1 ln(factor) + 1). A YaRN
+    attn_factor other than 1 (llama.cpp multiplies it into that attention factor; transformers' replaces it)
+    or any other type is refused, naming the key."""
+    kind = meta.get("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": meta.real("rope.scaling.factor")}
+    if kind == "yarn":
+        if meta.has("rope.scaling.attn_factor") and meta.real("rope.scaling.attn_factor") != 1.0:
+            raise NotImplementedError(f"{meta.source}: {meta.arch}.rope.scaling.attn_factor = "
+                                      f"{meta.get('rope.scaling.attn_factor')!r} is not supported (1 is)")
+        return {"rope_type": "yarn", "factor": meta.real("rope.scaling.factor"),
+                "original_max_position_embeddings": meta.count("rope.scaling.original_context_length")}
+    raise NotImplementedError(f"{meta.source}: RoPE scaling {kind!r} in GGUF metadata is not supported (linear and "
+                              "yarn are)")
 
 
 def _llama3_rope(meta: _Metadata, theta: float, rot_dim: int) -> dict | None:
