@@ -55,7 +55,7 @@ class ExtrapolateSettings(StudySettings):
     """lengths: None for n_ctx, 1.5 n_ctx, 2 n_ctx (at least one within n_ctx and one past it); scalings:
     names for `extrapolate.scaling_name` ("none", the model as loaded, always measured), a bare type
     taking `factor` (None: `SCALINGS` on a rotary model, none alone on ALiBi); the passkey prompts
-    (`depths`, `prompts` per (length, depth), `seed`, `max_new_tokens`); `buckets` of positions for
+    (`depths`, empty for none; `prompts` per (length, depth), `seed`, `max_new_tokens`); `buckets` of positions for
     perplexity; the repair: `repair_scaling` (one of the scalings; None: no repair; "auto": yarn on a
     rotary model, none elsewhere) on at most `repair_fraction` of the heads, and LogN temperature on as many."""
 
@@ -147,7 +147,8 @@ class ExtrapolateStudy(Study):
                                  f"{REPAIR_FRACTION:g} of the heads")
         device = resolve_device(s.device)
         check_fits(cfg, s.data.rows, lengths[-1], device, what="--lengths")  # the text's pass
-        check_fits(cfg, 1, lengths[-1] + s.max_new_tokens, device, what="--lengths")  # a passkey answer
+        if s.depths:
+            check_fits(cfg, 1, lengths[-1] + s.max_new_tokens, device, what="--lengths")  # a passkey answer
         data = s.data.at_length(lengths[-1]) if s.data.spec is not None else s.data
         if data.length < lengths[-1]:
             raise ValueError(f"the data holds {data.length} tokens a sequence, fewer than the longest length "
@@ -159,8 +160,16 @@ class ExtrapolateStudy(Study):
         cfg, lengths, longest = model.cfg, list(s.lengths), s.lengths[-1]
         n_ctx, group, total = cfg.n_ctx, cfg.n_heads // cfg.kv_heads, cfg.n_layers * cfg.n_heads
         tokens = s.data.tokens(model)[:, :longest]
-        with as_user_errors(ValueError):  # a tokenizer that cannot hold a prompt at the shortest length: one line
-            prompts = retrieval_prompts(model, lengths, list(s.depths), s.prompts, s.seed, max_length=longest)
+        prompts = []  # no depths: no passkey
+        if s.depths:
+            with as_user_errors(ValueError):  # a tokenizer that cannot hold a prompt at the shortest length: one line
+                prompts = retrieval_prompts(model, lengths, list(s.depths), s.prompts, s.seed, max_length=longest)
+
+        def answers_to(asked, name):
+            if not asked:
+                return passkey_answers(model, [])  # the table's columns, no row
+            return stage(f"{name}: passkey ({len(asked)} prompts)",
+                         lambda: passkey_answers(model, asked, s.max_new_tokens))
         rotary = model.rotary is not None
         energy = PairEnergy(model, n_ctx) if rotary else None
         rescaled = len(scaled_layers(cfg)) * cfg.n_heads  # the heads a global scaling changes
@@ -176,8 +185,7 @@ class ExtrapolateStudy(Study):
                 scores, nll = stage(f"{name}: scores and losses at {longest:,} tokens", lambda: autopsy_pass(
                     model, tokens, lengths, energy=energy if name == "none" else None, from_fraction=s.from_fraction,
                     backend=s.backend))
-                ans = stage(f"{name}: passkey ({len(prompts)} prompts)",
-                            lambda: passkey_answers(model, prompts, s.max_new_tokens))
+                ans = answers_to(prompts, name)
             autopsy.append(scores.assign(scaling=name))
             keep(name, nll, ans, 0 if name == "none" else rescaled, False)
 
@@ -197,8 +205,7 @@ class ExtrapolateStudy(Study):
                     continue
                 with repair():
                     nll = stage(f"{name}: losses at {longest:,} tokens", lambda: sequence_nll(model, tokens))
-                    ans = stage(f"{name}: passkey ({len(long_prompts)} prompts)",
-                                lambda: passkey_answers(model, long_prompts, s.max_new_tokens))
+                    ans = answers_to(long_prompts, name)
                 keep(name, nll, ans, len(changed), True)
             pairs = list(zip(heads["layer"], heads["head"]))
             heads["repaired_scaling"] = [p in set(scaled) for p in pairs]
@@ -330,7 +337,7 @@ def report_sections(model_name: str, m, record: dict) -> list[Section]:
     named = list(order["name"].head(5))
     rho, rotary = record["spearman"], bool(record["rotary_tables"])
     rho_text = ", ".join(f"{c} {'n/a' if rho[c] is None else f'{rho[c]:+.2f}'}" for c in CHANGES) if rho else ""
-    at_longest = passkey[passkey["length"] == longest]
+    at_longest, asked = passkey[passkey["length"] == longest], not passkey.empty
     read_as = (f"as loaded (none) and with {', '.join(scalings[1:]) or 'no scaling'}, each from an original length of "
                "n_ctx" if rotary else f"as loaded: its positions are {record.get('positions', 'not rotary')}, which no "
                "RoPE scaling applies to")
@@ -339,10 +346,13 @@ def report_sections(model_name: str, m, record: dict) -> list[Section]:
         f"{read_as}. Per "
         f"scaling one forward over {record['n_sequences']} sequence(s) of the evaluation text at {longest:,} tokens gives "
         "the perplexity by position and every head's scores at every length (queries L/2 .. L-1, by the streaming "
-        "statistics kernel: no n x n pattern); the passkey prompts are answered greedily through the full cache.",
-        f"Perplexity inside n_ctx / past it: {_ppl_line(split, split)}.",
-        f"Passkey at {longest:,} tokens: " + "; ".join(
-            f"{n} {_accuracy(g)}" for n, g in at_longest.groupby("scaling", sort=False)) + ".",
+        "statistics kernel: no n x n pattern); " + ("the passkey prompts are answered greedily through the full cache."
+                                                    if asked else "no passkey prompt was asked (--depths none)."),
+        f"Perplexity inside n_ctx / past it: {_ppl_line(split, split)}.")
+    if asked:
+        summary.add(f"Passkey at {longest:,} tokens: " + "; ".join(
+            f"{n} {_accuracy(g)}" for n, g in at_longest.groupby("scaling", sort=False)) + ".")
+    summary.add(
         f"The heads that break first (the largest change in attention entropy from {ref:,} to {first:,} tokens, as "
         "loaded): " + ", ".join(f"{r['name']} ({r['first_change']:+.3f} nats)" for _, r in order.head(5).iterrows())
         + ".")
@@ -354,7 +364,7 @@ def report_sections(model_name: str, m, record: dict) -> list[Section]:
     if repaired:
         def said(name):
             part = at_longest[at_longest["scaling"] == name]
-            return f"perplexity past n_ctx {split[name][1]:.2f}, passkey {_accuracy(part)}"
+            return f"perplexity past n_ctx {split[name][1]:.2f}" + (f", passkey {_accuracy(part)}" if asked else "")
 
         summary.add(f"Repair at {longest:,} tokens (the heads that break most, at most {repaired['fraction']:g} of "
                     "them): " + "; ".join(f"{n}: {said(n)}" for n in split if n.endswith("(repair)"))
@@ -374,13 +384,14 @@ def report_sections(model_name: str, m, record: dict) -> list[Section]:
         "rows marked (repair) change only the heads the autopsy chose, at the longest length.",
         png(plot_perplexity(ppl, n_ctx), "perplexity_by_position.png"), table.round(3).reset_index()))
 
-    cells = passkey.groupby(["scaling", "length"], sort=False).apply(_accuracy, include_groups=False).unstack()
-    cells.columns = [f"{c:,}" for c in cells.columns]
-    depth = at_longest.groupby(["scaling", "depth"], sort=False).apply(_accuracy, include_groups=False).unstack()
-    depth.columns = [f"depth {c:g}" for c in depth.columns]
-    sections.append(Section("passkey", "Passkey").add(
-        f"Correct answers by length (the key in the {record['max_new_tokens']} greedy tokens after the prompt):",
-        cells.fillna("").reset_index(), f"At {longest:,} tokens, by depth of the needle:", depth.reset_index()))
+    if asked:
+        cells = passkey.groupby(["scaling", "length"], sort=False).apply(_accuracy, include_groups=False).unstack()
+        cells.columns = [f"{c:,}" for c in cells.columns]
+        depth = at_longest.groupby(["scaling", "depth"], sort=False).apply(_accuracy, include_groups=False).unstack()
+        depth.columns = [f"depth {c:g}" for c in depth.columns]
+        sections.append(Section("passkey", "Passkey").add(
+            f"Correct answers by length (the key in the {record['max_new_tokens']} greedy tokens after the prompt):",
+            cells.fillna("").reset_index(), f"At {longest:,} tokens, by depth of the needle:", depth.reset_index()))
 
     means = autopsy[autopsy["metric"].isin(SUMMARY)].pivot_table(index=["scaling", "length"], columns="metric",
                                                                  values="value", sort=False)[list(SUMMARY)]
@@ -410,7 +421,8 @@ def report_sections(model_name: str, m, record: dict) -> list[Section]:
             part = at_longest[at_longest["scaling"] == name]
             heads_changed = int(ppl.loc[ppl["scaling"] == name, "heads"].iloc[0])
             rows.append({"scaling": name, "heads changed": heads_changed, "perplexity inside n_ctx": split[name][0],
-                         "perplexity past n_ctx": split[name][1], f"passkey at {longest:,}": _accuracy(part)})
+                         "perplexity past n_ctx": split[name][1],
+                         **({f"passkey at {longest:,}": _accuracy(part)} if asked else {})})
         every = rows[1]["heads changed"] == len(repaired["scaled_heads"])
         sections.append(Section("repair", "Repairing the heads that break").add(
             f"The heads whose entropy moves most at {longest:,} tokens, at most {repaired['fraction']:g} of all "

@@ -283,6 +283,20 @@ def test_without_a_repair_the_model_as_loaded_alone(tmp_path):
     assert "Repairing" not in (out / "report.md").read_text()
 
 
+def test_without_depths_no_passkey_is_asked(tmp_path, capsys):
+    out = tmp_path / "heads"
+    argv = ["extrapolate", "rope-gqa-4l", "--lengths", "256,512", "--scalings", "none,yarn", "--depths", "none",
+            "--out", str(out), "--no-progress"]
+    assert cli(argv) == 0
+    assert "passkey (" not in capsys.readouterr().out  # no stage asked one
+    settings = json.loads((out / "settings.json").read_text())
+    assert settings["depths"] == [] and settings["repair"]["scaling"] == "yarn:2"
+    assert read_table(out, "passkey").empty and len(set(read_table(out, "perplexity")["scaling"])) == 4
+    report = (out / "report.md").read_text()
+    assert "## Passkey" not in report and "no passkey prompt was asked" in report and "passkey at" not in report
+    assert "Repairing the heads that break" in report
+
+
 def test_the_study_rows_are_the_model_run_so(zoo_study):
     """The yarn rows are the model loaded with yarn:2: perplexity past n_ctx and the heads' entropy."""
     model = interp.load("rope-gqa-4l", rope_scaling="yarn:2")

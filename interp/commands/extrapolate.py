@@ -12,6 +12,7 @@ EPILOG = """examples:
   interp extrapolate rope-gqa-4l --out out/past --depths 0.5               # the zoo's rotary model: 256-512 tokens
   interp extrapolate smollm2-135m --scalings none,yarn,yarn:4 --lengths 8192,32768 --out DIR
   interp extrapolate gemma3-270m --lengths 16384,32768,49152 --scalings none,yarn --out out/g-extrapolate
+  interp extrapolate smollm2-135m --depths none --out out/s-heads   # no passkey: perplexity and the heads alone
   interp extrapolate alibi-gqa-4l --lengths 256,512,768,1024 --n-seqs 16 --out out/alibi   # ALiBi: as loaded
   interp extrapolate rope-gqa-4l --lengths 256,512,768,1024 --factor 4 --n-seqs 16 --out out/rope   # its twin
 
@@ -54,7 +55,8 @@ def add_arguments(p) -> None:
     g.add_argument("--buckets", type=int, default=8, help="position buckets of the perplexity (default 8)")
     q = p.add_argument_group("passkey prompts")
     q.add_argument("--depths", default=",".join(f"{d:g}" for d in EXTRAPOLATE_DEPTHS),
-                   help=f"needle depths in [0, 1] (default {','.join(f'{d:g}' for d in EXTRAPOLATE_DEPTHS)})")
+                   help=f"needle depths in [0, 1], or none: no passkey (default "
+                        f"{','.join(f'{d:g}' for d in EXTRAPOLATE_DEPTHS)})")
     q.add_argument("--prompts", type=int, default=1, help="prompts per (length, depth) (default 1)")
     q.add_argument("--seed", type=int, default=0, help="seed of the pass keys (default 0)")
     q.add_argument("--new-tokens", type=int, default=8, help="greedy tokens decoded per answer (default 8)")
@@ -80,7 +82,7 @@ def run(args) -> int:
                              "model as loaded) and leave --rope-scaling out")
         lengths = None if args.lengths is None else tuple(checks.numbers(args.lengths, int, "--lengths"))
         scalings = None if args.scalings is None else checks.names(args.scalings)
-        depths = tuple(checks.numbers(args.depths, float, "--depths"))
+        depths = () if args.depths.strip() == "none" else tuple(checks.numbers(args.depths, float, "--depths"))
         run_ = resolve_run(args.model, last_only=True)
     path = run_.checkpoints[-1].path
     args.model = run_.name  # the report's name: the run's, not its last checkpoint's folder
