@@ -339,8 +339,9 @@ def report_sections(model_name: str, m, record: dict) -> list[Section]:
     rho_text = ", ".join(f"{c} {'n/a' if rho[c] is None else f'{rho[c]:+.2f}'}" for c in CHANGES) if rho else ""
     at_longest, asked = passkey[passkey["length"] == longest], not passkey.empty
     read_as = (f"as loaded (none) and with {', '.join(scalings[1:]) or 'no scaling'}, each from an original length of "
-               "n_ctx" if rotary else f"as loaded: its positions are {record.get('positions', 'not rotary')}, which no "
-               "RoPE scaling applies to")
+               "n_ctx" if rotary else "as loaded: " + (
+                   "it has no positional encoding (NoPE)" if record.get("positions") == "none"
+                   else f"its positions are {record.get('positions')}") + ", which no RoPE scaling applies to")
     summary = Section("summary", "Summary").add(
         f"{model_name} read at {', '.join(f'{n:,}' for n in lengths)} tokens (trained context n_ctx = {n_ctx:,}) "
         f"{read_as}. Per "
