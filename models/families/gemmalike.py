@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import ModelConfig
-from .registry import TensorGetter, qkv, require, t
+from .registry import TensorGetter, qkv, require, rms_decoder, t
 
 ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_new", "gelu_new": "gelu_new", "gelu": "gelu", "gelu_fast": "gelu_fast"}
 LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
@@ -37,7 +37,7 @@ def layer_types(d: dict, mt: str, n_layers: int, every: Any) -> tuple[str, ...]:
 def config(d: dict, mt: str, *, layer_types: tuple[str, ...], rotary: dict[str, Any], rotary_base_local: float | None,
            n_ctx: int, qk_norm: bool, attn_softcap: float | None, final_softcap: float | None) -> ModelConfig:
     """The ModelConfig of a Gemma config dict `d`, given what its family reads differently."""
-    d_model, n_heads = require(d, "hidden_size", mt), require(d, "num_attention_heads", mt)
+    d_model = require(d, "hidden_size", mt)
     head_dim = d.get("head_dim") or HEAD_DIM
     act = d.get("hidden_activation", d.get("hidden_act")) or "gelu_pytorch_tanh"
     if act not in ACTIVATIONS:
@@ -49,20 +49,10 @@ def config(d: dict, mt: str, *, layer_types: tuple[str, ...], rotary: dict[str, 
     if rotary["rotary_dim"] != head_dim:
         raise NotImplementedError(f"{mt} config asks for partial rotary; interp supports rotary over the whole head")
     bias = bool(d.get("attention_bias", False))
-    return ModelConfig(
-        n_layers=require(d, "num_hidden_layers", mt),
-        d_model=d_model,
-        n_heads=n_heads,
-        d_head=head_dim,
+    return rms_decoder(d, mt, head_dim=head_dim, n_ctx=n_ctx,
         n_kv_heads=d.get("num_key_value_heads", 4),
-        d_vocab=require(d, "vocab_size", mt),
-        n_ctx=n_ctx,
-        d_mlp=require(d, "intermediate_size", mt),
         act_fn=ACTIVATIONS[act],
-        gated_mlp=True,
-        normalization="rmsnorm",
         norm_eps=d.get("rms_norm_eps", 1e-6),
-        positional="rotary",
         **rotary,
         rotary_base_local=rotary_base_local,
         sliding_window=None if window is None else int(window),
@@ -77,7 +67,6 @@ def config(d: dict, mt: str, *, layer_types: tuple[str, ...], rotary: dict[str, 
         tie_embeddings=bool(d.get("tie_word_embeddings", True)),
         embed_scale=d_model**0.5,
         attn_scale=d.get("query_pre_attn_scalar", 256) ** -0.5,
-        model_type=mt,
     )
 
 

@@ -19,7 +19,7 @@ the same in float32, one rounding apart in half precision. Defaults for absent k
 from __future__ import annotations
 
 from ..config import ModelConfig
-from .registry import Family, TensorGetter, qkv, register, require, rotary_from_hf, t
+from .registry import Family, TensorGetter, qkv, register, require, rms_decoder, rotary_from_hf, t
 
 MT = "gpt_oss"
 _LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
@@ -44,20 +44,10 @@ def config(d: dict) -> ModelConfig:
     given = d.get("rope_parameters") or d.get("rope_scaling") or d.get("rope_theta")
     rope = d if given else {**d, "rope_parameters": _ROPE}
     bias = bool(d.get("attention_bias", True))
-    return ModelConfig(
-        n_layers=n_layers,
-        d_model=require(d, "hidden_size", MT),
-        n_heads=require(d, "num_attention_heads", MT),
-        d_head=head_dim,
+    return rms_decoder(d, MT, head_dim=head_dim, n_ctx=n_ctx,
         n_kv_heads=d.get("num_key_value_heads", 8),
-        d_vocab=require(d, "vocab_size", MT),
-        n_ctx=n_ctx,
-        d_mlp=require(d, "intermediate_size", MT),
         act_fn="silu",  # unused: the experts are the clamped SwiGLU below
-        gated_mlp=True,
-        normalization="rmsnorm",
         norm_eps=d.get("rms_norm_eps", 1e-5),
-        positional="rotary",
         **rotary_from_hf(rope, head_dim, n_ctx),
         sliding_window=None if d.get("sliding_window", 128) is None else int(d.get("sliding_window", 128)),
         layer_types=tuple(_LAYER_TYPES[k] for k in layer_types),
@@ -71,8 +61,6 @@ def config(d: dict) -> ModelConfig:
         swiglu_limit=float(d.get("swiglu_limit", 7.0)),
         swiglu_alpha=float(d.get("swiglu_alpha", 1.702)),
         learned_sinks=True,
-        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-        model_type=MT,
     )
 
 

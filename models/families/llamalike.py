@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import ModelConfig
-from .registry import Family, TensorGetter, qkv, register, reject, require, rotary_from_hf, t
+from .registry import Family, TensorGetter, qkv, register, reject, require, rms_decoder, rotary_from_hf, t
 
 
 def _config(d: dict, mt: str, *, qkv_bias: bool, out_bias: bool, window: bool) -> ModelConfig:
@@ -26,28 +26,15 @@ def _config(d: dict, mt: str, *, qkv_bias: bool, out_bias: bool, window: bool) -
             if unknown:
                 raise NotImplementedError(f"{mt} layer_types {sorted(unknown)} are not supported")
             layer_types = tuple(kinds[k] for k in d["layer_types"])
-    return ModelConfig(
-        n_layers=require(d, "num_hidden_layers", mt),
-        d_model=d_model,
-        n_heads=n_heads,
-        d_head=head_dim,
-        n_kv_heads=d.get("num_key_value_heads") or n_heads,
-        d_vocab=require(d, "vocab_size", mt),
-        n_ctx=n_ctx,
-        d_mlp=require(d, "intermediate_size", mt),
+    return rms_decoder(d, mt, head_dim=head_dim, n_ctx=n_ctx,
         act_fn=d.get("hidden_act", "silu"),
-        gated_mlp=True,
-        normalization="rmsnorm",
         norm_eps=d.get("rms_norm_eps", 1e-6),
-        positional="rotary",
         **rotary_from_hf(d, head_dim, n_ctx),
         sliding_window=sliding,
         layer_types=layer_types,
         qkv_bias=qkv_bias if attention_bias is None else bool(attention_bias),
         attn_out_bias=out_bias if attention_bias is None else bool(attention_bias),
         mlp_bias=bool(d.get("mlp_bias", False)),
-        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-        model_type=mt,
         prepend_bos=False if mt == "qwen2" else None,  # TransformerLens's Qwen2 adapter: no BOS
     )
 

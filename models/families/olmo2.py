@@ -11,7 +11,7 @@ naming the key.
 from __future__ import annotations
 
 from ..config import ModelConfig
-from .registry import Family, TensorGetter, qkv, register, reject, require, rotary_from_hf, t
+from .registry import Family, TensorGetter, qkv, register, reject, require, rms_decoder, rotary_from_hf, t
 
 MT = "olmo2"
 
@@ -27,20 +27,9 @@ def config(d: dict) -> ModelConfig:
     rotary = rotary_from_hf(d, head_dim, n_ctx)
     if rotary["rotary_dim"] != head_dim:
         raise NotImplementedError(f"{MT} config asks for partial rotary; interp supports rotary over the whole head")
-    return ModelConfig(
-        n_layers=require(d, "num_hidden_layers", MT),
-        d_model=d_model,
-        n_heads=n_heads,
-        d_head=head_dim,
-        n_kv_heads=d.get("num_key_value_heads") or n_heads,
-        d_vocab=require(d, "vocab_size", MT),
-        n_ctx=n_ctx,
-        d_mlp=require(d, "intermediate_size", MT),
+    return rms_decoder(d, MT, head_dim=head_dim, n_ctx=n_ctx,
         act_fn=d.get("hidden_act", "silu"),
-        gated_mlp=True,
-        normalization="rmsnorm",
         norm_eps=d.get("rms_norm_eps", 1e-5),
-        positional="rotary",
         **rotary,
         qk_norm=True,
         qk_norm_over="projection",
@@ -49,8 +38,6 @@ def config(d: dict) -> ModelConfig:
         qkv_bias=False,
         attn_out_bias=False,
         mlp_bias=False,
-        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-        model_type=MT,
     )
 
 

@@ -12,7 +12,7 @@ naming the key.
 from __future__ import annotations
 
 from ..config import ModelConfig
-from .registry import Family, TensorGetter, register, reject, require, rotary_from_hf, t
+from .registry import Family, TensorGetter, register, reject, require, rms_decoder, rotary_from_hf, t
 
 MT = "phi3"
 
@@ -40,27 +40,14 @@ def config(d: dict) -> ModelConfig:
     act = d.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise NotImplementedError(f"{MT} config sets hidden_act={act!r}; interp supports 'silu'")
-    return ModelConfig(
-        n_layers=require(d, "num_hidden_layers", MT),
-        d_model=d_model,
-        n_heads=n_heads,
-        d_head=head_dim,
-        n_kv_heads=d.get("num_key_value_heads") or n_heads,
-        d_vocab=require(d, "vocab_size", MT),
-        n_ctx=n_ctx,
-        d_mlp=require(d, "intermediate_size", MT),
+    return rms_decoder(d, MT, head_dim=head_dim, n_ctx=n_ctx,
         act_fn="silu",
-        gated_mlp=True,
-        normalization="rmsnorm",
         norm_eps=d.get("rms_norm_eps", 1e-5),
-        positional="rotary",
         **rotary_from_hf(_rope(d), head_dim, n_ctx),
         sliding_window=None if window is None else int(window),
         qkv_bias=False,
         attn_out_bias=False,
         mlp_bias=False,
-        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-        model_type=MT,
     )
 
 

@@ -60,6 +60,30 @@ def reject(d: dict[str, Any], model_type: str, **unsupported: Callable[[Any], bo
             raise NotImplementedError(f"{model_type} config sets {key}={d[key]!r}, which interp does not support")
 
 
+def rms_decoder(d: dict[str, Any], model_type: str, *, head_dim: int, n_ctx: int, **fields: Any) -> ModelConfig:
+    """The ModelConfig of a Llama-descended decoder (RMSNorm, gated MLP, rotary positions): the sizes every such
+    Hugging Face config names alike (layers, widths, heads, vocabulary, MLP; num_key_value_heads defaulting to
+    the query heads, untied embeddings), and `fields` for the rest (activation, eps, rotary, biases, windows,
+    ...), any of which may replace those defaults."""
+    n_heads = require(d, "num_attention_heads", model_type)
+    sizes = dict(
+        n_layers=require(d, "num_hidden_layers", model_type),
+        d_model=require(d, "hidden_size", model_type),
+        n_heads=n_heads,
+        d_head=head_dim,
+        n_kv_heads=d.get("num_key_value_heads") or n_heads,
+        d_vocab=require(d, "vocab_size", model_type),
+        n_ctx=n_ctx,
+        d_mlp=require(d, "intermediate_size", model_type),
+        gated_mlp=True,
+        normalization="rmsnorm",
+        positional="rotary",
+        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+        model_type=model_type,
+    )
+    return ModelConfig(**(sizes | fields))
+
+
 def rotary_from_hf(d: dict[str, Any], head_dim: int, n_ctx: int) -> dict[str, Any]:
     """rotary_base, rotary_dim and rope_scaling from either HF layout: `rope_parameters`
     (transformers 5) or `rope_theta` + `rope_scaling` (+ `partial_rotary_factor` / `rotary_pct`)."""
