@@ -335,7 +335,7 @@ def test_a_phi3_window_is_not_applied_as_llama_cpp_and_transformers_do_not(tmp_p
 
 # ---- what a layout cannot represent: one line naming the key -------------------------------------------------
 @pytest.mark.parametrize("name, extra, error, message", [
-    ("qwen3", {"rope.scaling.type": "yarn"}, NotImplementedError, r"RoPE scaling 'yarn'"),
+    ("qwen3", {"rope.scaling.type": "longrope"}, NotImplementedError, r"RoPE scaling 'longrope'"),
     ("qwen3", {"pooling_type": 1}, NotImplementedError, r"qwen3\.pooling_type = 1"),
     ("qwen3", {"attention.value_length": 12}, NotImplementedError, r"qwen3\.attention\.value_length differs"),
     ("qwen3moe", {"expert_shared_feed_forward_length": 40}, NotImplementedError,
@@ -453,6 +453,20 @@ def test_a_scaling_stated_in_llama_metadata_is_read(params, keys, tmp_path):
     assert ours.cfg.rope_scaling.kind == params["rope_type"] and ours.cfg.rope_scaling.factor == params["factor"]
     _check(ours, ref, toks)
     assert interp.load(path, rope_scaling="default").cfg.rope_scaling is None
+
+
+def test_a_qwen3_file_with_yarn_gives_the_model_it_was_written_from(tmp_path):
+    """Qwen 3's long-context releases run YaRN (x4 from 32k); llama.cpp's converter states it in rope.scaling.*."""
+    params = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
+    hf, path = _case("qwen3", tmp_path, seed=1, head_dim=10, num_attention_heads=6, num_key_value_heads=2,
+                     rope_parameters=params, extra={"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                                                    "rope.scaling.original_context_length": 16})
+    toks = _tokens(n=48, seed=4)
+    with torch.no_grad():
+        ref = hf(toks).logits
+    ours = interp.load(path)
+    assert ours.cfg.rope_scaling.kind == "yarn" and ours.cfg.rope_scaling.original_max_position == 16
+    _check(ours, ref, toks)
 
 
 @pytest.mark.parametrize("keys, message", [

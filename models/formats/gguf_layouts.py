@@ -232,12 +232,6 @@ def _common_config(meta: _Metadata, layout: _Layout, names: set[str]) -> dict:
     }
 
 
-def _no_rope_scaling(meta: _Metadata) -> None:
-    scaling = meta.get("rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise NotImplementedError(f"{meta.source}: RoPE scaling {scaling!r} in GGUF metadata is not supported")
-
-
 def _llama_config(meta: _Metadata, base: dict, names: set[str]) -> dict:
     """Llama, Mistral, Qwen 2: llama's keys. RoPE scaling as llama.cpp's converters write it: linear or YaRN
     in rope.scaling.* (`_stated_rope`), or a `rope_freqs.weight` tensor (Llama 3.1 and later: Llama 3's
@@ -326,9 +320,12 @@ def _llama3_rope(meta: _Metadata, theta: float, rot_dim: int) -> dict | None:
 
 def _qwen3_config(meta: _Metadata, base: dict, names: set[str]) -> dict:
     """Qwen 3: llama's keys, the head width as attention.key_length (128 where d_model / n_heads is not),
-    QK-norm from the tensors; llama.cpp runs no sliding window for it, nor does Qwen3Config by default."""
-    _no_rope_scaling(meta)
-    return {"rope_theta": meta.real("rope.freq_base", 10000.0), "hidden_act": "silu", "use_sliding_window": False}
+    QK-norm from the tensors, YaRN or linear scaling as stated (`_stated_rope`: the long-context releases'
+    YaRN x4 from 32k); llama.cpp runs no sliding window for it, nor does Qwen3Config by default."""
+    theta = meta.real("rope.freq_base", 10000.0)
+    config = {"rope_theta": theta, "hidden_act": "silu", "use_sliding_window": False}
+    rope = _stated_rope(meta)
+    return config if rope is None else config | {"rope_parameters": {"rope_theta": theta, **rope}}
 
 
 def _qwen3moe_config(meta: _Metadata, base: dict, names: set[str]) -> dict:
@@ -572,8 +569,8 @@ _RMS_KEYS = frozenset({
     "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
     "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.dimension_count", "rope.scaling.type",
 })
-_QWEN3_KEYS = _RMS_KEYS
-_QWEN3MOE_KEYS = _RMS_KEYS | {"expert_count", "expert_used_count", "expert_feed_forward_length"}
+_QWEN3_KEYS = _RMS_KEYS | {"rope.scaling.factor", "rope.scaling.original_context_length", "rope.scaling.attn_factor"}
+_QWEN3MOE_KEYS = _QWEN3_KEYS | {"expert_count", "expert_used_count", "expert_feed_forward_length"}
 _GEMMA2_KEYS = _RMS_KEYS - {"rope.scaling.type"} | {"attention.sliding_window", "attn_logit_softcapping",
                                                      "final_logit_softcapping"}
 _PHI3_KEYS = _RMS_KEYS | {"attention.sliding_window", "rope.scaling.original_context_length",
