@@ -118,8 +118,7 @@ def from_hf(hf_model, *, tokenizer=None, dtype: torch.dtype | None = None, devic
                             refactor_factored_attn_matrices=refactor_factored_attn_matrices)
     family = get_family(config.get("model_type"))
     cfg = family.config(config)
-    scaling = None
-    if rope_scaling is not None:
+    if rope_scaling is not None:  # checked before a weight is converted
         from interp.models.rope_choice import choose
 
         scaling = choose(cfg, rope_scaling)

@@ -117,6 +117,12 @@ def _llama3(base: float, dim: int, s: RopeScaling) -> Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def llama3_divisors(base: float, dim: int, s: RopeScaling) -> Tensor:
+    """Each frequency's divisor under Llama 3's scaling `s` (plain over scaled): what llama.cpp's converter
+    stores as a GGUF file's `rope_freqs.weight`."""
+    return _inv_freq(base, dim) / _llama3(base, dim, s)
+
+
 class Rotary(nn.Module):
     """Computes cos/sin once per forward for each RoPE table the model uses and rotates q and k.
 

@@ -20,7 +20,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..config import RopeScaling
+from ..device import to_numpy
 from ..errors import CheckpointError
+from ..positions import llama3_divisors
 from .gguf_file import GGUFFile, dequantize
 
 # llama.cpp tensor names -> Hugging Face llama names ({l} is the layer).
@@ -307,15 +310,12 @@ def _llama3_rope(meta: _Metadata, theta: float, rot_dim: int) -> dict | None:
     slope, intercept = np.polyfit(x[band], s, 1)
     if slope <= 0 or intercept >= 0:
         raise refused
-    original, high = float(round(-slope / intercept)), 1 - 1 / intercept  # low_freq_factor 1
-    low_wave, high_wave = original, original / high
-    wave = 1 / x
-    smooth = (original * x - 1) / (high - 1)
-    want = np.where(wave < high_wave, 1.0, np.where(wave > low_wave, factor, 1 / ((1 - smooth) / factor + smooth)))
-    if not np.allclose(want, f, rtol=1e-4, atol=0):
+    original, high = int(round(-slope / intercept)), float(1 - 1 / intercept)  # low_freq_factor 1
+    scaling = RopeScaling("llama3", factor, original, low_freq_factor=1.0, high_freq_factor=high)
+    if not np.allclose(to_numpy(llama3_divisors(theta, rot_dim, scaling), np.float64), f, rtol=1e-4, atol=0):
         raise refused
-    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": float(high),
-            "original_max_position_embeddings": int(round(original))}
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": high,
+            "original_max_position_embeddings": original}
 
 
 def _qwen3_config(meta: _Metadata, base: dict, names: set[str]) -> dict:
