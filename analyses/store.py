@@ -20,6 +20,7 @@ error of that (checkpoint, analysis), never a result (`NonFiniteResult`).
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import math
@@ -27,7 +28,7 @@ import os
 import re
 import zlib
 from contextlib import contextmanager
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -76,12 +77,23 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 def _atomic_write(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_name(path)
-    tmp.write_bytes(data)
+    try:  # O_NOFOLLOW: a link planted under the temporary name is never written through
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as e:
+        raise OutputError(f"cannot write {tmp}: {e.strerror}: remove it, or pick another --out folder") from None
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
     os.replace(tmp, path)
 
 
 def _tmp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """Where `path` is written before it is moved into place; a link standing there is refused (a writer
+    that opens by name would follow it out of the folder)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    if tmp.is_symlink():
+        raise OutputError(f"{tmp} is a symbolic link where interp writes a temporary file: interp never writes "
+                          "through a link; remove it, or pick another --out folder")
+    return tmp
 
 
 def read_json_file(path: Path, what: str = "a JSON file", fix: str = "delete it and rerun"):
@@ -175,11 +187,15 @@ class OutputFolder:
 
     # ---- is it ours? ---------------------------------------------------------------------------
     def check(self) -> None:
-        """Refuse, writing nothing, a folder interp must not or cannot write into."""
+        """Refuse, writing nothing, a folder interp must not or cannot write into: among them a folder
+        whose manifest or lock is a link, or whose manifest lists a path outside it (`paths`)."""
         p = self.path
         if p.exists() and not p.is_dir():
             raise OutputError(f"--out {p} is a file, not a folder: give a folder path (a new one is created)")
         if p.is_dir():
+            for own in (MANIFEST, LOCK):
+                _refuse_link(p / own)
+            self.paths()  # every listed entry inside the folder, before anything is written or removed
             if not self.manifest.exists() and not self._legacy():
                 others = sorted(n for n in os.listdir(p) if n not in (MANIFEST, LOCK))
                 if others:
@@ -227,7 +243,10 @@ class OutputFolder:
         self.check()
         with self.lock():
             if not self.manifest.exists():
-                self._save(self._adopted() if self._legacy() else set())
+                adopted = self._adopted() if self._legacy() else set()
+                for rel in adopted:
+                    self._inside(rel)  # a pre-manifest folder's parts/ may be a link out of it
+                self._save(adopted)
             yield self
 
     @contextmanager
@@ -250,8 +269,11 @@ class OutputFolder:
     def _acquire(self) -> int | None:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+            _refuse_link(self.path / LOCK)  # O_NOFOLLOW below closes the gap between this look and the open
+            fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
         except OSError as e:
+            if e.errno == errno.ELOOP:
+                _refuse_link(self.path / LOCK, always=True)
             raise OutputError(f"cannot write to {self.path}: {e.strerror}: choose a folder you can write to") from None
         if fcntl is None:
             return fd
@@ -270,16 +292,39 @@ class OutputFolder:
         """Every path listed as interp's (folders end in "/"). The file is the truth (another `OutputFolder`
         of this folder in this process may have written it); it is parsed again only when it changed."""
         try:
-            st = self.manifest.stat()
+            st = self.manifest.lstat()
         except FileNotFoundError:
             return set()
         key = (st.st_ino, st.st_mtime_ns, st.st_size)
         if self._read is None or self._read[0] != key:
+            _refuse_link(self.manifest)
             record = read_json_file(self.manifest, "interp's manifest", "pick another --out folder")
             if not isinstance(record, dict) or not isinstance(record.get("paths"), list):
                 raise OutputError(f"{self.manifest} is not interp's manifest: pick another --out folder")
+            root = os.path.realpath(self.path)
+            for rel in record["paths"]:
+                self._inside(rel, root, listed=True)
             self._read = (key, frozenset(record["paths"]))
         return set(self._read[1])
+
+    def _inside(self, rel, root: str | None = None, *, listed: bool = False) -> None:
+        """Refuse `rel` unless it names a path inside the folder: relative, no `..`, and resolving (links
+        followed) to the folder itself or below it. A manifest is a file anyone sharing the folder can
+        edit; an entry such as `../notes.txt`, `/home/me/.bashrc` or `figures/x` through a link named
+        `figures` would otherwise be removed by `discard` or written by `write_text`."""
+        ok = isinstance(rel, str) and rel not in ("", ".", "./") and "\0" not in rel
+        if ok:
+            pure = PurePosixPath(rel)
+            ok = not pure.is_absolute() and ".." not in pure.parts and "\\" not in rel
+        if ok:
+            root = root or os.path.realpath(self.path)
+            real = os.path.realpath(self.path / rel)
+            ok = real != root and real.startswith(root.rstrip(os.sep) + os.sep)
+        if not ok:
+            where = f"{self.manifest} lists {rel!r}" if listed else f"{self.path / str(rel)}"
+            raise OutputError(f"{where}, which is outside {self.path} (a path with .., an absolute path, or a "
+                              "symbolic link out of the folder): interp touched nothing; remove that "
+                              + ("entry" if listed else "link") + ", or pick another --out folder")
 
     def _save(self, paths: set[str]) -> None:
         atomic_write_text(self.manifest, json.dumps({"written_by": "interp", "paths": sorted(paths)}, indent=0))
@@ -296,6 +341,10 @@ class OutputFolder:
         """List `rels` (relative paths, folders ending in "/") as interp's just before they are first
         written; a file that exists and is not listed is someone else's: refused."""
         paths = self.paths()
+        root = os.path.realpath(self.path)
+        for rel in rels:
+            if rel not in paths:
+                self._inside(rel, root)
         self.refuse_others(*rels, paths=paths)
         new = set()
         for rel in rels:
@@ -338,6 +387,14 @@ class OutputFolder:
             except OSError:  # absent, or holds files interp did not write
                 pass
         self._save({r for r in folders if (self.path / r).is_dir()})
+
+
+def _refuse_link(path: Path, *, always: bool = False) -> None:
+    """Refuse interp's own bookkeeping file (manifest, lock) when it is a symbolic link: opening it
+    would read or overwrite whatever the link points at."""
+    if always or path.is_symlink():
+        raise OutputError(f"{path} is a symbolic link: interp never writes through a link (it would overwrite "
+                          "what it points at); interp touched nothing; remove the link, or pick another --out folder")
 
 
 def _parents(rel: str) -> list[str]:

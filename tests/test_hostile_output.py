@@ -22,7 +22,7 @@ from sweep_fixtures import CFG, make_run, settings
 
 import interp
 from interp.analyses import registry
-from interp.analyses.store import LOCK, MANIFEST, NonFiniteResult, OutputFolder, ResultStore
+from interp.analyses.store import LOCK, MANIFEST, NonFiniteResult, OutputError, OutputFolder, ResultStore
 from interp.analyses.sweep import sweep
 from interp.analyses.sweep_data import DataSpec, build_tokens
 from interp.cli import main as cli
@@ -135,6 +135,91 @@ def test_damaged_files_are_named_in_one_line(run_dir, tmp_path, capsys):
     (out / "results.parquet").write_bytes(b"PAR1 not really")
     assert cli(["report", str(out)]) == 2
     _one_line_error(capsys, str(out / "results.parquet"))
+
+
+# ---- nothing outside --out (issue 56, S1 and S2) -------------------------------------------------
+CIRCUIT = ["circuit", "attn-only-2l", "--task", "induction", "--prompts", "4"]
+
+
+def _manifest(folder: Path, *paths: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / MANIFEST).write_text(json.dumps({"written_by": "interp", "paths": list(paths)}))
+
+
+def test_a_manifest_listing_paths_outside_the_folder_deletes_nothing(run_dir, tmp_path, capsys):
+    """S1: a shared results folder whose manifest lists `../victim.txt` or an absolute path made every study
+    command (and `sweep --force`) delete them and exit 0. Now the entry is named in one line and every
+    file, inside and outside, stays."""
+    victim, far = tmp_path / "victim.txt", tmp_path / "elsewhere" / "thesis.tex"
+    far.parent.mkdir()
+    victim.write_text("precious")
+    far.write_text("\\section{}")
+    shared = tmp_path / "shared"
+    for entry in ("../victim.txt", str(far), "parts/../../victim.txt"):
+        _manifest(shared, "settings.json", entry)
+        before = _snapshot(tmp_path)
+        for argv in ([*CIRCUIT, "--out", str(shared)], [*CIRCUIT, "--out", str(shared), "--force"],
+                     ["sweep", str(run_dir), "--out", str(shared), "--force", "--analyses", "loss", *DATA]):
+            assert cli(argv) == 2
+            _one_line_error(capsys, f"lists {entry!r}", "outside", "touched nothing")
+            assert _snapshot(tmp_path) == before
+
+
+def test_a_link_out_of_the_folder_is_never_followed(run_dir, tmp_path, capsys):
+    """S1, through a link: interp's own `figures/` replaced by a link to another folder, or a link standing
+    where interp writes its temporary file. Neither is removed, written through, nor followed."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "loss.png").write_text("theirs")
+    out = tmp_path / "out"
+    _manifest(out, "figures/", "figures/loss.png")
+    (out / "figures").symlink_to(outside)
+    before = _snapshot(tmp_path)
+    for argv in ([*CIRCUIT, "--out", str(out), "--force"], _analyze(run_dir, out, "--force")):
+        assert cli(argv) == 2
+        _one_line_error(capsys, "'figures/'", "outside", "symbolic link")
+        assert _snapshot(tmp_path) == before
+
+    # a folder interp did write into, and a link planted under the temporary name of its next write
+    fresh = tmp_path / "fresh"
+    folder = OutputFolder(fresh)
+    with folder.writing():
+        folder.write_text("notes.md", "ours")
+    target = tmp_path / "victim.txt"
+    target.write_text("precious")
+    (fresh / f".notes.md.{os.getpid()}.tmp").symlink_to(target)
+    with pytest.raises(OutputError, match="symbolic link where interp writes a temporary file"):
+        with folder.writing():
+            folder.write_text("notes.md", "again")
+    assert target.read_text() == "precious" and (fresh / "notes.md").read_text() == "ours"
+
+    # a new path whose folder is a link out of --out is refused before it is written
+    (fresh / "parts").symlink_to(outside)
+    with pytest.raises(OutputError, match="outside"):
+        with folder.writing():
+            folder.write_text("parts/new.json", "{}")
+    assert sorted(p.name for p in outside.iterdir()) == ["loss.png"]
+
+
+@pytest.mark.parametrize("own", [LOCK, MANIFEST])
+def test_a_lock_or_manifest_that_is_a_link_is_refused(run_dir, tmp_path, capsys, own):
+    """S2: a folder whose only entry was a link named `.interp-lock` counted as empty, and interp wrote its
+    process id through the link, over the target. Now a lock or manifest that is a link is one line."""
+    target = tmp_path / "victim.txt"
+    target.write_text('{"written_by": "interp", "paths": []}')  # what a manifest link would read, too
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / own).symlink_to(target)
+    before = _snapshot(tmp_path)
+    for argv in ([*CIRCUIT, "--out", str(out)], _analyze(run_dir, out), _analyze(run_dir, out, "--force")):
+        assert cli(argv) == 2
+        _one_line_error(capsys, str(out / own), "symbolic link", "touched nothing")
+        assert _snapshot(tmp_path) == before and (out / own).is_symlink()
+    if own == LOCK:
+        with pytest.raises(OutputError, match="symbolic link"):  # the lock taken directly, as a sweep's report does
+            with OutputFolder(out).lock():
+                pass
+    assert target.read_text() == before["victim.txt"].decode()
 
 
 # ---- one sweep at a time -----------------------------------------------------------------------
