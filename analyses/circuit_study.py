@@ -22,7 +22,7 @@ import pandas as pd
 import torch
 
 from interp.models.device import to_numpy
-from interp.models.errors import as_user_errors
+from interp.errors import as_user_errors
 
 from ._common import spearman
 from .circuit import FRACTIONS, IG_ON, METHODS, SELECTIONS, Graph, Runner, areas, faithfulness_curve, select

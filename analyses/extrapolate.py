@@ -24,7 +24,7 @@ change past n_ctx      per head of the model as loaded, between the longest leng
 passkey                `kv.tasks` prompts (allowed past n_ctx here), answered greedily through the full
     cache by `kv.policies.answer`, as `interp kv passkey` answers them.
 repair                 the heads that break most at the longest length, at most a fraction of all
-    (`choose_repair`): the scaling on their KV heads (`interp.models.rope_heads.scaled_heads`; every
+    (`choose_repair`): the scaling on their KV heads (`interp.models.rope.heads.scaled_heads`; every
     query head of a chosen KV head counts) or LogN temperature on the query heads (`logn_heads`).
 """
 
@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from interp.models.device import to_numpy
-from interp.models.rope_choice import choose
+from interp.models.rope.choice import choose
 
 from ._common import spearman
 from .document import head_name

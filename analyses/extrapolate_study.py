@@ -29,10 +29,10 @@ import numpy as np
 import pandas as pd
 
 from interp.models.device import resolve_device
-from interp.models.errors import as_user_errors, check_int, check_real
+from interp.errors import as_user_errors, check_int, check_real
 from interp.models.memory import check_fits
-from interp.models.rope_choice import as_hf, choose
-from interp.models.rope_heads import logn_heads, scaled_heads
+from interp.models.rope.choice import as_hf, choose
+from interp.models.rope.heads import logn_heads, scaled_heads
 
 from .document import Section, head_name, png
 from .extrapolate import (BUCKETS, CHANGES, DEPTHS, FACTOR, REPAIR_FRACTION, SCALINGS, PairEnergy, autopsy_pass,

@@ -24,7 +24,7 @@ from typing import Sequence
 
 import pandas as pd
 
-from interp.models import probes
+from interp.models.zoo import probes
 import torch
 from torch import Tensor
 

@@ -47,7 +47,7 @@ from torch import Tensor
 
 from interp.kernels import attention_stats
 from interp.models.device import resolve_device, to_numpy
-from interp.models.errors import as_user_errors
+from interp.errors import as_user_errors
 from interp.models.memory import check_fits
 from interp.models.stats import _layer_geometry, for_each_layer_qk
 

@@ -31,7 +31,7 @@ from .registry import ANALYSES, RunView, metrics
 from .registry.induction import phase_change  # noqa: F401 - public here since the report first computed it
 from .store import ResultStore, _slug, load_results
 from .sweep_data import source_line
-from interp.models.rope_choice import describe
+from interp.models.rope.choice import describe
 
 _FIXED_HEAD = (("summary", "Summary"), ("errors", "Errors and skipped checkpoints"))
 _HEATMAPS = ("heatmaps", "Head scores at the last checkpoint")

@@ -34,7 +34,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import pandas as pd
 
-from interp.models.errors import UserError
+from interp.errors import UserError
 
 try:
     import fcntl

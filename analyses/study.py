@@ -52,8 +52,8 @@ import torch
 from torch import Tensor
 
 from interp.models.device import compute_record, installed_version
-from interp.models.errors import as_user_errors
-from interp.models.rope_choice import as_hf, describe
+from interp.errors import as_user_errors
+from interp.models.rope.choice import as_hf, describe
 
 from ._common import stages
 from .document import Section, write_document

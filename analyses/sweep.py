@@ -44,7 +44,7 @@ from interp.models.formats import checkpoint  # checkpoint.load_checkpoint looke
 from interp.models.formats.checkpoint import CheckpointError, is_wrapped, read_config, rope_scaling_for
 from interp.models.device import compute_record, resolve_device
 from interp.models.memory import check_fits
-from interp.models.rope_choice import as_hf, choose, rope_spec
+from interp.models.rope.choice import as_hf, choose, rope_spec
 from interp.models.formats.folder import refuse_code_in
 from interp.models.runs.names import resolve_run
 from interp.models.runs.discover import Checkpoint, Run
@@ -75,7 +75,7 @@ class SweepSettings:
     expensive_on "last": analyses marked expensive (ablation, pruning, importance: a forward pass
                  per head or more) run on the last checkpoint of each run only; "all": everywhere.
     device       where models run (None: CUDA when available); not part of the results' meaning.
-    rope_scaling a RoPE scaling every model runs with, in place of its own (`interp.models.rope_choice`:
+    rope_scaling a RoPE scaling every model runs with, in place of its own (`interp.models.rope.choice`:
                  transformers' dict, or any spelling `rope_spec` reads; None: each checkpoint's own);
                  its original length, when not given, is each model's trained context.
 

@@ -22,7 +22,7 @@ kinds:
                    and induction behaviour all show on it (Olsson et al. 2022), and it needs no
                    corpus, so it suits any model.
   corpus           held-out windows (`<bos>` + bytes) of the zoo's training corpus, the Python
-                   standard library's sources (`interp.models.training.eval_windows`, files never
+                   standard library's sources (`interp.models.zoo.training.eval_windows`, files never
                    trained on), drawn with `seed`: natural text, so losses, ablations and ICL
                    scores mean something. Byte-level (ByteTokenizer) models only. The files are the
                    90 held-out files interp ships ("python-stdlib-heldout", taken from CPython
@@ -48,10 +48,10 @@ import torch
 from torch import Tensor
 
 from . import evaldata
-from interp.models.errors import BadValue, check_int
-from interp.models.probes import repeated_random_tokens
+from interp.errors import BadValue, check_int
+from interp.models.zoo.probes import repeated_random_tokens
 from interp.models.formats.tokenizer import ByteTokenizer, load_tokenizer
-from interp.models.training import eval_windows
+from interp.models.zoo.training import eval_windows
 
 DataKind = Literal["auto", "repeated_random", "corpus", "file", "text"]
 DATA_KINDS = ("auto", "repeated_random", "corpus", "file", "text")

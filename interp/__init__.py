@@ -23,7 +23,7 @@ _LAZY = {
     "ModelConfig": "interp.models",
     "RopeScaling": "interp.models",
     "CheckpointError": "interp.loading",
-    "UserError": "interp.models.errors",  # every bad-input error (a bad name, file or setting) is one
+    "UserError": "interp.errors",  # every bad-input error (a bad name, file or setting) is one
     "from_hf": "interp.loading",
     "load": "interp.loading",
     "save_model": "interp.loading",
@@ -56,6 +56,12 @@ _MOVED = {
     "interp.analyses.head_roles": "interp.analyses.kv.roles",
     "interp.analyses.gates": "interp.analyses.kv.gates",
     "interp.analyses.tasks": "interp.analyses.kv.tasks",
+    # issue 54: models/ holds the model; the errors are the lowest layer's, training and its probes the zoo's
+    "interp.models.errors": "interp.errors",
+    "interp.models.training": "interp.models.zoo.training",
+    "interp.models.probes": "interp.models.zoo.probes",
+    "interp.models.rope_choice": "interp.models.rope.choice",
+    "interp.models.rope_heads": "interp.models.rope.heads",
 }
 
 

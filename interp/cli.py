@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:
         # Imported here, not at the top, for start-up time: `interp.models` imports torch.
-        from interp.models.errors import UserError
+        from interp.errors import UserError
 
         # A wrong name or setting, a missing or damaged file, an unsupported model: the message says
         # what and how to fix, in one line, without a traceback. Anything else is a bug: raised.

@@ -23,7 +23,7 @@ from interp.models.formats.checkpoint import (  # noqa: F401 - FORMAT_VERSION, C
     load_checkpoint,
     save_model,
 )
-from interp.models.errors import UserError
+from interp.errors import UserError
 from interp.models.families import FAMILIES, get_family
 from interp.models.wrapped import WrappedModel, check_wrappable
 from interp.models.processing import check_processing
@@ -71,7 +71,7 @@ def load(name_or_path, *, revision: str | None = None, dtype: torch.dtype = torc
     `model.runtime.rope_chosen` says it was chosen. A type interp does not compute, a factor <= 0 (< 1 for
     dynamic, yarn, llama3, longrope), a model without rotary positions, or one transformers runs (wrapped:
     set rope_parameters in its config.json instead) is refused in one line (`UserError`) before any weight
-    is read (`interp.models.rope_choice`)."""
+    is read (`interp.models.rope.choice`)."""
     path = resolve(name_or_path, revision=revision)
     model = load_checkpoint(path, dtype=dtype, device=device, tokenizer=tokenizer, rope_scaling=rope_scaling)
     name = str(name_or_path) if revision is None else f"{name_or_path}@{revision}"
@@ -102,7 +102,7 @@ def from_hf(hf_model, *, tokenizer=None, dtype: torch.dtype | None = None, devic
     (native only; a bad scaling is refused before a weight is converted)."""
     config = hf_model.config.to_dict()
     if rope_scaling is not None and config.get("model_type") not in FAMILIES:
-        from interp.models.rope_choice import rope_spec
+        from interp.models.rope.choice import rope_spec
 
         rope_spec(rope_scaling)  # a bad spelling is said as such first
         raise UserError(f"rope_scaling is interp's own transformer's, and this is a {config.get('model_type')} model "
@@ -119,7 +119,7 @@ def from_hf(hf_model, *, tokenizer=None, dtype: torch.dtype | None = None, devic
     family = get_family(config.get("model_type"))
     cfg = family.config(config)
     if rope_scaling is not None:  # checked before a weight is converted
-        from interp.models.rope_choice import choose
+        from interp.models.rope.choice import choose
 
         scaling = choose(cfg, rope_scaling)
     tensors = dict(hf_model.state_dict())

@@ -30,7 +30,7 @@ from interp.analyses.report import _view as run_view  # what a report section se
 from interp.analyses.store import ResultStore, as_table, load_results
 from interp.drawing import View
 from interp.models.attention_view import MAX_TOKENS, pattern_view, stats_view
-from interp.models.errors import BadValue, UserError
+from interp.errors import BadValue, UserError
 
 __all__ = ["MAX_TOKENS", "View", "attention_heads", "attention_pattern", "attention_patterns", "heads", "stats"]
 

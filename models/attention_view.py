@@ -21,7 +21,7 @@ from interp.drawing import View, b64, pattern_page, stats_page
 from interp.drawing import codes_u8 as _codes_array
 
 from .device import to_numpy
-from .errors import BadValue, UserError
+from interp.errors import BadValue, UserError
 
 MAX_TOKENS = 4096  # past this a pattern view is tens of MB: the streaming statistics view is the tool
 ROW_SUM_TOL = {torch.float16: 2e-2, torch.bfloat16: 2e-2}  # 16-bit softmax rows; everything else 1e-3

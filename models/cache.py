@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from .attention_view import View, pattern_view
-from .errors import BadValue
+from interp.errors import BadValue
 from .hooks.aliases import act_name, canonical, hook_aliases
 
 from .kv.cache import KVCache  # noqa: F401 - `interp.models.cache.KVCache`, as before the split

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from .errors import check_int
+from interp.errors import check_int
 
 Activation = Literal["gelu", "gelu_new", "gelu_fast", "relu", "silu"]
 Normalization = Literal["layernorm", "rmsnorm"]

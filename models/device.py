@@ -25,7 +25,7 @@ from torch import Tensor
 
 from interp.kernels import resolve_backend
 
-from .errors import BadValue
+from interp.errors import BadValue
 
 __all__ = ["available_devices", "compute_record", "device_name", "installed_version", "leaving", "resolve_device", "to_host",
            "to_numpy"]

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .errors import BadValue, check_int, check_real
+from interp.errors import BadValue, check_int, check_real
 from .text import _is_text
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from .errors import CheckpointError
+from interp.errors import CheckpointError
 
 if TYPE_CHECKING:
     from .transformer import HookedTransformer

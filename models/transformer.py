@@ -35,7 +35,7 @@ from .components import (
     make_norm,
 )
 from .config import ModelConfig, RopeScaling
-from .errors import BadValue, UserError
+from interp.errors import BadValue, UserError
 from .generate import generate as _generate
 from .positions import Rotary
 from .moe import make_mlp
@@ -242,7 +242,7 @@ class HookedTransformer(WeightViews, TextMixin, HookedRootModule):
     def rescale_rope_(self, scaling: RopeScaling | None) -> "HookedTransformer":
         """Run the rotary positions with `scaling` from now on (None: plain RoPE), in place of the config's
         own, and say so (`runtime.rope_chosen`). `interp.load(..., rope_scaling=)` is the checked way, from
-        any spelling and before the weights load (`interp.models.rope_choice`). Returns the model."""
+        any spelling and before the weights load (`interp.models.rope.choice`). Returns the model."""
         if not self.native:
             raise UserError("rope scaling at inference is interp's own transformer's; this model is wrapped "
                             "(transformers runs it): set rope_parameters in its config instead")

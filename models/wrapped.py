@@ -50,7 +50,7 @@ from interp.kernels.attention import Needs, choose
 
 from .config import ModelConfig
 from .families import FAMILIES
-from .errors import CheckpointError, UserError
+from interp.errors import CheckpointError, UserError
 from .hooks import HookPoint
 from .runtime import Runtime
 from .transformer import HookedTransformer, lm_loss

@@ -64,7 +64,7 @@ def test_streaming_llm_beyond_the_context_on_the_zoo():
     sinks is worse than the window alone; renumbered in the cache, window + sinks is as good as full
     attention inside n_ctx (measured: 1.129 vs 1.143; original 1.59, window alone 1.134)."""
     from interp.analyses import evaldata
-    from interp.models.training import eval_windows
+    from interp.models.zoo.training import eval_windows
 
     model = interp.load("rope-gqa-4l")
     n, w = model.cfg.n_ctx, 64

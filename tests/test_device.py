@@ -26,7 +26,7 @@ import interp
 from interp.kernels import attention_stats, resolve_backend
 from interp.models.device import compute_record, resolve_device, to_numpy
 from interp.testing import HostCopyError, refuse_host_copies
-from interp.models.errors import BadValue
+from interp.errors import BadValue
 
 PACKAGE = Path(interp.__file__).resolve().parent.parent  # the source tree: interp/, models/, kernels/, analyses/
 

@@ -62,7 +62,7 @@ def test_the_shipped_text_is_cpython_3_11_7s_language_reference():
 
 
 def test_the_shipped_held_out_files_are_those_the_zoo_never_trained_on():
-    from interp.models.training import load_corpus
+    from interp.models.zoo.training import load_corpus
 
     corpus = load_corpus()
     recorded = json.loads(ZOO_RUN.read_text())["corpus"]["sha256"]

@@ -1,5 +1,5 @@
 """`interp extrapolate`: a rotary model past its trained context, per RoPE scaling (analyses/extrapolate.py,
-analyses/extrapolate_study.py, models/rope_heads.py).
+analyses/extrapolate_study.py, models/rope/heads.py).
 
 1. one forward gives every length's head scores (`scores_at_lengths` equals `scores_by_length`);
 2. the never-completed share against a hand computation (both rotary layouts, partial rotary);
@@ -35,10 +35,10 @@ from interp.analyses.store import read_table
 from interp.analyses.study import SHARED_KEYS, StudyData
 from interp.analyses.sweep_data import DataSpec, build_tokens
 from interp.cli import main as cli
-from interp.models.errors import BadValue
+from interp.errors import BadValue
 from interp.models.formats.tokenizer import ByteTokenizer
-from interp.models.rope_choice import choose
-from interp.models.rope_heads import logn_heads, scaled_heads
+from interp.models.rope.choice import choose
+from interp.models.rope.heads import logn_heads, scaled_heads
 
 GQA = small(positional="rotary", normalization="rmsnorm", act_fn="silu", gated_mlp=True, d_model=48, n_heads=6,
             n_kv_heads=2, n_ctx=32)  # d_head 8: 4 rotary pairs

@@ -12,7 +12,7 @@ from core_models import build, small, tokens
 
 from interp.analyses.kv.gates import gate_table, gated_attention, load_gates, save_gates, train_gates
 from interp.analyses.kv.tasks import RetrievalPrompt
-from interp.models.errors import BadValue
+from interp.errors import BadValue
 
 N_LAYERS, N_HEADS, N_KV = 3, 6, 2
 S, W, N = 2, 8, 40

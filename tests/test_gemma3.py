@@ -18,7 +18,7 @@ import interp
 from core_models import GEMMA3_LIKE, OWN_CONFIGS, build
 from near_ties import assert_argmax_agrees, assert_greedy_agrees
 from interp.models.runs.names import ModelNotFound
-from interp.models.errors import CheckpointError
+from interp.errors import CheckpointError
 
 transformers = pytest.importorskip("transformers")
 

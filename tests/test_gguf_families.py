@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import interp
-from interp.models.errors import CheckpointError
+from interp.errors import CheckpointError
 from interp.models.formats import gguf as gguf_format
 
 gguf = pytest.importorskip("gguf")

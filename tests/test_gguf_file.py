@@ -4,7 +4,7 @@ every metadata value type, quantized and float tensors, alignment, and damaged f
 import numpy as np
 import pytest
 
-from interp.models.errors import CheckpointError
+from interp.errors import CheckpointError
 from interp.models.formats.gguf import _reader
 from interp.models.formats.gguf_file import dequantize as _dequantize
 from interp.models.formats.gguf_file import GGUFFile

@@ -27,7 +27,7 @@ from interp.analyses.kv.roles import (
 )
 from interp.analyses.kv.tasks import passkey_prompt
 from interp.testing import simulated_gpu
-from interp.models.errors import BadValue
+from interp.errors import BadValue
 
 
 @pytest.fixture(scope="module")

@@ -229,7 +229,7 @@ def test_generate_past_a_learned_position_table_is_refused_before_decoding(learn
     (dict(top_k=-2, do_sample=True), r"top_k must be >= 0"),
 ])
 def test_generate_settings_that_cannot_work(learned, kwargs, message):
-    from interp.models.errors import UserError
+    from interp.errors import UserError
 
     with pytest.raises(UserError, match=message):
         learned.generate(torch.tensor([[1, 2, 3]]), **kwargs)

@@ -15,7 +15,7 @@ from near_ties import argmax_loop, assert_greedy_agrees
 from smol import needs_smol
 
 import interp
-from interp.models.errors import BadValue
+from interp.errors import BadValue
 from interp.models.kv.policy_cache import PolicyKVCache, theory_bytes_per_token
 from interp.models.kv.policies import H2O, Dense, Kivi, SnapKV, Streaming, parse_policies, parse_policy
 
@@ -291,7 +291,7 @@ def test_a_policy_narrows_a_models_own_window_never_widens():
 
 def test_hooked_patterns_through_split_heads_are_refused(gqa):
     cache = gqa.new_kv_cache(1, 20, policy={(0, 1): "streaming(1,4)"})
-    with pytest.raises(interp.models.errors.UserError, match="hold different tokens"):
+    with pytest.raises(interp.errors.UserError, match="hold different tokens"):
         gqa.run_with_cache(tokens(1, 10), kv_cache=cache, names_filter="blocks.0.attn.hook_pattern")
 
 

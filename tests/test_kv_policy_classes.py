@@ -23,7 +23,7 @@ from core_models import build, small, tokens
 from smol import needs_smol
 
 import interp
-from interp.models.errors import BadValue
+from interp.errors import BadValue
 from interp.models.kv.policies import Candidates, SubsetPolicy, parse_policy, policy_names, theory_bytes_per_token
 
 N_LAYERS, N_HEADS, N_KV = 3, 6, 2

@@ -19,7 +19,7 @@ from interp.cli import main as cli
 from interp.errors import UserError
 from interp.models.config import ModelConfig, RopeScaling
 from interp.models.positions import Rotary, rope_frequencies
-from interp.models.rope_choice import ROPE_TYPES, as_hf, choose, parse_rope_scaling, rope_spec
+from interp.models.rope.choice import ROPE_TYPES, as_hf, choose, parse_rope_scaling, rope_spec
 from smol import SMOL, needs_smol
 
 transformers = pytest.importorskip("transformers")

@@ -23,7 +23,7 @@ from interp.analyses.kv.tasks import (
     passkey_prompt,
     retrieval_prompts,
 )
-from interp.models.errors import BadValue
+from interp.errors import BadValue
 from interp.models.formats.tokenizer import ByteTokenizer
 
 from core_models import build, small

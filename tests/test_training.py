@@ -14,7 +14,7 @@ import torch
 
 import interp
 from interp.models.formats.tokenizer import ByteTokenizer
-from interp.models.training import (
+from interp.models.zoo.training import (
     BOS,
     BatchSampler,
     Recipe,

@@ -18,7 +18,7 @@ import torch
 
 import interp
 import interp.view as view
-from interp.models.errors import BadValue, UserError
+from interp.errors import BadValue, UserError
 
 
 def causal(heads: int, n: int, seed: int = 0) -> torch.Tensor:

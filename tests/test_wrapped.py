@@ -13,7 +13,7 @@ import torch
 
 import interp
 from interp.cli import main as cli
-from interp.models.errors import CheckpointError, UserError
+from interp.errors import CheckpointError, UserError
 from interp.models.wrapped import Bypasses, NativeOnly, WrappedModel, architecture_table
 from wrapped_cases import build_wrapped_hf
 

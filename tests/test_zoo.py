@@ -147,8 +147,8 @@ def _tl_scores(model, n_seq: int = 8, half: int = 100) -> dict[str, torch.Tensor
 
 
 def test_tl_reference_agrees_with_our_training_probe():
-    """Our probe (models/training.py) and the TransformerLens-derived score agree on the same model."""
-    from interp.models.training import probe_scores
+    """Our probe (models/zoo/training.py) and the TransformerLens-derived score agree on the same model."""
+    from interp.models.zoo.training import probe_scores
 
     model = interp.load("attn-only-2l")
     g = torch.Generator().manual_seed(2024)
@@ -177,7 +177,7 @@ def _retrain_step_10(tmp_path):
     """The first 10 steps of the shipped attn-only-2l recipe, retrained here: (run folder, shipped run.json)."""
     import dataclasses
 
-    from interp.models.training import load_corpus, train
+    from interp.models.zoo.training import load_corpus, train
 
     info = {r.name: r for r in list_runs()}["attn-only-2l"]
     corpus = load_corpus()
@@ -212,7 +212,7 @@ def test_the_recipe_reproduces_the_shipped_checkpoints_bitwise(tmp_path):
     Bitwise reproduction needs the same torch version, thread count, standard library (the corpus)
     and CPU kernels (vector capability and CPU model): run.json records them, and the test runs only
     where every one matches, saying in its skip reason which one differs."""
-    from interp.models.training import environment_mismatch, load_corpus, training_environment
+    from interp.models.zoo.training import environment_mismatch, load_corpus, training_environment
 
     info = {r.name: r for r in list_runs()}["attn-only-2l"]
     here = training_environment(info.run["threads"], load_corpus())

@@ -35,7 +35,7 @@ from typing import Sequence
 
 import numpy as np
 
-from interp.models.errors import UserError
+from interp.errors import UserError
 
 HERE = Path(__file__).resolve().parent
 MANIFEST = "manifest.json"

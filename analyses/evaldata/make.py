@@ -25,7 +25,7 @@ import sysconfig
 from pathlib import Path
 
 from . import HELDOUT, LANGUAGE_REFERENCE, LICENCE, MANIFEST, pack
-from interp.models.training import load_corpus, stdlib_files
+from interp.models.zoo.training import load_corpus, stdlib_files
 
 EVAL_EVERY = 20  # training.load_corpus's default: every 20th file is held out
 

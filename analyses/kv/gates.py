@@ -80,7 +80,7 @@ from torch import Tensor
 
 from interp.kernels.visibility import visible
 from interp.models.device import to_numpy
-from interp.models.errors import BadValue, check_int, check_real
+from interp.errors import BadValue, check_int, check_real
 
 from .._common import frozen_params, kv_group, progress, token_batch
 from .tasks import RetrievalPrompt

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from interp.models.device import resolve_device
-from interp.models.errors import BadValue, as_user_errors, check_int
+from interp.errors import BadValue, as_user_errors, check_int
 from interp.models.kv.policies import WINDOW, Policy, PolicyMap, is_window, parse_policies, resolve_policies, split_policies
 from interp.models.memory import check_fits
 

@@ -35,7 +35,7 @@ from typing import Mapping, Sequence
 import pandas as pd
 import torch
 
-from interp.models.errors import BadValue
+from interp.errors import BadValue
 from interp.models.kv.policies import Streaming
 
 from .._common import progress

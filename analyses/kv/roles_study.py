@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 import pandas as pd
 import torch
 
-from interp.models.errors import check_int, check_real
+from interp.errors import check_int, check_real
 from interp.models.kv.policies import Streaming
 
 from .. import plots

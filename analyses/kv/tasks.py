@@ -66,7 +66,7 @@ from typing import Callable, Literal, Sequence
 
 from torch import Tensor
 
-from interp.models.errors import BadValue, check_int, check_real
+from interp.errors import BadValue, check_int, check_real
 
 from ..sweep_data import read_text
 

@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from interp.models.errors import check_threads
+from interp.errors import check_threads
 
 
 def parser(name: str, description: str) -> argparse.ArgumentParser:

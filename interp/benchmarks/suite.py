@@ -21,7 +21,7 @@ import torch
 
 from . import (ablation, atlas, caching, forward, generation, gpu, head_scan, kv_cache, kv_policies, long_context, patching,
                real_model, stats_kernel, window_bands, wrapped)
-from interp.models.errors import check_threads
+from interp.errors import check_threads
 
 from .report import Options, Section, load_average, render
 from .timing import default_clock

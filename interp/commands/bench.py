@@ -90,7 +90,7 @@ def run(args) -> int:
 
     unknown = [s for s in args.sections if s not in ALL]
     if unknown:
-        from interp.models.errors import BadValue
+        from interp.errors import BadValue
 
         raise BadValue(f"unknown sections {unknown}; choose from {','.join(ALL)}")
     given = {dest: getattr(args, dest) for _, dest, _, _ in _SIZED if getattr(args, dest) is not None}

@@ -110,9 +110,9 @@ def run_study(study, args, settings, *, path=None) -> int:
     import time
 
     from interp.analyses.study import check_folder, run
-    from interp.models.errors import as_user_errors
+    from interp.errors import as_user_errors
     from interp.models.formats.checkpoint import read_config, rope_scaling_for
-    from interp.models.rope_choice import rope_spec
+    from interp.models.rope.choice import rope_spec
 
     with as_user_errors(ValueError, FileNotFoundError, ImportError):
         rope = None if args.rope_scaling is None else rope_spec(args.rope_scaling)  # the spelling, before any name

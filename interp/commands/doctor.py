@@ -42,7 +42,7 @@ def run(args) -> int:
 
     from interp.kernels import resolve_backend
     from interp.models.device import available_devices, compute_record, device_name, resolve_device
-    from interp.models.errors import check_int
+    from interp.errors import check_int
 
     device = resolve_device(args.device)  # an unknown or absent device: one line, before any work
     if args.seq is not None:

@@ -32,7 +32,7 @@ def run(args) -> int:
 
     import interp
     from interp.models.device import resolve_device
-    from interp.models.errors import BadValue, check_int, check_real
+    from interp.errors import BadValue, check_int, check_real
     from interp.models.kv.policies import parse_policy
 
     # Every setting checked before the model loads: one line each.

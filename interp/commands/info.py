@@ -22,7 +22,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from interp.models.errors import UserError, check_int
+    from interp.errors import UserError, check_int
 
     if args.architectures:
         from interp.models.wrapped import architecture_table, every_causal_lm

@@ -133,7 +133,7 @@ def run_select(args) -> int:
     from interp.analyses.kv.roles_study import RolesSettings, RolesStudy  # start-up time: torch
 
     def settings():
-        from interp.models.errors import check_int
+        from interp.errors import check_int
 
         check_int("--selection-seeds", args.selection_seeds, minimum=1)
         return RolesSettings(**checks.common(args), **checks.prompt_settings(args),

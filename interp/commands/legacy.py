@@ -93,7 +93,7 @@ _LENGTHS_TAKES = {"--out", "--lengths", "--data", "--text-file", "--n-seqs", "--
 
 
 def _analyze_lengths(argv: list[str]) -> tuple[list[str], str]:
-    from interp.models.errors import UserError
+    from interp.errors import UserError
 
     from .choices import ATLAS_ANALYSES
 

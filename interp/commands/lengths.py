@@ -43,7 +43,7 @@ def run(args) -> int:
     from interp.analyses.lengths import LengthSettings, LengthStudy  # start-up time: torch
     from interp.analyses.study import StudyData
     from interp.analyses.sweep_data import DataSpec, resolve_kind
-    from interp.models.errors import as_user_errors
+    from interp.errors import as_user_errors
     from interp.models.runs.names import resolve_run
 
     with as_user_errors(ValueError, FileNotFoundError, ImportError):

@@ -23,7 +23,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from interp.analyses.report import headline, write_report
-    from interp.models.errors import UserError
+    from interp.errors import UserError
 
     try:
         if args.headline:

@@ -132,7 +132,7 @@ def fit_default_length(settings, runs):
 
 def run_sweep(args, runs, executor=None, last_only: bool = False) -> int:
     from interp.analyses.sweep import SettingsMismatch, sweep  # CLI start-up time: interp.analyses imports torch
-    from interp.models.errors import as_user_errors  # CLI start-up time: interp.models imports torch
+    from interp.errors import as_user_errors  # CLI start-up time: interp.models imports torch
     from interp.models.runs.names import resolve_run  # CLI start-up time
 
     with as_user_errors(SettingsMismatch, ValueError, FileNotFoundError, ImportError):  # printed by interp.cli
@@ -148,7 +148,7 @@ def run_sweep(args, runs, executor=None, last_only: bool = False) -> int:
 
 def run(args) -> int:
     from interp.analyses.executors import ExecutorSettings  # CLI start-up time: interp.analyses imports torch
-    from interp.models.errors import as_user_errors  # CLI start-up time: interp.models imports torch
+    from interp.errors import as_user_errors  # CLI start-up time: interp.models imports torch
 
     with as_user_errors(ValueError):
         executor = ExecutorSettings(kind=args.executor, workers=args.workers, ray_address=args.ray_address)

@@ -32,7 +32,7 @@ def run(args) -> int:
                   f"{len(r.checkpoint_steps())} checkpoints, seed {r.seed}, {r.threads} thread(s)")
             print(f"{'':16s} {r.description}")
         return 0 if args.list else 2
-    from interp.models.training import train
+    from interp.models.zoo.training import train
 
     recipe = get_recipe(args.name)
     out = args.out or f"runs/{recipe.name}"

@@ -23,7 +23,7 @@ as is OLMoE's `clip_qkv`. Defaults for absent keys are Hugging Face's.
 from __future__ import annotations
 
 from ..config import ModelConfig
-from ..errors import CheckpointError
+from interp.errors import CheckpointError
 from .llamalike import _config as llamalike_config
 from .registry import Family, TensorGetter, qkv, register, reject, require, t
 

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..components import relayout_mlp_
 from ..config import ModelConfig
-from ..errors import CheckpointError
+from interp.errors import CheckpointError
 from ..positions import Rotary, alibi_slopes, sinusoidal_table
 from ..transformer import HookedTransformer
 

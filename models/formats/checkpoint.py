@@ -23,9 +23,9 @@ from . import hf as format_hf
 from . import ours as format_ours
 from . import gguf
 from .build import build_model, check_finite, convert_weights
-from .. import rope_choice
+from ..rope import choice as rope_choice
 from ..config import ModelConfig, RopeScaling
-from ..errors import CheckpointError, OwnCodeRefused, UserError
+from interp.errors import CheckpointError, OwnCodeRefused, UserError
 from .folder import local_tokenizer, refuse_own_code
 from ..tensor_files import FORMAT_VERSION, read_state_dict, save_model
 from ..transformer import HookedTransformer

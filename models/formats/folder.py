@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import OwnCodeRefused
+from interp.errors import OwnCodeRefused
 from .tokenizer import load_tokenizer
 
 

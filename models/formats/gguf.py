@@ -40,7 +40,7 @@ from torch import Tensor
 
 from .build import build_model, convert_weights
 from ..config import ModelConfig
-from ..errors import CheckpointError
+from interp.errors import CheckpointError
 from ..families import get_family
 from .gguf_file import GGUFFile, dequantize
 from .gguf_layouts import ARCHITECTURES, _LAYOUTS, _Layout, _field, hf_config

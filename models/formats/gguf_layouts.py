@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..config import RopeScaling
 from ..device import to_numpy
-from ..errors import CheckpointError
+from interp.errors import CheckpointError
 from ..positions import llama3_divisors
 from .gguf_file import GGUFFile, dequantize
 

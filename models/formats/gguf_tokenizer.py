@@ -9,7 +9,7 @@ vocabulary's order) or Phi-3's ("llama" in a Phi-3 file: merges rebuilt from the
 
 from __future__ import annotations
 
-from ..errors import CheckpointError
+from interp.errors import CheckpointError
 
 # tokenizer.ggml.pre names llama.cpp's pre-tokenizer regex. We follow transformers' GGUF loading (the
 # oracle of our tests): Llama 3's and Qwen 2's own splits for the names that have them (the split

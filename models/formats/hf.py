@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .build import build_model, check_finite, convert_weights
 from ..config import ModelConfig
-from ..errors import CheckpointError
+from interp.errors import CheckpointError
 from ..families import FAMILIES, get_family
 from .folder import local_tokenizer
 from ..tensor_files import read_state_dict

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from interp.kernels.kv_quant import bytes_per_vector
 
-from ..errors import BadValue
+from interp.errors import BadValue
 
 _REGISTRY: dict[str, type["Policy"]] = {}
 

@@ -51,7 +51,7 @@ from interp.kernels.kv_quant import (
 )
 from interp.kernels.visibility import visible
 
-from ..errors import BadValue, UserError
+from interp.errors import BadValue, UserError
 from .cache import KVCache
 from .policies import Candidates, Dense, Kivi, Policy, SubsetPolicy, resolve_policies, theory_bytes_per_token
 

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 from .. import zoo
-from ..errors import CheckpointError, UserError
+from interp.errors import CheckpointError, UserError
 from ..run_types import Checkpoint, Run, parse_step
 from .discover import discover
 

@@ -1,7 +1,7 @@
 """The recipes of the shipped zoo runs: frozen data, reproduced by `interp train NAME`.
 
 Both models read UTF-8 bytes (`interp.models.formats.tokenizer.ByteTokenizer`, d_vocab 257 = 256 bytes + `<bos>`)
-of the Python standard library's sources; see `interp.models.training` for the data and the loop.
+of the Python standard library's sources; see `interp.models.zoo.training` for the data and the loop.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from interp.models.config import ModelConfig
-from interp.models.training import Recipe
+from interp.models.zoo.training import Recipe
 
 VOCAB = 257  # 256 bytes + <bos>
 
@@ -22,7 +22,7 @@ ATTN_ONLY_2L = Recipe(
     model=ModelConfig(
         n_layers=2, d_model=128, n_heads=4, d_vocab=VOCAB, n_ctx=256, d_mlp=None,
         normalization="layernorm", positional="learned", model_type="interp-zoo",
-        prepend_bos=True,  # every training window starts with <bos> (models/training.py)
+        prepend_bos=True,  # every training window starts with <bos> (models/zoo/training.py)
     ),
     steps=2000,
     # roughly log-spaced from 0, every 50 steps where the phase change happens (seed 0: ~1000-1400).
@@ -43,7 +43,7 @@ ROPE_GQA_4L = Recipe(
         n_layers=4, d_model=128, n_heads=4, n_kv_heads=2, d_head=32, d_mlp=256, d_vocab=VOCAB, n_ctx=256,
         act_fn="silu", gated_mlp=True, normalization="rmsnorm", positional="rotary",
         qkv_bias=False, attn_out_bias=False, mlp_bias=False, model_type="interp-zoo",
-        prepend_bos=True,  # every training window starts with <bos> (models/training.py)
+        prepend_bos=True,  # every training window starts with <bos> (models/zoo/training.py)
     ),
     steps=1000,
     checkpoints=(0, 100, 500, 1000),

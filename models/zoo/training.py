@@ -47,13 +47,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .errors import check_int, check_threads
-from .tensor_files import save_model
-from .formats.tokenizer import ByteTokenizer
+from interp.errors import check_int, check_threads
+from ..tensor_files import save_model
+from ..formats.tokenizer import ByteTokenizer
 
 from . import probes
-from .config import ModelConfig
-from .transformer import HookedTransformer
+from ..config import ModelConfig
+from ..transformer import HookedTransformer
 
 BOS = 256
 EVAL_SEED = 1234  # the evaluation windows and probe tokens are the same for every run and seed

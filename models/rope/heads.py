@@ -39,9 +39,9 @@ from typing import Iterable, Iterator
 import torch
 from torch import Tensor
 
-from .config import RopeScaling
-from .errors import BadValue, UserError
-from .positions import Rotary
+from ..config import RopeScaling
+from interp.errors import BadValue, UserError
+from ..positions import Rotary
 
 Head = tuple[int, int]  # (layer, head): a query head, or a KV head where the name says so
 

@@ -26,9 +26,9 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from .config import ModelConfig, RopeScaling
-from .errors import BadValue, check_int, check_real
-from .families.registry import rotary_from_hf
+from ..config import ModelConfig, RopeScaling
+from interp.errors import BadValue, check_int, check_real
+from ..families.registry import rotary_from_hf
 
 ROPE_TYPES = ("default", "linear", "dynamic", "ntk", "yarn", "llama3", "longrope")
 # Types defined as a context stretched by `factor`, so a factor below 1 means nothing to them: dynamic NTK
