@@ -10,7 +10,7 @@ from .composition import composition_matrix, composition_scores
 from .detect import detect_head, detect_head_frame, detection_pattern
 from .heads import detect_heads, icl_score, induction_scores, repeated_random_tokens
 from .importance import attribution_correlation, head_importance
-from .lengths import how_far, length_scores, role_changes, scores_by_length
+from interp.analyses.extrapolation.lengths import how_far, length_scores, role_changes, scores_by_length
 from .plots import plot_composition, plot_curve, plot_head_scores
 from .pruning import pruning_curve
 from .sinks import attention_sinks, sink_rate, sliding_window, window_eval

@@ -129,7 +129,7 @@ class DetectStream:
     """The streaming detection scores, one layer at a time: `layer(layer, q, k, st, padding)` with `st` the
     layer's `attention_stats(..., n_sink=1)` (at least DETECT_STATS), `scores()` at the end. What
     `detect_heads(method="streaming")` runs, alone or in one pass with other analyses
-    (`interp.analyses.atlas_pass`)."""
+    (`interp.analyses.atlas.atlas_pass`)."""
 
     stats = DETECT_STATS
 
@@ -291,7 +291,7 @@ def _nll_at(model, tokens: Tensor, positions, attention_mask: Tensor | None, res
     logit table costs more than the whole forward at long context (32k tokens x Gemma's 262k vocabulary:
     11 TFLOP). Each row's log-softmax is the one `lm_loss` computes. `resid`: that forward's output (the
     residual stream after the last layer, [batch, pos, d_model]) when another pass already made it
-    (`interp.analyses.atlas_pass`); native models only."""
+    (`interp.analyses.atlas.atlas_pass`); native models only."""
     batch, n = tokens.shape
     at = torch.tensor(positions, device=tokens.device)
     with torch.no_grad():

@@ -9,7 +9,7 @@ sliding window.
   Sink tokens tend to carry small values (Gu et al. Sec. 7; Xiao et al. 2023), so the value norm
   ||v_k|| of each sink key is reported next to the mean norm of the other keys.
   Exact and O(pos) memory: one fused forward; per layer, each query's weight on key 0 is the streaming
-  statistics' `sink` (n_sink = 1: the pass the head detectors share, `interp.analyses.atlas_pass`), or for
+  statistics' `sink` (n_sink = 1: the pass the head detectors share, `interp.analyses.atlas.atlas_pass`), or for
   more keys each row's log-sum-exp and then only the columns k < n_sink of the pattern (`interp.models.stats`).
 * StreamingLLM (what keeping the sinks buys a sliding window) is in `analyses/streaming.py`.
 """
@@ -48,7 +48,7 @@ class SinkStream:
     is the mean over the queries that see key 0 of each query's weight on it, which is the layer's
     `attention_stats(n_sink=1).sink`; with more sink keys, each key's column of the pattern comes from
     the rows' logsumexp (`attention_weights_at`). So it shares the one streaming pass of the head
-    detectors (`interp.analyses.atlas_pass`)."""
+    detectors (`interp.analyses.atlas.atlas_pass`)."""
 
     wants_v = True
 

@@ -58,7 +58,7 @@ from interp.models.rope.choice import as_hf, describe
 from ._common import stages
 from .document import Section, write_document
 from .store import SETTINGS_KEYS, OutputError, OutputFolder, read_json_file, write_table
-from .sweep_data import DataSpec, build_tokens, check_data, data_source, read_token_file, source_line
+from interp.analyses.data import DataSpec, build_tokens, check_data, data_source, read_token_file, source_line
 
 # What every settings.json interp writes holds, whatever wrote it (a study or the sweep).
 SHARED_KEYS = ("study", "model", "data_description", "data_source", "rope_scaling", "compute", "versions", "seconds")
@@ -89,7 +89,7 @@ class Table:
 class StudyData:
     """The tokens a study reads, and their name. One of:
 
-    - `spec`: a `sweep_data.DataSpec` (text, the zoo corpus, repeated random tokens), built for the model
+    - `spec`: a `data.DataSpec` (text, the zoo corpus, repeated random tokens), built for the model
       when the study runs. `default_length`: its seq_len is a command's default, so `fit_default` may
       shorten it to a model's context (a length asked for is never changed);
     - `ids` from `file`: token ids used as they are, one sequence per row (`from_file`);
@@ -154,7 +154,7 @@ class StudyData:
         return f"{self.rows} x {self.length} tokens from {self.file}"
 
     def named(self) -> dict | None:
-        """`sweep_data.data_source`: what the tokens were read from, by sha256 (None: nothing read, or not named)."""
+        """`data.data_source`: what the tokens were read from, by sha256 (None: nothing read, or not named)."""
         if self.spec is not None:
             return data_source(self.spec)
         if self.file is not None:

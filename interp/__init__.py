@@ -62,19 +62,46 @@ _MOVED = {
     "interp.models.probes": "interp.models.zoo.probes",
     "interp.models.rope_choice": "interp.models.rope.choice",
     "interp.models.rope_heads": "interp.models.rope.heads",
+    # issue 54: analyses/ in rooms, one per study (a moved package's modules follow it: `_moved`)
+    "interp.analyses.sweep": "interp.analyses.atlas.sweep",
+    "interp.analyses.executors": "interp.analyses.atlas.executors",
+    "interp.analyses.report": "interp.analyses.atlas.report",
+    "interp.analyses.atlas_pass": "interp.analyses.atlas.atlas_pass",
+    "interp.analyses.registry": "interp.analyses.atlas.registry",
+    "interp.analyses.sweep_data": "interp.analyses.data",
+    "interp.analyses.circuit": "interp.analyses.circuits",
+    "interp.analyses.circuit_tasks": "interp.analyses.circuits.tasks",
+    "interp.analyses.circuit_study": "interp.analyses.circuits.study",
+    "interp.analyses.extrapolate": "interp.analyses.extrapolation.extrapolate",
+    "interp.analyses.extrapolate_study": "interp.analyses.extrapolation.study",
+    "interp.analyses.lengths": "interp.analyses.extrapolation.lengths",
 }
 
 
+def _moved(fullname: str) -> str | None:
+    """The new path of an old module path: listed in `_MOVED`, or a module of a moved package
+    (`interp.analyses.registry.base` -> `interp.analyses.atlas.registry.base`)."""
+    head, _, rest = fullname, "", ""
+    while head:
+        if head in _MOVED:
+            return _MOVED[head] + (f".{rest}" if rest else "")
+        head, _, tail = head.rpartition(".")
+        rest = f"{tail}.{rest}" if rest else tail
+    return None
+
+
 class _MovedFinder:
-    """Finds an old module path of `_MOVED` (only when no real module answers to it: this finder is last)."""
+    """Finds an old module path (`_moved`). It stands first: a moved package's old name is the new package,
+    whose `__path__` would otherwise let the path finder load its modules a second time under old names.
+    No real module has an old path (its file moved), so it shadows nothing."""
 
     @staticmethod
     def find_spec(fullname, path=None, target=None):
-        if fullname not in _MOVED:
+        if not fullname.startswith("interp.") or (new := _moved(fullname)) is None:
             return None
         import importlib.util
 
-        return importlib.util.spec_from_loader(fullname, _MovedLoader(), origin=_MOVED[fullname])
+        return importlib.util.spec_from_loader(fullname, _MovedLoader(), origin=new)
 
 
 class _MovedLoader:
@@ -97,7 +124,7 @@ def _install_moved_finder() -> None:
     import sys
 
     if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
-        sys.meta_path.append(_MovedFinder())
+        sys.meta_path.insert(0, _MovedFinder())
 
 
 _install_moved_finder()

@@ -1,6 +1,6 @@
 """What a user got wrong, said once: the error types and the checks of numbers that every layer shares
 (the CLI, `interp.load`, the analyses, the models, the drawing of views). The lowest layer: it imports
-nothing of interp, so anything may raise these. `interp.models.errors`, its old path, still imports (a moved module, for one release).
+nothing of interp, so anything may raise these. The models layer imports them from here too.
 
 `UserError` carries a message that says what was wrong and how to fix it, in words that hold for the
 library and the command line alike (parameter names, not flags). `interp.cli` prints one as a single

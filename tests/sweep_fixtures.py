@@ -7,9 +7,9 @@ from collections import Counter
 from pathlib import Path
 
 import interp
-from interp.analyses import registry
-from interp.analyses.sweep import SweepSettings
-from interp.analyses.sweep_data import DataSpec
+from interp.analyses.atlas import registry
+from interp.analyses.atlas.sweep import SweepSettings
+from interp.analyses.data import DataSpec
 
 CFG = interp.ModelConfig(n_layers=2, d_model=24, n_heads=3, d_vocab=29, n_ctx=64, d_mlp=None)
 STEPS = (0, 50, 200)  # written out of order below, so ordering by step is tested too

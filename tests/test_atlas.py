@@ -16,7 +16,7 @@ from smol import SMOL, needs_smol
 import interp
 from interp.analyses import window_eval
 from interp.analyses.pruning import prunable_fractions, pruning_curve, pruning_study
-from interp.analyses.sweep_data import DataSpec, build_tokens, check_data, read_text
+from interp.analyses.data import DataSpec, build_tokens, check_data, read_text
 from interp.cli import main as cli
 
 

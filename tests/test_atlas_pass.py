@@ -1,4 +1,4 @@
-"""The atlas's shared pass (`interp.analyses.atlas_pass`): head detection, attention sinks and the ICL
+"""The atlas's shared pass (`interp.analyses.atlas.atlas_pass`): head detection, attention sinks and the ICL
 score's residual stream from ONE forward, with the numbers each analysis gives alone."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import torch
 
 import interp
 from interp.analyses import heads as heads_module
-from interp.analyses.atlas_pass import atlas_pass
+from interp.analyses.atlas.atlas_pass import atlas_pass
 from interp.analyses.heads import detect_heads, icl_score
-from interp.analyses.registry import ANALYSES, Context
+from interp.analyses.atlas.registry import ANALYSES, Context
 from interp.analyses.sinks import attention_sinks
 from interp.models.stats import _layer_geometry, attention_logsumexp, attention_weights_at, for_each_layer_qk
 

@@ -1,4 +1,4 @@
-"""Circuits (`interp.analyses.circuit`, `interp circuit`): the graph, exact patching against the same
+"""Circuits (`interp.analyses.circuits`, `interp circuit`): the graph, exact patching against the same
 intervention written out by hand with the model's own hooks, EAP and EAP-IG against gradients taken by
 hand, a model whose circuit is known by construction, selection and pruning, the tasks' checks, and the
 command."""
@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import interp
-from interp.analyses import circuit as C
-from interp.analyses.circuit import Graph, Runner, Task, prune_dangling, select
-from interp.analyses.circuit_tasks import file_task, induction_task, read_task_file, token_metric
+from interp.analyses import circuits as C
+from interp.analyses.circuits import runner as circuit_runner
+from interp.analyses.circuits import Graph, Runner, Task, prune_dangling, select
+from interp.analyses.circuits.tasks import file_task, induction_task, read_task_file, token_metric
 from interp.analyses.store import read_table
 from interp.cli import main as cli
 
@@ -264,7 +265,7 @@ def test_bad_settings_are_one_line_before_loading(tmp_path, capsys, monkeypatch,
 
 
 def test_exact_edge_patching_past_its_limit_says_what_to_use(tmp_path, capsys, monkeypatch):
-    from interp.analyses import circuit_study
+    from interp.analyses.circuits import study as circuit_study
 
     monkeypatch.setattr(circuit_study, "MAX_PATCHED_EDGES", 50)
     monkeypatch.setattr(interp, "load", lambda *a, **k: pytest.fail("loaded"))
@@ -303,9 +304,9 @@ def test_a_run_with_many_edges_patched_is_the_same_stacked_or_from_the_buffer(na
     for patched in (0.98, 0.7, 0.05):
         mask = (torch.rand(g.allowed.shape, generator=gen) < patched).float()
         mask[torch.rand(g.allowed.shape, generator=gen) < 0.05] = 0.5  # a mixed edge too
-        monkeypatch.setattr(C._Patching, "STACK", 0)
+        monkeypatch.setattr(circuit_runner._Patching, "STACK", 0)
         buffered = runner.patched(mask)
-        monkeypatch.setattr(C._Patching, "STACK", 10_000)
+        monkeypatch.setattr(circuit_runner._Patching, "STACK", 10_000)
         assert buffered == pytest.approx(runner.patched(mask), abs=2e-5), patched
 
 
@@ -316,7 +317,7 @@ def test_smollm2_ioi_and_greater_than():
     """SmolLM2 does IOI (the indirect object beats the subject) and greater-than (later years beat earlier
     ones, and the corrupted ..01 start removes most of it); EAP-IG's node ranking follows exact patching."""
     from interp.analyses._common import spearman
-    from interp.analyses.circuit_tasks import greater_than_task, ioi_task
+    from interp.analyses.circuits.tasks import greater_than_task, ioi_task
 
     model = interp.load("smollm2-135m")
     ioi = ioi_task(model, 8)
@@ -331,7 +332,7 @@ def test_smollm2_ioi_and_greater_than():
 
 
 def test_the_circuit_drawn_by_default_is_the_smallest_faithful_one():
-    from interp.analyses.circuit_study import chosen_size
+    from interp.analyses.circuits.study import chosen_size
 
     curve = pd.DataFrame({"fraction": [0.0, 0.01, 0.02, 0.05, 1.0], "faithfulness": [0.0, 0.5, 0.85, 0.7, 1.0]})
     assert chosen_size(curve) == 0.02

@@ -17,8 +17,9 @@ from interp.commands import choices
 
 
 def test_the_help_names_are_the_librarys():
-    from interp.analyses import executors, sweep, sweep_data
-    from interp.analyses.registry import ANALYSES
+    from interp.analyses.atlas import executors, sweep
+    from interp.analyses import data as sweep_data
+    from interp.analyses.atlas.registry import ANALYSES
     from interp.benchmarks.suite import ALL
 
     assert choices.ANALYSES == tuple(sorted(ANALYSES))

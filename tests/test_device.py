@@ -68,7 +68,7 @@ def test_the_viewer_as_it_was_fails_under_the_guard(tmp_path, monkeypatch, capsy
     """The H100 bug: the viewer called `.numpy()` on the patterns' codes. Put that call back and the
     command the suite runs (`interp analyze`, guarded by conftest's INTERP_REFUSE_HOST_COPIES) reports it
     as the viewer's error; with the helper it runs clean."""
-    from interp.analyses.registry import viewer
+    from interp.analyses.atlas.registry import viewer
     from interp.cli import main as cli
 
     argv = ["analyze", "attn-only-2l", "--analyses", "viewer", "--n-seqs", "2", "--seq-len", "32", "--no-progress",

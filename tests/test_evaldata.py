@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from interp.analyses.sweep_data import DataSpec, check_data, data_source, read_text
+from interp.analyses.data import DataSpec, check_data, data_source, read_text
 from interp.cli import main as cli
 from interp.analyses import evaldata
 

@@ -1,5 +1,5 @@
-"""`interp extrapolate`: a rotary model past its trained context, per RoPE scaling (analyses/extrapolate.py,
-analyses/extrapolate_study.py, models/rope/heads.py).
+"""`interp extrapolate`: a rotary model past its trained context, per RoPE scaling (analyses/extrapolation/extrapolate.py,
+analyses/extrapolation/study.py, models/rope/heads.py).
 
 1. one forward gives every length's head scores (`scores_at_lengths` equals `scores_by_length`);
 2. the never-completed share against a hand computation (both rotary layouts, partial rotary);
@@ -25,15 +25,15 @@ import torch
 
 import interp
 from core_models import GEMMA3_LIKE, build, small, tokens
-from interp.analyses.extrapolate import (PairEnergy, autopsy_pass, breaking_order, bucket_perplexity, choose_repair,
+from interp.analyses.extrapolation.extrapolate import (PairEnergy, autopsy_pass, breaking_order, bucket_perplexity, choose_repair,
                                          head_changes, never_completed_shares, rope_as, sequence_nll,
                                          split_perplexity)
-from interp.analyses.extrapolate_study import ExtrapolateSettings, run_extrapolate_study
+from interp.analyses.extrapolation.study import ExtrapolateSettings, run_extrapolate_study
 from interp.analyses.kv.tasks import retrieval_prompts
-from interp.analyses.lengths import METRICS, scores_at_lengths, scores_by_length
+from interp.analyses.extrapolation.lengths import METRICS, scores_at_lengths, scores_by_length
 from interp.analyses.store import read_table
 from interp.analyses.study import SHARED_KEYS, StudyData
-from interp.analyses.sweep_data import DataSpec, build_tokens
+from interp.analyses.data import DataSpec, build_tokens
 from interp.cli import main as cli
 from interp.errors import BadValue
 from interp.models.formats.tokenizer import ByteTokenizer
@@ -417,7 +417,7 @@ def test_help_imports_no_torch_and_names_the_librarys_defaults():
             "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
     assert out.splitlines()[-1] == "NO-TORCH", out[-500:]
-    from interp.analyses import extrapolate
+    from interp.analyses.extrapolation import extrapolate
     from interp.commands import choices
 
     assert choices.EXTRAPOLATE_SCALINGS == extrapolate.SCALINGS and choices.EXTRAPOLATE_FACTOR == extrapolate.FACTOR

@@ -673,8 +673,8 @@ def test_the_atlas_says_which_kind_of_layer_holds_the_top_heads():
     heads sit in local (sliding-window) layers, counted here by hand from the rows."""
     import pandas as pd
 
-    from interp.analyses.registry import RunView, metrics
-    from interp.analyses.report import _layer_kind_table, _layer_kinds
+    from interp.analyses.atlas.registry import RunView, metrics
+    from interp.analyses.atlas.report import _layer_kind_table, _layer_kinds
 
     windows = [4, 4, None]  # two local layers, one global
     metric = [m.name for m in metrics(lambda m: m.headline)][0]

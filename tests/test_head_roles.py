@@ -231,8 +231,8 @@ def test_bad_selection_settings_are_one_line_before_the_model_loads(tmp_path, ca
 def test_the_atlas_retrieval_analysis_gives_the_retrieval_column(zoo):
     """`--analyses ...,retrieval`: the registry adapter's rows are the retrieval scores of each head, here
     on a model made (by hooks) to copy the key with L0H2 looking at the needle token it copies."""
-    from interp.analyses.registry import ANALYSES, Context
-    from interp.analyses.registry.retrieval import PARAMS
+    from interp.analyses.atlas.registry import ANALYSES, Context
+    from interp.analyses.atlas.registry.retrieval import PARAMS
 
     entry = ANALYSES["retrieval"]
     assert [m.name for m in entry.metrics] == ["retrieval"] and entry.metrics[0].heatmap and entry.expensive
@@ -317,7 +317,7 @@ def test_the_loss_ranking_reads_the_first_loss_tokens_of_the_text_and_says_so(tm
     from interp.analyses.kv.roles_study import LOSS_TOKENS, RolesSettings, RolesStudy
     from interp.analyses.kv.tasks import retrieval_prompts
     from interp.analyses.study import StudyData, run
-    from interp.analyses.sweep_data import DataSpec
+    from interp.analyses.data import DataSpec
 
     assert LOSS_TOKENS == 1024 and RolesSettings.loss_tokens == 1024
     model = interp.load("attn-only-2l")

@@ -298,8 +298,8 @@ class CountingTokenizer:
 
 
 def test_a_big_text_file_is_tokenized_only_as_far_as_the_windows_reach(tmp_path):
-    from interp.analyses import sweep_data
-    from interp.analyses.sweep_data import DataSpec, check_data
+    from interp.analyses import data as sweep_data
+    from interp.analyses.data import DataSpec, check_data
 
     big = tmp_path / "big.txt"
     line = "the quick brown fox jumps over the lazy dog again and again\n"

@@ -21,10 +21,10 @@ import torch
 from sweep_fixtures import CFG, make_run, settings
 
 import interp
-from interp.analyses import registry
+from interp.analyses.atlas import registry
 from interp.analyses.store import LOCK, MANIFEST, NonFiniteResult, OutputError, OutputFolder, ResultStore
-from interp.analyses.sweep import sweep
-from interp.analyses.sweep_data import DataSpec, build_tokens
+from interp.analyses.atlas.sweep import sweep
+from interp.analyses.data import DataSpec, build_tokens
 from interp.cli import main as cli
 
 DATA = ["--data", "repeated_random", "--n-seqs", "2", "--seq-len", "16", "--no-progress"]

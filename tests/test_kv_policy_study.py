@@ -345,7 +345,7 @@ def test_perplexity_on_smollm2_is_the_written_out_loss():
     Language Reference equal the plain and the hand-masked forward."""
     from smol import SMOL
 
-    from interp.analyses.sweep_data import read_text
+    from interp.analyses.data import read_text
 
     model = interp.load(SMOL)
     toks = model.to_tokens(read_text()[:2000])[:, :80]

@@ -15,7 +15,7 @@ from core_models import GEMMA3_LIKE, build
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from interp.analyses.heads import detect_heads, icl_score
-from interp.analyses.lengths import (FROM_FRACTION, METRICS, check_lengths, length_scores, role_changes,
+from interp.analyses.extrapolation.lengths import (FROM_FRACTION, METRICS, check_lengths, length_scores, role_changes,
                                      scores_by_length)
 from interp.analyses.sinks import attention_sinks
 from interp.cli import main as cli
@@ -266,7 +266,7 @@ def test_sweep_past_the_context_is_marked_in_the_report(tmp_path):
 def test_pieces_keep_bos_and_the_text_order():
     from types import SimpleNamespace
 
-    from interp.analyses.registry.base import Context
+    from interp.analyses.atlas.registry.base import Context
 
     tokens = torch.cat([torch.zeros(2, 1, dtype=torch.long), torch.arange(1, 41).view(2, 20)], 1)  # BOS 0, 20 more
     model = SimpleNamespace(tokenizer=SimpleNamespace(bos_token_id=0))
@@ -281,8 +281,8 @@ def test_pieces_keep_bos_and_the_text_order():
 def test_pruning_past_its_length_runs_on_pieces_and_says_so(tmp_path, capsys, monkeypatch):
     from types import MappingProxyType
 
-    import interp.analyses.registry.pruning as pruning
-    from interp.analyses.registry import ANALYSES
+    import interp.analyses.atlas.registry.pruning as pruning
+    from interp.analyses.atlas.registry import ANALYSES
 
     out = tmp_path / "whole"
     assert cli(["analyze", "rope-gqa-4l", "--out", str(out), "--seq-len", "256", "--n-seqs", "2", "--analyses",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from interp.analyses.executors import ExecutorSettings
-from interp.analyses.sweep import sweep
+from interp.analyses.atlas.executors import ExecutorSettings
+from interp.analyses.atlas.sweep import sweep
 
 from sweep_fixtures import CHEAP, STEPS, make_run, settings
 

@@ -14,9 +14,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from interp.analyses.report import SECTION_IDS, phase_change, write_report
+from interp.analyses.atlas.report import SECTION_IDS, phase_change, write_report
 from interp.analyses.store import as_table
-from interp.analyses.sweep import DEFAULT_ANALYSES, sweep
+from interp.analyses.atlas.sweep import DEFAULT_ANALYSES, sweep
 
 from sweep_fixtures import make_run, settings
 

@@ -15,7 +15,7 @@ from core_models import build, small
 from interp.analyses.document import Section
 from interp.analyses.store import OutputError, read_table
 from interp.analyses.study import SHARED_KEYS, Study, StudyData, StudySettings, Table, fit_default, run
-from interp.analyses.sweep_data import DataSpec
+from interp.analyses.data import DataSpec
 
 
 class Norms(Study):

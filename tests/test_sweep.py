@@ -17,8 +17,8 @@ import torch.nn.functional as F
 import interp
 from interp.models.runs.discover import discover, parse_step
 from interp.analyses.store import COLUMNS
-from interp.analyses.sweep import SettingsMismatch, sweep
-from interp.analyses.sweep_data import DataSpec, build_tokens
+from interp.analyses.atlas.sweep import SettingsMismatch, sweep
+from interp.analyses.data import DataSpec, build_tokens
 from interp.cli import main as cli
 
 from sweep_fixtures import CFG, CHEAP, DATA, STEPS, count_calls, make_run, settings
@@ -236,7 +236,7 @@ def test_truncated_checkpoint_is_reported_and_skipped(tmp_path, capsys):
 def test_failing_analysis_is_reported_and_others_go_on(run_dir, tmp_path, monkeypatch):
     import dataclasses
 
-    from interp.analyses import registry
+    from interp.analyses.atlas import registry
 
     def boom(ctx):
         raise RuntimeError("deliberate failure")

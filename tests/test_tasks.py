@@ -12,7 +12,7 @@ import torch
 
 import interp
 from interp.analyses.kv import tasks
-from interp.analyses.sweep_data import read_text
+from interp.analyses.data import read_text
 from interp.analyses.kv.tasks import (
     FILLER,
     QUESTION,

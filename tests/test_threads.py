@@ -13,8 +13,8 @@ from smol import needs_smol
 
 import interp
 from interp.analyses.kv.policies import passkey_table, policy_perplexity, policy_runs
-from interp.analyses.sweep import SweepSettings, sweep
-from interp.analyses.sweep_data import DataSpec, build_tokens
+from interp.analyses.atlas.sweep import SweepSettings, sweep
+from interp.analyses.data import DataSpec, build_tokens
 from interp.analyses.kv.tasks import retrieval_prompts
 
 KEYS = ["run", "checkpoint", "analysis", "layer", "head", "metric"]

@@ -7,7 +7,7 @@ at the local standard library: rerunning it on another Python writes other data 
 which is why the files are committed and shipped, not rebuilt at install time.
 
   python-language-reference   `pydoc_data.topics.topics`, every topic sorted by name, joined by blank
-                              lines (what `sweep_data` read from the running Python before): UTF-8 text.
+                              lines (what `data` read from the running Python before): UTF-8 text.
   python-stdlib-heldout       the zoo's held-out split of the standard library's `.py` sources (every
                               20th file in sorted order, `training.load_corpus`): the files the zoo
                               never trained on, as bytes, in the container `evaldata.pack` writes.

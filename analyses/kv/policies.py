@@ -394,7 +394,7 @@ def run_policy_study(model, out, *, runs: Sequence[PolicyRun], prompts: Sequence
                      log=print, data_source: dict | None = None, force: bool = False) -> Path:
     """Passkey (or needle) accuracy and perplexity for every run into the folder `out` (`PolicyStudy`
     through `study.run`: only files interp wrote there are ever replaced). Returns the report's path.
-    `data_source` (`sweep_data.data_source`) names the perplexity text by sha256 (settings.json, report)."""
+    `data_source` (`data.data_source`) names the perplexity text by sha256 (settings.json, report)."""
     settings = PolicySettings(model=name, data=StudyData.given(text_tokens, data_description, data_source),
                               runs=tuple(runs), prompt_list=tuple(prompts), max_new_tokens=max_new_tokens,
                               chunk=chunk, progress=progress_bar)

@@ -102,7 +102,7 @@ def run_study(model, tokens, out, *, precisions: Sequence[str] = ("fp32", "int8"
               progress_bar: bool | None = None, log=print, data_source: dict | None = None, force: bool = False) -> Path:
     """The precision study of `model` on `tokens` [batch, pos] into the folder `out` (`study.run`: checked
     before any work; only files interp wrote there are ever replaced). Returns the report's path.
-    `data_source` (`sweep_data.data_source`) names the text by sha256 in settings.json and the report."""
+    `data_source` (`data.data_source`) names the text by sha256 in settings.json and the report."""
     settings = PrecisionSettings(model=name, data=StudyData.given(tokens, data_description, data_source),
                                  precisions=tuple(precisions), seeds=tuple(seeds),
                                  sensitivity_tokens=sensitivity_tokens, progress=progress_bar)

@@ -14,7 +14,7 @@ variants:
   passkey  the filler is "The grass is green. The sky is blue. The sun is yellow. Here we go. There and
            back again." repeated, counted in sentences (a unit is one sentence, ~5 tokens).
   needle   the filler is real English prose: the Python Language Reference that ships with the
-           standard library (`pydoc_data.topics`, as `sweep_data.read_text` gives it), from its start,
+           standard library (`pydoc_data.topics`, as `data.read_text` gives it), from its start,
            counted in lines (a unit is one line, ~10 tokens, at most ~40); past its end (~110k tokens
            of a subword tokenizer) it starts over.
 
@@ -68,7 +68,7 @@ from torch import Tensor
 
 from interp.errors import BadValue, check_int, check_real
 
-from ..sweep_data import read_text
+from interp.analyses.data import read_text
 
 Variant = Literal["passkey", "needle"]
 VARIANTS = ("passkey", "needle")

@@ -40,7 +40,7 @@ def _seconds(fn):
 
 def _pruning(model, ctx_tokens):
     from interp.analyses.pruning import pruning_study
-    from interp.analyses.registry import pruning as reg
+    from interp.analyses.atlas.registry import pruning as reg
 
     p = reg.PARAMS
     kw = dict(split=p["split"], seeds=p["seeds"], step=p["step"], max_fraction=p["max_fraction"], method=p["method"],
@@ -109,9 +109,9 @@ def _atlas(name: str, device: str) -> dict[str, float]:
 
 def _model_rows(name: str, opts: Options) -> tuple[list[list], list[list]]:
     import interp
-    from interp.analyses.registry import streaming as reg_stream
-    from interp.analyses.registry.base import Context
-    from interp.analyses.sweep_data import DataSpec, build_tokens
+    from interp.analyses.atlas.registry import streaming as reg_stream
+    from interp.analyses.atlas.registry.base import Context
+    from interp.analyses.data import DataSpec, build_tokens
 
     model = interp.load(name, device=opts.device)
     kind = "corpus" if name == "attn-only-2l" else "text"  # what the atlas reads: the zoo's corpus, or real text

@@ -78,7 +78,7 @@ def text_data(args, seq_len: int, *, rows: int | None = None):
     first `rows` rows), or windows of the text; a --seq-len left out is the default `seq_len`, which
     `Study.check` fits to the model."""
     from interp.analyses.study import StudyData  # start-up time: imports torch
-    from interp.analyses.sweep_data import DataSpec
+    from interp.analyses.data import DataSpec
 
     if args.data_file and args.text_file:
         raise ValueError("give --data-file (token ids) or --text-file (text), not both")

@@ -1,11 +1,11 @@
 """`interp circuit MODEL --task ioi --method eap-ig --out DIR`: which heads and edges carry a task
-(`interp.analyses.circuit_study.CircuitStudy`)."""
+(`interp.analyses.circuits.study.CircuitStudy`)."""
 
 from __future__ import annotations
 
 from . import checks
 
-# the choices of interp.analyses.circuit (METHODS, IG_ON, SELECTIONS), here so that --help does not import torch
+# the choices of interp.analyses.circuits (METHODS, IG_ON, SELECTIONS), here so that --help does not import torch
 METHODS, IG_ON, SELECTIONS = ("patching", "eap", "eap-ig"), ("inputs", "activations"), ("top", "greedy")
 
 HELP = "circuits: which heads and head-to-head edges carry a task (exact patching, EAP, EAP-IG) and how faithful they are"
@@ -51,7 +51,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from interp.analyses.circuit_study import CircuitSettings, CircuitStudy  # start-up time: torch
+    from interp.analyses.circuits.study import CircuitSettings, CircuitStudy  # start-up time: torch
 
     def settings():
         return CircuitSettings(**checks.common(args), task=args.task, method=args.method, steps=args.steps,

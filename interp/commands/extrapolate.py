@@ -1,6 +1,6 @@
 """`interp extrapolate MODEL --out DIR`: a rotary model read past its trained context, as loaded and with RoPE
 scalings; the heads that break, and a repair of those heads alone; an ALiBi model as loaded
-(`interp.analyses.extrapolate_study`)."""
+(`interp.analyses.extrapolation.study`)."""
 
 from __future__ import annotations
 
@@ -70,9 +70,9 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from interp.analyses.extrapolate_study import ExtrapolateSettings, ExtrapolateStudy  # start-up time: torch
+    from interp.analyses.extrapolation.study import ExtrapolateSettings, ExtrapolateStudy  # start-up time: torch
     from interp.analyses.study import StudyData
-    from interp.analyses.sweep_data import DataSpec, resolve_kind
+    from interp.analyses.data import DataSpec, resolve_kind
     from interp.errors import as_user_errors
     from interp.models.runs.names import resolve_run
 

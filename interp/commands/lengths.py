@@ -1,5 +1,5 @@
 """`interp lengths MODEL --lengths 1024,4096,8192 --out DIR`: every head's scores at each context length
-(`interp.analyses.lengths.LengthStudy`)."""
+(`interp.analyses.extrapolation.lengths.LengthStudy`)."""
 
 from __future__ import annotations
 
@@ -40,9 +40,9 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from interp.analyses.lengths import LengthSettings, LengthStudy  # start-up time: torch
+    from interp.analyses.extrapolation.lengths import LengthSettings, LengthStudy  # start-up time: torch
     from interp.analyses.study import StudyData
-    from interp.analyses.sweep_data import DataSpec, resolve_kind
+    from interp.analyses.data import DataSpec, resolve_kind
     from interp.errors import as_user_errors
     from interp.models.runs.names import resolve_run
 

@@ -22,7 +22,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from interp.analyses.report import headline, write_report
+    from interp.analyses.atlas.report import headline, write_report
     from interp.errors import UserError
 
     try:

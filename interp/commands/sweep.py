@@ -89,9 +89,9 @@ def add_arguments(p) -> None:
 def settings_from_args(args):
     """The sweep's settings from the command line, checked (by `SweepSettings`, data included) before
     any name is resolved or model loaded."""
-    from interp.analyses.registry import resolve_analyses  # CLI start-up time: interp.analyses imports torch
-    from interp.analyses.sweep import SweepSettings  # CLI start-up time
-    from interp.analyses.sweep_data import DataSpec  # CLI start-up time
+    from interp.analyses.atlas.registry import resolve_analyses  # CLI start-up time: interp.analyses imports torch
+    from interp.analyses.atlas.sweep import SweepSettings  # CLI start-up time
+    from interp.analyses.data import DataSpec  # CLI start-up time
 
     if args.data_file and args.text_file:
         raise ValueError("give --data-file (token ids) or --text-file (text), not both")
@@ -131,7 +131,7 @@ def fit_default_length(settings, runs):
 
 
 def run_sweep(args, runs, executor=None, last_only: bool = False) -> int:
-    from interp.analyses.sweep import SettingsMismatch, sweep  # CLI start-up time: interp.analyses imports torch
+    from interp.analyses.atlas.sweep import SettingsMismatch, sweep  # CLI start-up time: interp.analyses imports torch
     from interp.errors import as_user_errors  # CLI start-up time: interp.models imports torch
     from interp.models.runs.names import resolve_run  # CLI start-up time
 
@@ -147,7 +147,7 @@ def run_sweep(args, runs, executor=None, last_only: bool = False) -> int:
 
 
 def run(args) -> int:
-    from interp.analyses.executors import ExecutorSettings  # CLI start-up time: interp.analyses imports torch
+    from interp.analyses.atlas.executors import ExecutorSettings  # CLI start-up time: interp.analyses imports torch
     from interp.errors import as_user_errors  # CLI start-up time: interp.models imports torch
 
     with as_user_errors(ValueError):

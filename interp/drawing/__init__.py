@@ -5,7 +5,7 @@ It takes checked numbers and strings, never a model or a tensor: numpy and the s
 (tests/test_view.py imports it without torch). Below the models in the layers, so that
 `ActivationCache.view` (interp/models/cache.py) can draw without the models holding HTML: the checks of
 what a user hands a view, and the turning of tensors into arrays, are `interp.models.attention_view`;
-`interp.view` is what a notebook calls; the report's viewer (`interp.analyses.registry.viewer`) takes
+`interp.view` is what a notebook calls; the report's viewer (`interp.analyses.atlas.registry.viewer`) takes
 the packing and the shared JavaScript from here.
 
 The templates are files beside this module (`pattern.html`, `stats.html`, `common.js`, `common.css`),

@@ -5,7 +5,7 @@
     icl_from_losses          Olsson et al.'s in-context-learning score from per-token losses
 
 Training (its cheap per-checkpoint probes), the analyzers (`analyses.heads`) and the sweep's data
-(`analyses.sweep_data`) all build theirs here.
+(`analyses.data`) all build theirs here.
 """
 
 from __future__ import annotations

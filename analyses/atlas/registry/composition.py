@@ -10,8 +10,8 @@ from types import MappingProxyType
 import pandas as pd
 import torch
 
-from ..composition import composition_matrix, random_baseline
-from ..document import head_name
+from ...composition import composition_matrix, random_baseline
+from ...document import head_name
 from .base import Analysis, Context, Metric, ReportSection, RunView, concat, per_model, register, require_finite
 from .detection import detect
 from .induction import olsson

@@ -51,10 +51,10 @@ from interp.errors import as_user_errors
 from interp.models.memory import check_fits
 from interp.models.stats import _layer_geometry, for_each_layer_qk
 
-from ._common import progress
-from .document import Section, head_name, png
-from .store import nonfinite_rows
-from .study import Study, StudyData, StudySettings, Table, run
+from .._common import progress
+from ..document import Section, head_name, png
+from ..store import nonfinite_rows
+from ..study import Study, StudyData, StudySettings, Table, run
 
 QUANTILES = (0.5, 0.9, 0.99)
 FROM_FRACTION = 0.5  # score the queries in the second half of each length (see the module docstring)

@@ -12,9 +12,9 @@ from types import MappingProxyType
 import pandas as pd
 import torch
 
-from ..kv.roles import retrieval_scores
-from ..store import NonFiniteResult
-from ..kv.tasks import retrieval_prompts
+from ...kv.roles import retrieval_scores
+from ...store import NonFiniteResult
+from ...kv.tasks import retrieval_prompts
 from .base import Analysis, Context, Metric, per_head, register
 
 PARAMS = MappingProxyType(dict(length=512, depths=(0.2, 0.5, 0.8), per_depth=2, seed=1000, max_new_tokens=8))

@@ -21,8 +21,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .circuit import Task
-from .heads import repeated_random_tokens
+from .graph import Task
+from ..heads import repeated_random_tokens
 
 TASKS = ("ioi", "induction", "greater-than")
 METRICS = ("logit-diff", "prob", "loss", "prob-diff")

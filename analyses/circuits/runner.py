@@ -1,180 +1,20 @@
-"""Which heads and edges carry a behaviour: the computation graph at head granularity, exact activation
-patching (the oracle), edge attribution patching (EAP, Syed et al. 2023) and its integrated-gradients
-form (EAP-IG, Hanna et al. 2024), circuits chosen by score and judged by faithfulness over their sizes
-(MIB, Mueller et al. 2025).
-
-The graph, with the conventions of the EAP literature (ACDC's, Hanna et al.'s):
-
-- senders: the embeddings as one node `embed` (the residual stream entering block 0: token plus
-  position), each head's output without the output bias `L{l}H{h}`, each MLP's output `MLP{l}`;
-- receivers: each head's q, k and v inputs (the residual stream before that layer's norm, one copy
-  per input: `set_use_split_qkv_input`), each MLP's input, and `logits` (the stream before the final
-  norm);
-- an edge: a sender that writes before a receiver reads. The receiver's input is the sum of its
-  senders' values plus the biases, so patching edge s -> r gives r the input
-  `input_r - value_s + value_s(corrupted)` and leaves every other reader of s alone.
-
-Grouped-query attention: a key/value head's k and v inputs are one input read by all the query heads
-of its group, so they are one receiver, named `L{l}KV{g}` (`L{l}H{g}` under multi-head attention,
-where the two coincide); its edges are scored once, for the group.
-
-Sandwich norms (Gemma 2 / 3, OLMo 2): a head's value is its share of the normalised attention output,
-`w * result_h / rms(attention output)` with the norm's scale of the same run, so the layer's output is
-still the sum of its heads' values (plus the bias's share). Patching a head changes only its own
-share: the scale each receiver sees is the scale of the run it reads.
-
-Scores are `metric(run with the edge corrupted) - metric(clean run)` (patching), or its first-order
-estimate `(value_s(corrupted) - value_s(clean)) . d metric / d input_r` (EAP); EAP-IG averages the
-gradient over m points between the corrupted and the clean run (midpoints: alpha = (k - 1/2) / m),
-interpolating the embeddings ("inputs") or every receiver's input at once ("activations"). The metric
-is a mean over prompts and answer positions (`Task`). A node's score is its sender's: every edge out of
-it patched at once (exact), or the sum of its edges' scores (EAP, EAP-IG: the same first-order
-estimate).
-"""
+"""Runs through the graph: exact edge and node patching (resumed at the first changed layer), EAP and
+EAP-IG (`Runner`), and faithfulness over circuit sizes (`faithfulness_curve`)."""
 
 from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
-import numpy as np
 import pandas as pd
 import torch
 from torch import Tensor
 
-from interp.models.device import to_host, to_numpy
+from interp.models.device import to_host
 
-from ._common import frozen_params, progress
-
-METHODS = ("patching", "eap", "eap-ig")
-IG_ON = ("inputs", "activations")
-# MIB's circuit sizes: fractions of the graph's edges
-FRACTIONS = (0.0, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
-
-
-# ---- the graph ---------------------------------------------------------------------------------
-class Graph:
-    """Senders, receivers and which edges exist, for a model config.
-
-    Order of computation: `embed` is stage 0; layer l's attention reads at stage 2l + 1 and its heads
-    write there; its MLP reads and writes at stage 2l + 2 (a parallel block's MLP reads at 2l + 1, beside
-    attention); `logits` read at 2 n_layers + 1. An edge s -> r exists when s writes before r reads."""
-
-    def __init__(self, cfg) -> None:
-        L, H, KV = cfg.n_layers, cfg.n_heads, cfg.kv_heads
-        self.n_layers, self.n_heads, self.n_kv = L, H, KV
-        self.has_mlp = cfg.d_mlp is not None
-        parallel = bool(cfg.parallel_attn_mlp) and self.has_mlp
-        senders, s_stage, s_layer = ["embed"], [0], [-1]
-        for l in range(L):
-            senders += [f"L{l}H{h}" for h in range(H)]
-            s_stage += [2 * l + 1] * H
-            s_layer += [l] * H
-            if self.has_mlp:
-                senders.append(f"MLP{l}")
-                s_stage.append(2 * l + 2)
-                s_layer.append(l)
-        kv_name = (lambda l, g: f"L{l}H{g}") if KV == H else (lambda l, g: f"L{l}KV{g}")
-        receivers, r_input, r_reads, r_layer = [], [], [], []
-        for l in range(L):
-            for kind, n, name in (("q", H, lambda l, h: f"L{l}H{h}"), ("k", KV, kv_name), ("v", KV, kv_name)):
-                receivers += [name(l, i) for i in range(n)]
-                r_input += [kind] * n
-                r_reads += [2 * l + 1] * n
-                r_layer += [l] * n
-            if self.has_mlp:
-                receivers.append(f"MLP{l}")
-                r_input.append("-")
-                r_reads.append(2 * l + 1 if parallel else 2 * l + 2)
-                r_layer.append(l)
-        receivers.append("logits")
-        r_input.append("-")
-        r_reads.append(2 * L + 1)
-        r_layer.append(L)
-        self.senders, self.receivers, self.inputs = senders, receivers, r_input
-        self.sender_layer, self.receiver_layer = s_layer, r_layer
-        self.allowed = torch.tensor(s_stage)[:, None] < torch.tensor(r_reads)[None, :]  # [S, R]
-        # receivers of one hook point: (layer, kind) -> receiver indices
-        self.groups: dict[tuple[int, str], list[int]] = {}
-        for r, (l, kind) in enumerate(zip(r_layer, r_input)):
-            key = (l, "mlp" if receivers[r].startswith("MLP") else "logits" if l == L else kind)
-            self.groups.setdefault(key, []).append(r)
-        # a receiving node: which sender it is (the query heads a KV receiver feeds, for GQA)
-        index = {s: i for i, s in enumerate(senders)}
-        group = H // KV
-        self.receiver_senders: list[list[int]] = []
-        for r, name in enumerate(receivers):
-            l, kind = r_layer[r], r_input[r]
-            if name == "logits":
-                self.receiver_senders.append([])
-            elif kind in ("k", "v"):
-                g = int(name.rsplit("KV" if KV != H else "H", 1)[1])
-                self.receiver_senders.append([index[f"L{l}H{h}"] for h in range(g * group, (g + 1) * group)])
-            else:
-                self.receiver_senders.append([index[name]])
-        # the other way round: a sender node -> the receivers that are its inputs (its q, its group's k and v, ...)
-        self.inputs_of: list[list[int]] = [[] for _ in senders]
-        for r, owners in enumerate(self.receiver_senders):
-            for s in owners:
-                self.inputs_of[s].append(r)
-
-    @property
-    def n_edges(self) -> int:
-        return int(self.allowed.sum())
-
-    def edges(self) -> tuple[Tensor, Tensor]:
-        """(sender index, receiver index) of every edge, in a fixed order (receivers' order, then senders')."""
-        r, s = self.allowed.T.nonzero(as_tuple=True)
-        return s, r
-
-    def edge_frame(self, scores: Tensor) -> pd.DataFrame:
-        """scores [S, R] -> one row per edge: sender, receiver, input, score."""
-        s, r = self.edges()
-        return pd.DataFrame({"sender": [self.senders[i] for i in s.tolist()],
-                             "receiver": [self.receivers[i] for i in r.tolist()],
-                             "input": [self.inputs[i] for i in r.tolist()],
-                             "score": to_numpy(scores[s, r], np.float64)})
-
-
-# ---- tasks -------------------------------------------------------------------------------------
-@dataclass
-class Task:
-    """Clean and corrupted prompts of equal token length, and where the metric reads the answers.
-
-    clean, corrupted  [batch, pos] token ids (right padding is harmless under causal attention: the
-                      answers never read it)
-    rows, positions   [n] the prompt and position of each answer (the logits there are read)
-    metric            (logits [n, vocab], index [n] into the answers) -> [n] per-answer values; the
-                      task's metric is their mean. `name`: what it is ("logit-diff", "prob", "loss", ...)"""
-
-    name: str
-    clean: Tensor
-    corrupted: Tensor
-    rows: Tensor
-    positions: Tensor
-    metric: Callable[[Tensor, Tensor], Tensor]
-    metric_name: str
-    description: str = ""
-    prompts: list[str] = field(default_factory=list)
-    answer_tokens: Tensor | None = None  # [n] each answer's (first) token, to see which heads attend to it
-    wrong_tokens: Tensor | None = None
-
-    def __post_init__(self) -> None:
-        if self.clean.shape != self.corrupted.shape:
-            raise ValueError(f"clean {tuple(self.clean.shape)} and corrupted {tuple(self.corrupted.shape)} tokens "
-                             "differ in shape")
-
-    @property
-    def n_answers(self) -> int:
-        return int(self.rows.numel())
-
-    def chunks(self, batch_size: int) -> Iterator[tuple[slice, Tensor]]:
-        """(prompt slice, answer indices in it) per chunk of `batch_size` prompts."""
-        for start in range(0, self.clean.shape[0], batch_size):
-            part = slice(start, start + batch_size)
-            yield part, ((self.rows >= start) & (self.rows < start + batch_size)).nonzero().flatten()
+from .._common import frozen_params, progress
+from .graph import FRACTIONS, IG_ON, Graph, Task, select
 
 
 # ---- runs through the graph ----------------------------------------------------------------------
@@ -547,78 +387,6 @@ class _Patching:
         return (w.T @ diff.flatten(1)).view(w.shape[1], *diff.shape[1:])
 
 
-# ---- circuits ----------------------------------------------------------------------------------------
-SELECTIONS = ("top", "greedy")
-
-
-def top_edges(graph: Graph, scores: Tensor, n: int) -> Tensor:
-    """bool [S, R]: the `n` edges of largest |score|."""
-    s, r = graph.edges()
-    keep = torch.zeros_like(graph.allowed)
-    if n > 0:
-        order = scores[s, r].abs().argsort(descending=True, stable=True)[:n]
-        keep[s[order], r[order]] = True
-    return keep
-
-
-def greedy_edges(graph: Graph, scores: Tensor, n: int) -> Tensor:
-    """bool [S, R]: grown from the logits (Hanna et al. 2024): at each step the edge of largest |score|
-    among those into a node already in the circuit joins it, with its sender."""
-    import heapq
-
-    edges_of = {r: graph.allowed[:, r].nonzero().flatten().tolist() for r in range(len(graph.receivers))}
-    keep = torch.zeros_like(graph.allowed)
-    heap: list = []
-    opened: set[int] = set()
-
-    def open_receiver(r: int) -> None:
-        if r not in opened:
-            opened.add(r)
-            for s in edges_of[r]:
-                heapq.heappush(heap, (-abs(float(scores[s, r])), s, r))
-
-    open_receiver(len(graph.receivers) - 1)  # the logits
-    joined: set[int] = set()
-    count = 0
-    while heap and count < n:
-        _, s, r = heapq.heappop(heap)
-        keep[s, r] = True
-        count += 1
-        if s not in joined:
-            joined.add(s)
-            for r2 in graph.inputs_of[s]:
-                open_receiver(r2)
-    return keep
-
-
-def prune_dangling(graph: Graph, circuit: Tensor) -> Tensor:
-    """`circuit` less the edges that cannot matter: from a sender no path from the embeddings reaches, or
-    into a node with no path on to the logits (repeated until nothing changes, in one pass each way, since
-    the graph is ordered)."""
-    S, R = circuit.shape
-    edges = circuit & graph.allowed
-    reached = torch.zeros(S, dtype=torch.bool)
-    reached[0] = True  # embed
-    for s in range(1, S):  # senders in the order of computation
-        rs = graph.inputs_of[s]
-        reached[s] = bool(rs) and bool((edges[:, rs] & reached[:, None]).any())
-    edges = edges & reached[:, None]
-    useful = torch.zeros(R, dtype=torch.bool)  # receivers with a path on to the logits
-    useful[R - 1] = True
-    for s in range(S - 1, -1, -1):  # a node's receivers are decided before the senders that feed them
-        if bool((edges[s] & useful).any()):
-            useful[graph.inputs_of[s]] = True
-    return edges & useful[None, :]
-
-
-def select(graph: Graph, scores: Tensor, n: int, how: str = "top") -> Tensor:
-    """`n` edges by `how` ("top" or "greedy"), dangling ones pruned."""
-    if how not in SELECTIONS:
-        raise ValueError(f"unknown selection {how!r}: choose one of {', '.join(SELECTIONS)}")
-    pick = top_edges if how == "top" else greedy_edges
-    return prune_dangling(graph, pick(graph, scores, n))
-
-
 def faithfulness_curve(runner: Runner, scores: Tensor, fractions: Sequence[float] = FRACTIONS, how: str = "top",
                        show_progress: bool | None = None) -> pd.DataFrame:
     """Faithfulness of the circuits of each size: `fraction` of the graph's edges chosen (`select`),
@@ -629,11 +397,3 @@ def faithfulness_curve(runner: Runner, scores: Tensor, fractions: Sequence[float
         circuit = select(g, scores, max(n, 1) if f > 0 else 0, how)
         rows.append({"fraction": float(f), "edges": int(circuit.sum()), "faithfulness": runner.faithfulness(circuit)})
     return pd.DataFrame(rows)
-
-
-def areas(curve: pd.DataFrame) -> dict:
-    """MIB's summaries of a faithfulness curve over edge fractions in [0, 1]: CPR, the area under it
-    (higher is better), and CMD, the area under |1 - faithfulness| (lower is better)."""
-    x, y = curve["fraction"].to_numpy(float), curve["faithfulness"].to_numpy(float)
-    trapz = getattr(np, "trapezoid", None) or np.trapz
-    return {"cpr": float(trapz(y, x)), "cmd": float(trapz(np.abs(1 - y), x))}

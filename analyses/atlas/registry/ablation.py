@@ -6,9 +6,9 @@ from types import MappingProxyType
 
 import pandas as pd
 
-from .. import plots
-from ..ablation import ablate_heads
-from ..document import md_escape
+from ... import plots
+from ...ablation import ablate_heads
+from ...document import md_escape
 from .base import Analysis, Context, Metric, ReportSection, RunView, concat, head_rows, per_head, per_model, register
 
 PARAMS = MappingProxyType(dict(methods=("mean", "zero", "resample"), seed=0))

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import pandas as pd
 from torch import Tensor
 
-from ._common import head_frame, token_input, valid_mask
-from .heads import DetectStream, detect_heads, layer_pass, resolve_method
-from .sinks import SinkStream
+from .._common import head_frame, token_input, valid_mask
+from ..heads import DetectStream, detect_heads, layer_pass, resolve_method
+from ..sinks import SinkStream
 
 
 @dataclass

@@ -14,8 +14,8 @@ from interp.drawing import b64, fill
 from interp.models.attention_view import codes_u8
 from interp.models.device import to_numpy
 
-from ..document import Html, inline_json
-from ..store import NonFiniteResult
+from ...document import Html, inline_json
+from ...store import NonFiniteResult
 from .base import Analysis, Context, Metric, Output, ReportSection, RunView, metrics, per_model, register
 
 PARAMS = MappingProxyType(dict(max_tokens=48))

@@ -8,8 +8,8 @@ from types import MappingProxyType
 
 import pandas as pd
 
-from .. import plots
-from ..pruning import pruning_study
+from ... import plots
+from ...pruning import pruning_study
 from .base import Analysis, Context, Metric, ReportSection, RunView, concat, per_model, register
 
 PARAMS = MappingProxyType(dict(split=0.5, seeds=(0, 1, 2), step=0.025, max_fraction=0.2, method="zero",

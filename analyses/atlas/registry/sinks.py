@@ -6,9 +6,9 @@ from types import MappingProxyType
 
 import pandas as pd
 
-from .. import plots
-from ..sinks import attention_sinks, sink_rate
-from ..document import head_name
+from ... import plots
+from ...sinks import attention_sinks, sink_rate
+from ...document import head_name
 from .base import Analysis, Context, Metric, ReportSection, RunView, concat, per_head, per_model, register, rows
 from .detection import SINK_EPSILON, shared_pass
 

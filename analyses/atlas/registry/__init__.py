@@ -7,7 +7,7 @@ says `expensive_on="all"`), and its report section with its plot. To add an anal
 here and import it below; the report and the CLI pick it up. An analysis returns its rows (a
 DataFrame), or `Output(rows, extra)` when it keeps JSON beside them (the viewer); its sections are
 its own (`section`, and `across` for figures over training), as are its headline facts. The metric table:
-`python -c "from interp.analyses.registry import metric_table; print(metric_table())"`.
+`python -c "from interp.analyses.atlas.registry import metric_table; print(metric_table())"`.
 """
 
 from __future__ import annotations

@@ -34,15 +34,15 @@ from interp.models.memory import check_fits
 from interp.models.rope.choice import as_hf, choose
 from interp.models.rope.heads import logn_heads, scaled_heads
 
-from .document import Section, head_name, png
+from ..document import Section, head_name, png
 from .extrapolate import (BUCKETS, CHANGES, DEPTHS, FACTOR, REPAIR_FRACTION, SCALINGS, PairEnergy, autopsy_pass,
                           breaking_order, bucket_perplexity, choose_repair, head_changes, never_completed_shares,
                           passkey_answers, reference_length, rope_as, rotary_tables, scaled_layers, scaling_name,
                           sequence_nll, share_correlations, split_perplexity)
-from .kv.tasks import accuracy_label, retrieval_prompts
+from ..kv.tasks import accuracy_label, retrieval_prompts
 from .lengths import FROM_FRACTION, check_lengths
-from .study import Study, StudyData, StudySettings, Table, run
-from .sweep_data import DataSpec
+from ..study import Study, StudyData, StudySettings, Table, run
+from ..data import DataSpec
 
 LOGN = "logn"  # the temperature repair's name
 AUTO = "auto"  # the repair by default: yarn on a rotary model, none elsewhere

@@ -14,8 +14,8 @@ from types import MappingProxyType
 import numpy as np
 import pandas as pd
 
-from .. import plots
-from ..heads import icl_score, induction_scores
+from ... import plots
+from ...heads import icl_score, induction_scores
 from .base import Analysis, Context, Metric, ReportSection, RunView, concat, metrics, model_rows, per_head, per_model, register
 from .detection import detect, detect_metric, shared_pass
 

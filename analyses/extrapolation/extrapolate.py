@@ -1,7 +1,7 @@
 """Reading past the trained context: what RoPE scalings do to a model at 1x, 1.5x and 2x its context,
 which heads break, whether the rotary frequencies a head leans on say which, and a repair of those
 heads alone. The measurements; the study (`interp extrapolate`), its settings and its report are
-`extrapolate_study.py`.
+`study.py`.
 
 one pass per scaling   `autopsy_pass`: one forward over the evaluation text at the longest length gives
     every head's scores at every length (`lengths.scores_at_lengths`: entropy, sink, distance and its
@@ -42,9 +42,9 @@ from torch import Tensor
 from interp.models.device import to_numpy
 from interp.models.rope.choice import choose
 
-from ._common import spearman
-from .document import head_name
-from .kv.policies import answer, policy_runs
+from .._common import spearman
+from ..document import head_name
+from ..kv.policies import answer, policy_runs
 from .lengths import FROM_FRACTION, scores_at_lengths
 
 SCALINGS = ("none", "linear", "ntk", "yarn")  # none: the model as loaded (its own positions)

@@ -15,7 +15,7 @@ SINK_EPSILON = 0.3  # the sinks analysis's epsilon (its PARAMS), for the pass it
 
 
 def shared_pass(ctx: Context) -> AtlasPass:
-    """The checkpoint's one streaming pass (`interp.analyses.atlas_pass`): the three detection kinds, the
+    """The checkpoint's one streaming pass (`interp.analyses.atlas.atlas_pass`): the three detection kinds, the
     sinks' alpha_0 and the final residual stream (for the ICL score), computed once for every adapter
     that reads them (detection, induction, sinks)."""
     return ctx.once("atlas_pass", lambda: atlas_pass(ctx.model, ctx.tokens, DETECT_KINDS, epsilon=SINK_EPSILON))

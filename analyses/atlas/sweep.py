@@ -1,6 +1,6 @@
 """Sweeps: chosen analyses over every checkpoint of one or more training runs, resumably.
 
-    from interp.analyses.sweep import SweepSettings, sweep
+    from interp.analyses.atlas.sweep import SweepSettings, sweep
     result = sweep(["attn-only-2l"], "out/attn-only-2l")
     result.table    # run, checkpoint, step, analysis, layer, head, metric, value
 
@@ -36,7 +36,7 @@ from typing import Callable, Iterator, Literal, Sequence
 import pandas as pd
 import torch
 
-from ._common import auto_tqdm
+from .._common import auto_tqdm
 from .executors import ExecutorSettings, make_executor
 from .registry import ANALYSES, Context, as_output, resolve_analyses
 from .report import write_report
@@ -48,9 +48,9 @@ from interp.models.rope.choice import as_hf, choose, rope_spec
 from interp.models.formats.folder import refuse_code_in
 from interp.models.runs.names import resolve_run
 from interp.models.runs.discover import Checkpoint, Run
-from .store import LOAD, NonFiniteResult, OutputError, ResultStore, read_json_file
-from .study import versions
-from .sweep_data import DataSpec, build_tokens, check_data, data_clash, data_source, prebuild_tokens, resolve_kind
+from ..store import LOAD, NonFiniteResult, OutputError, ResultStore, read_json_file
+from ..study import versions
+from ..data import DataSpec, build_tokens, check_data, data_clash, data_source, prebuild_tokens, resolve_kind
 
 DEFAULT_ANALYSES = ("induction", "previous_token", "duplicate_token", "sinks", "viewer", "streaming", "composition",
                     "ablation", "pruning", "importance")
@@ -69,7 +69,7 @@ class SettingsMismatch(RuntimeError):
 class SweepSettings:
     """What the numbers in a sweep folder mean; `settings.json` holds these, and a rerun must match.
 
-    analyses     names from `interp.analyses.registry.ANALYSES`.
+    analyses     names from `interp.analyses.atlas.registry.ANALYSES`.
     data         the tokens every checkpoint sees (`DataSpec`; kind "auto" picks the zoo corpus
                  for byte-level zoo models and repeated random tokens otherwise).
     expensive_on "last": analyses marked expensive (ablation, pruning, importance: a forward pass

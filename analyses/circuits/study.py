@@ -1,8 +1,8 @@
 """`CircuitStudy` (`interp circuit`): which heads and edges carry a task's behaviour, scored by exact
-patching, EAP or EAP-IG (`circuit.py`), circuits chosen at MIB's sizes and judged by faithfulness, the
+patching, EAP or EAP-IG (`graph.py`, `runner.py`), circuits chosen at MIB's sizes and judged by faithfulness, the
 circuit's overlap with the atlas's induction and duplicate-token heads, and a report that draws it.
 
-    from interp.analyses.circuit_study import CircuitSettings, CircuitStudy
+    from interp.analyses.circuits.study import CircuitSettings, CircuitStudy
     from interp.analyses.study import run
     run(CircuitStudy(), model, "out/ioi", CircuitSettings(model="smollm2-135m", task="ioi", method="eap-ig"))
 
@@ -24,11 +24,12 @@ import torch
 from interp.models.device import to_numpy
 from interp.errors import as_user_errors
 
-from ._common import spearman
-from .circuit import FRACTIONS, IG_ON, METHODS, SELECTIONS, Graph, Runner, areas, faithfulness_curve, select
-from .circuit_tasks import METRICS, TASKS, build_task, read_task_file
-from .document import Html, Section, number, png
-from .study import Study, StudySettings, Table
+from .._common import spearman
+from .graph import FRACTIONS, IG_ON, METHODS, SELECTIONS, Graph, areas, select
+from .runner import Runner, faithfulness_curve
+from .tasks import METRICS, TASKS, build_task, read_task_file
+from ..document import Html, Section, number, png
+from ..study import Study, StudySettings, Table
 
 # exact edge patching is one forward per edge: past this many edges it is refused (with the way round)
 MAX_PATCHED_EDGES = 20_000
@@ -38,7 +39,7 @@ ROLE_TOP = 3  # the atlas's heads of a role: the top 3 by its score (as the KV p
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class CircuitSettings(StudySettings):
-    """task     "ioi", "induction", "greater-than", or a JSON-lines file (`circuit_tasks.read_task_file`)
+    """task     "ioi", "induction", "greater-than", or a JSON-lines file (`tasks.read_task_file`)
     method   "patching" (exact, one run per edge), "eap", "eap-ig"
     steps    EAP-IG's interpolation points; ig: "inputs" (the embeddings) or "activations"
     metric   None: the task's own (logit-diff; prob-diff for greater-than; loss for a file without wrong answers)
@@ -188,7 +189,7 @@ def _node_frame(g: Graph, scores, method: str, circuit) -> pd.DataFrame:
 def _roles(model) -> dict:
     """The atlas's induction and duplicate-token heads: the top `ROLE_TOP` by Olsson et al.'s scores on
     repeated random tokens (`heads.induction_scores`)."""
-    from .heads import induction_scores
+    from ..heads import induction_scores
 
     frame = induction_scores(model, seq_len=50, batch_size=8)
     out = {}

@@ -9,9 +9,9 @@ from types import MappingProxyType
 
 import pandas as pd
 
-from .. import plots
-from ..streaming import window_eval
-from ..sweep_data import build_tokens, prebuild_tokens
+from ... import plots
+from ...streaming import window_eval
+from ...data import build_tokens, prebuild_tokens
 from .base import Analysis, Context, Metric, ReportSection, RunView, concat, per_model, register
 
 PARAMS = MappingProxyType(dict(max_stream=2048, ctx_multiple=4, window_fractions=(1 / 32, 1 / 8), n_sink=4, seed=0))

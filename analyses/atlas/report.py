@@ -3,7 +3,7 @@ same sections; PNGs in `figures/`).
 
 Sections, in order (HTML ids in brackets): summary [summary], errors and skipped checkpoints
 [errors], head scores at the last checkpoint [heatmaps], then the sections each registered analysis
-declares (`analyses/registry/`, in registration order): first those across checkpoints (`across`:
+declares (`analyses/atlas/registry/`, in registration order): first those across checkpoints (`across`:
 induction's small multiples [small-multiples] and curves against training step with the phase
 change [curves]), then their own (sinks, ablation, pruning, attribution, ...), and settings
 [settings]. This module knows no analysis by name: the head-score figure takes every metric
@@ -25,12 +25,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import plots
-from .document import Section, head_name, md_escape, write_document
+from .. import plots
+from ..document import Section, head_name, md_escape, write_document
 from .registry import ANALYSES, RunView, metrics
 from .registry.induction import phase_change  # noqa: F401 - public here since the report first computed it
-from .store import ResultStore, _slug, load_results
-from .sweep_data import source_line
+from ..store import ResultStore, _slug, load_results
+from ..data import source_line
 from interp.models.rope.choice import describe
 
 _FIXED_HEAD = (("summary", "Summary"), ("errors", "Errors and skipped checkpoints"))

@@ -19,8 +19,8 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from ..document import png
-from ..store import NonFiniteResult, nonfinite_rows
+from ...document import png
+from ...store import NonFiniteResult, nonfinite_rows
 
 
 @dataclass

@@ -7,8 +7,8 @@ from types import MappingProxyType
 
 import pandas as pd
 
-from .. import plots
-from ..importance import head_importance
+from ... import plots
+from ...importance import head_importance
 from .base import Analysis, Context, Metric, ReportSection, RunView, concat, per_head, per_model, register
 
 PARAMS = MappingProxyType(dict(method="mean", normalize=True, seed=0))
