@@ -26,7 +26,7 @@ from pathlib import Path
 import pandas as pd
 
 from interp.analyses.atlas.registry.viewer import grid_scores, viewer_html
-from interp.analyses.atlas.report import _view as run_view  # what a report section sees of one run (RunView)
+from interp.analyses.atlas.report import run_view  # what a report section sees of one run (RunView)
 from interp.analyses.store import ResultStore, as_table, load_results
 from interp.drawing import View
 from interp.models.attention_view import MAX_TOKENS, pattern_view, stats_view

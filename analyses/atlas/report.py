@@ -72,8 +72,10 @@ def _ranked(last: pd.DataFrame, names: list[str], top: int = 10) -> pd.DataFrame
     return pd.DataFrame({"rank": range(1, n + 1), **{m: c + [""] * (n - len(c)) for m, c in cols.items()}})
 
 
-def _view(table: pd.DataFrame, run: str, several: bool, settings: dict, log_steps: bool = False,
-          extras: list[dict] = ()) -> RunView:
+def run_view(table: pd.DataFrame, run: str, several: bool, settings: dict, log_steps: bool = False,
+             extras: list[dict] = ()) -> RunView:
+    """What a report section sees of one run of a results table (`RunView`): its rows, the last
+    checkpoint's extras per analysis, and the settings; `interp.view` draws sections from it too."""
     t = table[table["run"] == run]
     latest: dict = {}
     for e in sorted((e for e in extras if e["run"] == run), key=lambda e: -1 if e["step"] is None else e["step"]):
@@ -97,7 +99,7 @@ def build_sections(out, log_steps: bool = False) -> tuple[str, list[Section]]:
     analyses = settings.get("analyses", [])
     runs = list(settings.get("runs", {})) or sorted(table["run"].dropna().unique())
     extras = store.extras()
-    views = [_view(table, run, len(runs) > 1, settings, log_steps, extras) for run in runs]
+    views = [run_view(table, run, len(runs) > 1, settings, log_steps, extras) for run in runs]
     single = all(len(settings.get("runs", {}).get(r, {}).get("checkpoints", [])) <= 1 for r in runs) and \
         table.groupby("run")["checkpoint"].nunique().le(1).all()
     sections = [_summary(settings, table, errors, timing, store, views), _errors(errors)]
@@ -259,7 +261,7 @@ def headline(out) -> str:
         raise FileNotFoundError(f"{out} is not a sweep folder (no settings.json)")
     table = load_results(out)
     runs = list(settings.get("runs", {})) or sorted(table["run"].dropna().unique())
-    return "\n".join(_headlines([_view(table, r, len(runs) > 1, settings) for r in runs]))
+    return "\n".join(_headlines([run_view(table, r, len(runs) > 1, settings) for r in runs]))
 
 
 def _errors(errors: list[dict]) -> Section:
