@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from interp.models import HookedTransformer
 from interp.models.formats.checkpoint import (  # noqa: F401 - FORMAT_VERSION, CheckpointError, save_model: public here
     FORMAT_VERSION,
     CheckpointError,
@@ -23,8 +22,8 @@ from interp.models.formats.checkpoint import (  # noqa: F401 - FORMAT_VERSION, C
     load_checkpoint,
     save_model,
 )
-from interp.errors import UserError
 from interp.models.families import FAMILIES, get_family
+from interp.models.base import HookedModel, rope_refusal
 from interp.models.wrapped import WrappedModel, check_wrappable
 from interp.models.processing import check_processing
 from interp.models.runs.names import (  # noqa: F401 - name resolution is the model layer's; re-exported as before
@@ -43,7 +42,7 @@ def load(name_or_path, *, revision: str | None = None, dtype: torch.dtype = torc
          device: torch.device | str | None = None, tokenizer=None, default_prepend_bos: bool | None = None,
          fold_ln: bool = False, center_writing_weights: bool = False, center_unembed: bool = False,
          fold_value_biases: bool = False, refactor_factored_attn_matrices: bool = False,
-         rope_scaling=None) -> HookedTransformer:
+         rope_scaling=None) -> HookedModel:
     """Load a model, resolving `name_or_path` in this order:
 
     1. a local path: a checkpoint folder (ours or Hugging Face's, or a file inside one) or a `.gguf` file;
@@ -80,8 +79,8 @@ def load(name_or_path, *, revision: str | None = None, dtype: torch.dtype = torc
                         refactor_factored_attn_matrices=refactor_factored_attn_matrices)
 
 
-def _conventions(model: HookedTransformer, name: str | None, default_prepend_bos: bool | None,
-                 **processing: bool) -> HookedTransformer:
+def _conventions(model: HookedModel, name: str | None, default_prepend_bos: bool | None,
+                 **processing: bool) -> HookedModel:
     """Apply the TransformerLens-convention options of `load` / `from_hf` to a loaded model."""
     model.loaded_as(name, default_prepend_bos=default_prepend_bos)  # cfg.model_name, cfg.default_prepend_bos
     if any(processing.values()):
@@ -93,7 +92,7 @@ def _conventions(model: HookedTransformer, name: str | None, default_prepend_bos
 def from_hf(hf_model, *, tokenizer=None, dtype: torch.dtype | None = None, device=None,
             default_prepend_bos: bool | None = None, fold_ln: bool = False, center_writing_weights: bool = False,
             center_unembed: bool = False, fold_value_biases: bool = False,
-            refactor_factored_attn_matrices: bool = False, rope_scaling=None) -> HookedTransformer:
+            refactor_factored_attn_matrices: bool = False, rope_scaling=None) -> HookedModel:
     """A `transformers` causal-LM object as an interp model: converted to our own transformer when its
     `model_type` is a native family (`interp.models.families.FAMILIES`), else wrapped
     (`interp.models.wrapped.WrappedModel`: transformers runs it, through interp's attention function,
@@ -102,11 +101,7 @@ def from_hf(hf_model, *, tokenizer=None, dtype: torch.dtype | None = None, devic
     (native only; a bad scaling is refused before a weight is converted)."""
     config = hf_model.config.to_dict()
     if rope_scaling is not None and config.get("model_type") not in FAMILIES:
-        from interp.models.rope.choice import rope_spec
-
-        rope_spec(rope_scaling)  # a bad spelling is said as such first
-        raise UserError(f"rope_scaling is interp's own transformer's, and this is a {config.get('model_type')} model "
-                        "that transformers runs (wrapped): set rope_parameters in its config instead")
+        raise rope_refusal(config.get("model_type"), "this", rope_scaling)  # a bad spelling is said as such first
     if config.get("model_type") not in FAMILIES:
         check_wrappable(config.get("model_type"))
         model = WrappedModel(hf_model, tokenizer=tokenizer, name=getattr(hf_model.config, "name_or_path", None) or None)

@@ -1,8 +1,13 @@
-"""Generation through the KV cache: prefill once, then one token per step."""
+"""Generation: its settings (`Sampling`, TransformerLens's names), the prompt it continues (`Prompt`),
+choosing each next token (`sample_next`), and interp's own loop through the KV cache (`generate`:
+prefill once, then one token per step). A wrapped model takes the same settings and runs transformers'
+own `generate` (`interp.models.wrapped`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Literal
 
 import torch
 from torch import Tensor
@@ -14,7 +19,129 @@ from .text import _is_text
 if TYPE_CHECKING:
     from .kv.cache import KVCache
 
+    from .base import HookedModel
     from .transformer import HookedTransformer
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How `generate` chooses each next token, where a row stops, and how text goes in and comes out:
+    TransformerLens's `generate` settings, by its names. Each is also a keyword of `generate`
+    (`model.generate(tokens, 20, do_sample=True, temperature=0.7)`), folded into this; `Sampling.of` says
+    in one line which keyword is none of them."""
+
+    do_sample: bool = False  # greedy unless True (TransformerLens samples by default; interp does not)
+    temperature: float = 1.0  # 0: greedy
+    top_k: int | None = None  # keep the k likeliest tokens (None or 0: no top-k filter)
+    top_p: float | None = None  # nucleus: the smallest set with this mass, in (0, 1] (None or 1: no filter)
+    repetition_penalty: float = 1.0  # Hugging Face's (greedy too): a seen token's logit / it if > 0, * it if < 0
+    freq_penalty: float = 0.0  # TransformerLens's (sampling only): minus it * count, after the temperature
+    seed: int | None = None  # sampling reproducibly
+    stop_tokens: int | Iterable[int] | None = None  # a row stops at any of these
+    stop_at_eos: bool = True  # ... and at the end-of-sequence token (no tokenizer and no eos_token_id: no EOS stop)
+    eos_token_id: int | Iterable[int] | None = None  # default: the tokenizer's
+    pad_token_id: int | None = None  # after a row stops; default the (first) EOS, else the first stop token
+    prepend_bos: bool | None = None  # text input: BOS first (default: the model's)
+    padding_side: Literal["left"] | None = None  # generation continues each row at its end: left only
+    return_type: Literal["input", "str", "tokens"] = "input"  # "input": text for text in, ids for ids
+    use_past_kv_cache: bool = True  # False: recompute the whole sequence each step (slow; a check on the cache)
+    verbose: bool = False  # a progress bar
+
+    def __post_init__(self) -> None:
+        if self.return_type not in ("input", "str", "tokens"):
+            raise ValueError(f"return_type must be 'input', 'str' or 'tokens', got {self.return_type!r}")
+        check_real("temperature", self.temperature, minimum=0)  # 0: greedy
+        if self.top_k is not None:
+            check_int("top_k", self.top_k, minimum=0)  # 0: no top-k filter
+        if self.top_p is not None and check_real("top_p", self.top_p, minimum=0, strict=True) > 1:
+            raise BadValue(f"top_p must lie in (0, 1] (1 or None: no nucleus filter), got {self.top_p}")
+        if self.freq_penalty < 0:
+            raise ValueError(f"freq_penalty must be >= 0 (0 turns it off), got {self.freq_penalty}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1.0 turns it off), got {self.repetition_penalty}")
+        if self.padding_side not in (None, "left"):
+            raise ValueError("generation continues every row at its end, so it pads on the left; got "
+                             f"padding_side={self.padding_side!r}")
+
+    @classmethod
+    def of(cls, sampling: "Sampling | None", settings: dict[str, Any]) -> "Sampling":
+        """`sampling` (default: greedy) with the keywords `settings` folded in; an unknown one in one line."""
+        fields = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(settings) - set(fields))
+        if unknown:
+            raise TypeError(f"generate() got an unexpected keyword argument {unknown[0]!r}: its settings are "
+                            f"Sampling's fields ({', '.join(fields)}), policy=, attention_mask=, capture_queries=, "
+                            "return_kv_cache=")
+        return dataclasses.replace(sampling or cls(), **settings)
+
+    def eos(self, model: "HookedModel") -> list[int]:
+        """The EOS ids a row stops at: `eos_token_id`, else the tokenizer's; none unless `stop_at_eos`."""
+        if not self.stop_at_eos:
+            return []
+        eos = self.eos_token_id if self.eos_token_id is not None else getattr(model.tokenizer, "eos_token_id", None)
+        return _ids(eos)
+
+    def stops(self, model: "HookedModel") -> tuple[list[int], int]:
+        """(every id a row stops at, sorted; the id a stopped row is padded with: `pad_token_id`, else the
+        first EOS as TransformerLens pads, else the first stop token, else 0)."""
+        eos = self.eos(model)
+        stops = sorted(set(_ids(self.stop_tokens) + eos))
+        pad = self.pad_token_id if self.pad_token_id is not None else eos[0] if eos else (stops[0] if stops else 0)
+        return stops, pad
+
+
+def _ids(t) -> list[int]:
+    return [int(t)] if isinstance(t, int) else [int(x) for x in (t or ())]
+
+
+def cache_policy(policy, settings: dict[str, Any]) -> dict[str, Any]:
+    """`new_kv_cache`'s policy= / precision= from generate's `policy` and the older keywords, taken out of
+    `settings`: `kv_policy=` (the same as policy=) and `kv_precision=` (a quantized cache; a map's other
+    heads in fp32). {} for the model's own cache."""
+    if "kv_policy" in settings:
+        if policy is not None:
+            raise ValueError("give policy= or its older spelling kv_policy=, not both")
+        policy = settings.pop("kv_policy")
+    out = {"policy": policy, "precision": settings.pop("kv_precision", None)}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What generation continues: token ids [batch, pos], rows of different lengths left-padded, their
+    mask (None: every position real), which positions are real, and how the caller gave it (text, one
+    string) for the answer's form."""
+
+    tokens: Tensor
+    attention_mask: Tensor | None
+    real: Tensor
+    text_in: bool
+    single: bool
+
+    @classmethod
+    def of(cls, model: "HookedModel", tokens, attention_mask: Tensor | None, sampling: Sampling) -> "Prompt":
+        prepared = model.prepare(tokens, attention_mask, prepend_bos=sampling.prepend_bos, padding_side="left")
+        mask = prepared.attention_mask
+        real = mask.to(model.device).bool() if mask is not None else torch.ones_like(prepared.tokens, dtype=torch.bool)
+        if not real[:, -1].all():
+            raise ValueError("generation needs left padding: the last position of every row must be a real token")
+        return cls(prepared.tokens, mask, real, _is_text(tokens), isinstance(tokens, str))
+
+    def answer(self, model: "HookedModel", result: Tensor, sampling: Sampling):
+        """[batch, pos + new] as the caller asked: ids, or (return_type "str", or "input" for text in) as
+        TransformerLens decodes: the prompt and its continuation without the BOS and padding we added and
+        without special tokens (a chat template's markers, the EOS); one string for one string in."""
+        if not (sampling.return_type == "str" or (sampling.return_type == "input" and self.text_in)):
+            return result
+        keep = torch.cat([self.real, torch.ones_like(result[:, self.tokens.shape[1]:], dtype=torch.bool)], dim=1)
+        bos = getattr(model.tokenizer, "bos_token_id", None)
+        texts = []
+        for row, k in zip(result, keep):
+            ids = row[k].tolist()
+            if model.bos_id(sampling.prepend_bos) is not None and ids and ids[0] == bos:
+                ids = ids[1:]
+            texts.append(model.tokenizer.decode(ids, skip_special_tokens=True))
+        return texts[0] if self.single else texts
 
 
 def sample_next(
@@ -80,118 +207,103 @@ def _rope_switches(model: "HookedTransformer", cache: "KVCache") -> bool:
     return after is not None and int(cache.n_seen.max()) == after
 
 
+class _Decoder:
+    """The model's forward during one generation: the prefill, then each step, through a KV cache (or,
+    with use_past_kv_cache=False, the whole sequence every step)."""
+
+    def __init__(self, model: "HookedTransformer", prompt: Prompt, max_len: int, cached: bool,
+                 cache_args: dict[str, Any], capture_queries: bool, keep: bool) -> None:
+        self.model, self.prompt = model, prompt
+        if (cached and not cache_args and not keep and not capture_queries and model.cfg.positional != "alibi"
+                and model.window_policy(max_len)):
+            cache_args = {"policy": "window"}  # sliding-window layers keep only their window (Gemma's local layers)
+        batch = prompt.tokens.shape[0]
+        self.new_cache = lambda: model.new_kv_cache(batch, max_len, capture_queries=capture_queries, **cache_args)
+        self.cache = self.new_cache() if cached else None
+
+    def prefill(self) -> Tensor:
+        """The logits [batch, vocab] after the prompt. Through the cache, the blocks run on the whole prompt
+        and only the last position is unembedded (as HF's logits_to_keep=1): the other rows of
+        [n, vocab] logits are never read, and for a small model the unembedding of a whole prompt costs
+        several decoding steps."""
+        model, p = self.model, self.prompt
+        if self.cache is None:
+            return model(p.tokens, attention_mask=p.attention_mask)[:, -1]
+        resid = model(p.tokens, attention_mask=p.attention_mask, kv_cache=self.cache, stop_at_layer=model.cfg.n_layers)
+        return model(resid[:, -1:], start_at_layer=model.cfg.n_layers)[:, -1]
+
+    def step(self, out: list[Tensor]) -> Tensor:
+        """The logits [batch, vocab] after the sequence so far (`out`: the prompt, then one column per step)."""
+        model, p = self.model, self.prompt
+        if self.cache is not None and not _rope_switches(model, self.cache):
+            return model(out[-1], kv_cache=self.cache)[:, -1]
+        seq = torch.cat(out, dim=1)
+        mask = None if p.attention_mask is None else torch.cat(
+            [p.attention_mask.to(model.device), torch.ones_like(seq[:, p.tokens.shape[1]:])], dim=1)
+        if self.cache is not None:  # rebuilt from the whole sequence (see _rope_switches)
+            self.cache = self.new_cache()
+        return model(seq, attention_mask=mask, kv_cache=self.cache)[:, -1]
+
+
+def _counts(prompt: Prompt, vocab: int, sampling: Sampling) -> Tensor | None:
+    """How often each token occurs in each row's real tokens [batch, vocab], when a penalty reads it."""
+    if sampling.repetition_penalty == 1.0 and sampling.freq_penalty <= 0:
+        return None
+    counts = torch.zeros(prompt.tokens.shape[0], vocab, device=prompt.tokens.device)
+    return counts.scatter_add_(1, prompt.tokens.clamp(0, vocab - 1), prompt.real.float())
+
+
 @torch.no_grad()
 def generate(
     model: "HookedTransformer",
     tokens,
     max_new_tokens: int = 20,
+    sampling: Sampling | None = None,
     *,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    repetition_penalty: float = 1.0,
-    freq_penalty: float = 0.0,
-    seed: int | None = None,
-    stop_tokens: int | Iterable[int] | None = None,
-    stop_at_eos: bool = True,
-    eos_token_id: int | Iterable[int] | None = None,
-    pad_token_id: int | None = None,
+    policy=None,
     attention_mask: Tensor | None = None,
     capture_queries: bool = False,
     return_kv_cache: bool = False,
-    kv_precision=None,
-    kv_policy=None,
-    prepend_bos: bool | None = None,
-    padding_side: str | None = None,
-    return_type: str = "input",
-    use_past_kv_cache: bool = True,
-    verbose: bool = False,
+    **settings,
 ) -> Tensor | tuple[Tensor, "KVCache"]:
     """Continue `tokens` ([batch, pos]; rows of different lengths left-padded with `attention_mask`),
     or text: a string or a list of strings (BOS per `prepend_bos`, default the model's; a list is
-    left-padded and masked).
+    left-padded and masked), by `max_new_tokens` at most, through interp's KV cache.
 
-    Greedy by default; `do_sample=True` samples with temperature / top_k / top_p, reproducibly for a
-    `seed`. A row stops at any of `stop_tokens` and, as in TransformerLens, at the end-of-sequence
-    token when `stop_at_eos` (`eos_token_id`, default the tokenizer's; no tokenizer, no EOS stop); it
-    is padded with `pad_token_id` (default: the EOS, else the first stop token) afterwards;
-    generation ends when every row has stopped. Returns [batch, pos + new]
-    (and the KV cache with `return_kv_cache=True`, e.g. to read queries/keys back for analysis).
-    `kv_precision`: decode through a quantized cache ("int8", "fp8", "int4", ... or a
-    {(layer, kv_head): name} map; see `model.new_kv_cache`). `kv_policy`: decode through a cache
-    whose heads keep what a policy says ("streaming(4,128)", "kivi4", "h2o(256)", a map; see
-    `interp.models.kv.policies`).
-    return_type: "input" (TransformerLens's default: text for text input, token ids for ids), "str"
-    or "tokens". `repetition_penalty` / `freq_penalty`: as TransformerLens's (see `sample_next`),
-    counting the real tokens of each row (prompt and continuation, not padding).
-    `use_past_kv_cache=False` recomputes the whole sequence at every step (slow; a check on the
-    cache); `verbose=True` shows a progress bar. Unlike TransformerLens, decoding is greedy unless
-    `do_sample=True`.
-    """
-    if return_type not in ("input", "str", "tokens"):
-        raise ValueError(f"return_type must be 'input', 'str' or 'tokens', got {return_type!r}")
+    sampling         a `Sampling` (greedy by default); its fields are also keywords here
+                     (`do_sample=True, temperature=0.7, top_p=0.9, seed=0, stop_tokens=..., return_type=...`).
+                     A row stops at any of its `stop_tokens` and, as in TransformerLens, at the EOS, and is
+                     padded after; generation ends when every row has stopped.
+    policy           what each KV head keeps while decoding ("streaming(4,128)", "kivi4", "h2o(256)", a
+                     precision such as "int8", a map; see `model.new_kv_cache` and `interp.models.kv.policies`;
+                     older spellings: kv_policy=, and kv_precision= for a quantized cache).
+    capture_queries  the cache keeps the queries too (`model.attention_stats(kv_cache=...)` reads them).
+    return_kv_cache  return (tokens, cache), e.g. to read queries / keys back for analysis.
+
+    Returns [batch, pos + new] token ids, or text (see `Sampling.return_type`)."""
+    cache_args = cache_policy(policy, settings)
+    s = Sampling.of(sampling, settings)
     check_int("max_new_tokens", max_new_tokens, minimum=0)
-    check_real("temperature", temperature, minimum=0)  # 0: greedy
-    if top_k is not None:
-        check_int("top_k", top_k, minimum=0)  # 0: no top-k filter
-    if top_p is not None and check_real("top_p", top_p, minimum=0, strict=True) > 1:
-        raise BadValue(f"top_p must lie in (0, 1] (1 or None: no nucleus filter), got {top_p}")
-    if freq_penalty < 0:
-        raise ValueError(f"freq_penalty must be >= 0 (0 turns it off), got {freq_penalty}")
-    if repetition_penalty <= 0:
-        raise ValueError(f"repetition_penalty must be > 0 (1.0 turns it off), got {repetition_penalty}")
-    if padding_side not in (None, "left"):
-        raise ValueError(f"generation continues every row at its end, so it pads on the left; got padding_side={padding_side!r}")
-    if not use_past_kv_cache and (return_kv_cache or capture_queries or kv_precision is not None
-                                  or kv_policy is not None):
+    if not s.use_past_kv_cache and (return_kv_cache or capture_queries or cache_args):
         raise ValueError("return_kv_cache / capture_queries / kv_precision / kv_policy need the KV cache: drop "
                          "use_past_kv_cache=False")
-    single, text_in = isinstance(tokens, str), _is_text(tokens)
-    prepared = model.prepare(tokens, attention_mask, prepend_bos=prepend_bos, padding_side="left")
-    tokens, attention_mask = prepared.tokens, prepared.attention_mask
-    batch, n = tokens.shape
-    # Which prompt positions are real tokens (not padding): read by the penalties and the text decode.
-    real = attention_mask.to(model.device).bool() if attention_mask is not None else torch.ones_like(tokens, dtype=torch.bool)
-    if not real[:, -1].all():
-        raise ValueError("generation needs left padding: the last position of every row must be a real token")
-    _check_room(model, int(real.sum(1).max()), max_new_tokens)
-    as_list = lambda t: [int(t)] if isinstance(t, int) else [int(x) for x in (t or ())]
-    eos = as_list(eos_token_id if eos_token_id is not None else getattr(model.tokenizer, "eos_token_id", None)) if stop_at_eos else []
-    stops = torch.tensor(sorted(set(as_list(stop_tokens) + eos)), device=model.device, dtype=torch.long)
-    # Finished rows are padded as TransformerLens pads them: with the (first) EOS.
-    pad = pad_token_id if pad_token_id is not None else eos[0] if eos else (int(stops[0]) if len(stops) else 0)
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device=model.device).manual_seed(seed)
-
-    cache = None
-    if use_past_kv_cache:
-        if (kv_policy is None and kv_precision is None and not return_kv_cache and not capture_queries
-                and model.cfg.positional != "alibi" and model.window_policy(n + max_new_tokens)):
-            kv_policy = "window"  # sliding-window layers keep only their window (Gemma's local layers)
-        cache = model.new_kv_cache(batch, n + max_new_tokens, capture_queries=capture_queries, precision=kv_precision,
-                                   policy=kv_policy)
-        # Prefill through the blocks, then unembed the last position only (as HF's logits_to_keep=1):
-        # the other n - 1 rows of [n, vocab] logits are never read, and for a small model the
-        # unembedding of a whole prompt costs several decoding steps.
-        resid = model(tokens, attention_mask=attention_mask, kv_cache=cache, stop_at_layer=model.cfg.n_layers)
-        logits = model(resid[:, -1:], start_at_layer=model.cfg.n_layers)[:, -1]
-    else:
-        logits = model(tokens, attention_mask=attention_mask)[:, -1]
-    counts = None
-    if repetition_penalty != 1.0 or freq_penalty > 0:
-        counts = torch.zeros(batch, logits.shape[-1], device=model.device)
-        counts.scatter_add_(1, tokens.clamp(0, logits.shape[-1] - 1), real.float())
-    out = [tokens]
+    prompt = Prompt.of(model, tokens, attention_mask, s)
+    batch, n = prompt.tokens.shape
+    _check_room(model, int(prompt.real.sum(1).max()), max_new_tokens)
+    stop_ids, pad = s.stops(model)
+    stops = torch.tensor(stop_ids, device=model.device, dtype=torch.long)
+    generator = None if s.seed is None else torch.Generator(device=model.device).manual_seed(s.seed)
+    decoder = _Decoder(model, prompt, n + max_new_tokens, s.use_past_kv_cache, cache_args, capture_queries,
+                       return_kv_cache)
+    logits = decoder.prefill()
+    counts = _counts(prompt, logits.shape[-1], s)
+    out = [prompt.tokens]
     done = torch.zeros(batch, dtype=torch.bool, device=model.device)
-    steps = range(max_new_tokens)
-    if verbose:
-        steps = tqdm(steps, desc="generate", unit="tok")
+    steps = tqdm(range(max_new_tokens), desc="generate", unit="tok") if s.verbose else range(max_new_tokens)
     for step in steps:
-        nxt = sample_next(logits, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                          generator=generator, counts=counts, repetition_penalty=repetition_penalty,
-                          freq_penalty=freq_penalty)
+        nxt = sample_next(logits, do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                          generator=generator, counts=counts, repetition_penalty=s.repetition_penalty,
+                          freq_penalty=s.freq_penalty)
         nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
         out.append(nxt[:, None])
         if counts is not None:
@@ -200,29 +312,8 @@ def generate(
             done |= torch.isin(nxt, stops)
         if bool(done.all()) or step == max_new_tokens - 1:
             break
-        if cache is not None and not _rope_switches(model, cache):
-            logits = model(nxt[:, None], kv_cache=cache)[:, -1]
-        else:
-            seq = torch.cat(out, dim=1)
-            mask = None if attention_mask is None else torch.cat(
-                [attention_mask.to(model.device), torch.ones_like(seq[:, n:])], dim=1)
-            if cache is not None:  # rebuilt from the whole sequence (see _rope_switches)
-                cache = model.new_kv_cache(batch, n + max_new_tokens, capture_queries=capture_queries,
-                                           precision=kv_precision, policy=kv_policy)
-            logits = model(seq, attention_mask=mask, kv_cache=cache)[:, -1]
-    if verbose:
+        logits = decoder.step(out)
+    if s.verbose:
         steps.close()
-    result = torch.cat(out, dim=1)
-    if return_type == "str" or (return_type == "input" and text_in):
-        # As TransformerLens: the prompt and its continuation, without the BOS and padding we added
-        # and, as its decode, without special tokens (a chat template's markers, the EOS).
-        keep = torch.cat([real, torch.ones_like(result[:, n:], dtype=torch.bool)], dim=1)
-        bos = getattr(model.tokenizer, "bos_token_id", None)
-        texts = []
-        for row, k in zip(result, keep):
-            ids = row[k].tolist()
-            if model.bos_id(prepend_bos) is not None and ids and ids[0] == bos:
-                ids = ids[1:]
-            texts.append(model.tokenizer.decode(ids, skip_special_tokens=True))
-        result = texts[0] if single else texts
-    return (result, cache) if return_kv_cache else result
+    result = prompt.answer(model, torch.cat(out, dim=1), s)
+    return (result, decoder.cache) if return_kv_cache else result

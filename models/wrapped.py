@@ -48,34 +48,20 @@ from torch import Tensor, nn
 
 from interp.kernels.attention import Needs, choose
 
+from interp.errors import CheckpointError, UserError, check_int
+
+from .base import HookedModel, NativeOnly, lm_loss, native_families, native_only, native_only_method, rope_refusal
 from .config import ModelConfig
 from .families import FAMILIES
-from interp.errors import CheckpointError, UserError
+from .generate import Prompt, Sampling, cache_policy
 from .hooks import HookPoint
-from .runtime import Runtime
-from .transformer import HookedTransformer, lm_loss
 
 INTERFACE = "interp"  # the name our attention function is registered under in transformers
 QUERY_BLOCK = 512  # queries per block of the explicit fused path (soft-capping, sink logits)
 
 
-class NativeOnly(UserError, NotImplementedError):
-    """Something only a native family gives (interp's own implementation), asked of a wrapped model."""
-
-
 class Bypasses(UserError, NotImplementedError):
     """An architecture whose attention does not go through transformers' attention interface."""
-
-
-def native_families() -> list[str]:
-    return sorted(FAMILIES)
-
-
-def native_only(what: str, model_type: str) -> NativeOnly:
-    return NativeOnly(
-        f"{what} needs interp's own implementation of the model; model_type {model_type!r} is wrapped (transformers "
-        f"runs it, interp hooks its attention). Native families: {', '.join(native_families())}"
-    )
 
 
 # ---- the attention function registered in transformers -------------------------------------------
@@ -385,15 +371,57 @@ def wrapped_config(hf_config, windows: list[int | None]) -> ModelConfig:
     )
 
 
-class WrappedModel(HookedTransformer):
+@torch.no_grad()
+def generate_wrapped(model: WrappedModel, tokens, max_new_tokens: int = 20, sampling: Sampling | None = None, *,
+                     policy=None, attention_mask: Tensor | None = None, capture_queries: bool = False,
+                     return_kv_cache: bool = False, **settings):
+    """`interp.models.generate.generate`'s arguments, run by transformers' own `generate` through interp's
+    attention (hooks fire at every step): the same `Sampling` (its seed seeds torch's generator for the
+    call; `use_past_kv_cache` is transformers' `use_cache`), text or ids in, the same answer out. What needs
+    interp's KV cache (a cache policy, captured queries, the returned cache) and TransformerLens's
+    freq_penalty, which transformers does not have, are refused in one line."""
+    cache_args = cache_policy(policy, settings)
+    s = Sampling.of(sampling, settings)
+    asked = {"a KV-cache policy (policy=, kv_precision=)": bool(cache_args), "capture_queries": capture_queries,
+             "return_kv_cache": return_kv_cache, "freq_penalty (use repetition_penalty)": s.freq_penalty > 0}
+    refused = [what for what, given in asked.items() if given]
+    if refused:
+        raise native_only(f"generate with {', '.join(refused)}", model.cfg.model_type)
+    check_int("max_new_tokens", max_new_tokens, minimum=0)
+    prompt = Prompt.of(model, tokens, attention_mask, s)
+    if max_new_tokens == 0:
+        return prompt.answer(model, prompt.tokens, s)
+    stops, pad = s.stops(model)
+    sample = {}
+    if s.do_sample and s.temperature != 0:  # temperature 0 is greedy, as natively
+        sample = dict(temperature=s.temperature, top_k=s.top_k or None, top_p=s.top_p)
+    mask = prompt.real.long()
+    extra = {}  # what is not asked for stays as the model's generation config has it
+    if s.repetition_penalty != 1.0:
+        extra["repetition_penalty"] = s.repetition_penalty
+    if not s.use_past_kv_cache:
+        extra["use_cache"] = False
+    seeded = s.seed is not None and bool(sample)  # the seed is for sampling, as natively; the caller's RNG untouched
+    with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else [], enabled=seeded):
+        if seeded:
+            torch.manual_seed(s.seed)
+        out = model.hf.generate(prompt.tokens, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                do_sample=bool(sample), eos_token_id=stops or None, pad_token_id=pad,
+                                **sample, **extra)
+    return prompt.answer(model, out, s)
+
+
+class WrappedModel(HookedModel):
     """A transformers causal LM run by transformers, with interp's attention and TransformerLens's hook
-    names (see the module docstring). Made by `interp.from_hf(model)` for a non-native architecture, or
-    `interp.load(folder)`. `model.hf` is the transformers model itself."""
+    names (see the module docstring): everything an interp model has (`interp.models.base.HookedModel`),
+    and each native-only capability refused in one line. Made by `interp.from_hf(model)` for a non-native
+    architecture, or `interp.load(folder)`. `model.hf` is the transformers model itself."""
 
     native = False
+    _core = "hf"
 
     def __init__(self, hf, *, tokenizer=None, name: str | None = None) -> None:
-        nn.Module.__init__(self)
+        super().__init__(tokenizer=tokenizer)
         register_interface()
         hf.eval()
         self.hf = hf
@@ -405,8 +433,6 @@ class WrappedModel(HookedTransformer):
             s.__dict__["config_window"] = w
         self.hook_embed = HookPoint()  # before the blocks: hook_dict follows the order of computation
         self.blocks = nn.ModuleList(WrappedBlock(s, m is not None) for s, m in zip(sites, mlps))
-        self._backend = "auto"
-        self.runtime = Runtime(tokenizer=tokenizer)
         self.cfg = wrapped_config(hf.config, [s.window for s in sites])
         self._plumb(hf.get_input_embeddings(), layers, attns, mlps, _child(base, _NORM_NAMES)[1])
         for sub in hf.modules():  # every config the model holds (a multimodal one's text config too)
@@ -466,11 +492,6 @@ class WrappedModel(HookedTransformer):
 
     rotary = None  # hook_q / hook_k already carry the model's RoPE
 
-    def _refresh_view(self) -> None:
-        if "hf" not in self._modules or "runtime" not in self.__dict__:
-            return
-        self.cfg = self.cfg.with_view(self.runtime.view(self.cfg, self.device, self.dtype))
-
     def __getattr__(self, name: str):
         try:
             return super().__getattr__(name)
@@ -529,42 +550,19 @@ class WrappedModel(HookedTransformer):
         loss = lm_loss(logits, toks, valid, per_token=loss_per_token)
         return loss if return_type == "loss" else (logits, loss)
 
-    def attention_stats(self, tokens=None, *, kv_cache=None, **kwargs) -> dict:
-        if kv_cache is not None:
-            raise native_only("statistics from an interp KV cache", self.cfg.model_type)
-        return super().attention_stats(tokens, **kwargs)
+    generate = generate_wrapped  # transformers' own generate, through interp's attention
 
-    @torch.no_grad()
-    def generate(self, tokens, max_new_tokens: int = 20, *, do_sample: bool = False, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None, stop_at_eos: bool = True, **kwargs) -> Tensor:
-        """transformers' own `generate` (greedy unless do_sample) through interp's attention: token ids or
-        text in, the prompt and its continuation out [batch, pos + new]. Cache policies, returned KV
-        caches and captured queries are native-only."""
-        if kwargs:
-            raise native_only(f"generate({', '.join(kwargs)}=...)", self.cfg.model_type)
-        toks = self._as_tokens(tokens)
-        eos = getattr(self.tokenizer, "eos_token_id", None) if stop_at_eos else None
-        sample = dict(temperature=temperature, top_k=top_k, top_p=top_p) if do_sample else {}
-        return self.hf.generate(toks, attention_mask=torch.ones_like(toks), max_new_tokens=max_new_tokens,
-                                do_sample=do_sample, eos_token_id=eos, pad_token_id=eos if eos is not None else 0,
-                                **sample)
+    # ---- native-only: one line each ------------------------------------------------------------------
+    process_weights_ = native_only_method("TransformerLens's weight processing")
+    new_kv_cache = native_only_method("interp's KV cache and its per-head policies")
+    window_policy = native_only_method("window cache policies")
+    save = native_only_method("saving in interp's format (save the transformers model with model.hf.save_pretrained)")
+    set_use_split_qkv_input = set_use_attn_in = set_use_hook_mlp_in = native_only_method(
+        "TransformerLens's split-input hook points (hook_q_input / hook_attn_in / hook_mlp_in)")
 
-    # ---- native-only ---------------------------------------------------------------------------------
-    def process_weights_(self, *args, **kwargs):
-        raise native_only("TransformerLens's weight processing", self.cfg.model_type)
-
-    def new_kv_cache(self, *args, **kwargs):
-        raise native_only("interp's KV cache and its per-head policies", self.cfg.model_type)
-
-    def window_policy(self, *args, **kwargs):
-        raise native_only("window cache policies", self.cfg.model_type)
-
-    def save(self, path) -> None:
-        raise native_only("saving in interp's format (save the transformers model with model.hf.save_pretrained)",
-                          self.cfg.model_type)
-
-    def _set_hook_flag(self, flag: str, on: bool, apply) -> None:
-        raise native_only(f"{flag} (TransformerLens's split-input hook points)", self.cfg.model_type)
+    def rescale_rope_(self, scaling) -> "WrappedModel":
+        """Native models only: transformers applies a wrapped model's own rope_parameters."""
+        raise rope_refusal(self.cfg.model_type)
 
 
 def config_windows(c, n: int) -> list[int | None]:

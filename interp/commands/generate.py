@@ -1,4 +1,6 @@
-"""`interp generate MODEL PROMPT`: continue a prompt through our KV cache, on any device, and say how fast."""
+"""`interp generate MODEL PROMPT`: continue a prompt, on any device, and say how fast: a native model through
+interp's KV cache (under a cache policy if asked), a wrapped one through transformers' own generate (with
+interp's attention; a cache policy is refused in one line)."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ def run(args) -> int:
     import torch
 
     import interp
+    from interp.models import Sampling
     from interp.models.device import resolve_device
     from interp.errors import BadValue, check_int, check_real
     from interp.models.kv.policies import parse_policy
@@ -60,11 +63,11 @@ def run(args) -> int:
         raise BadValue(f"the prompt ({tokens.shape[1]} tokens) plus {args.max_new_tokens} new tokens is longer than "
                        f"this model's context (n_ctx={model.cfg.n_ctx}): use --max-new-tokens "
                        f"{max(1, model.cfg.n_ctx - tokens.shape[1])} or a shorter prompt")
+    sampling = Sampling(do_sample=args.sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                        seed=args.seed if args.sample else None)
     start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(tokens, args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
-                             top_k=args.top_k, top_p=args.top_p, seed=args.seed if args.sample else None,
-                             kv_policy=args.kv_policy)
+    with torch.no_grad():  # a wrapped model: transformers' own generate through interp's attention
+        out = model.generate(tokens, args.max_new_tokens, sampling, policy=args.kv_policy)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start

@@ -25,10 +25,10 @@ from . import gguf
 from .build import build_model, check_finite, convert_weights
 from ..rope import choice as rope_choice
 from ..config import ModelConfig, RopeScaling
-from interp.errors import CheckpointError, OwnCodeRefused, UserError
+from interp.errors import CheckpointError, OwnCodeRefused
 from .folder import local_tokenizer, refuse_own_code
 from ..tensor_files import FORMAT_VERSION, read_state_dict, save_model
-from ..transformer import HookedTransformer
+from ..base import HookedModel, rope_refusal
 
 __all__ = ["CheckpointError", "FORMAT_VERSION", "OwnCodeRefused", "build_model", "check_finite", "convert_weights",
            "is_wrapped", "load_checkpoint", "local_tokenizer", "read_config", "read_state_dict", "rope_scaling_for",
@@ -59,7 +59,7 @@ def _format_of(path, *, tokenizer_given: bool):
 
 
 def load_checkpoint(path, *, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                    tokenizer=None, rope_scaling=None) -> HookedTransformer:
+                    tokenizer=None, rope_scaling=None) -> HookedModel:
     """A model from a local checkpoint directory (or a file inside it): our format, or a Hugging Face
     checkpoint converted by its family (by config.json's `model_type`), without `transformers`;
     or a llama-architecture `.gguf` file (`interp.models.formats.gguf`). `rope_scaling` (any spelling of
@@ -81,9 +81,7 @@ def rope_scaling_for(path, rope_scaling, *, cfg: ModelConfig | None = None) -> R
 
 def _rope_scaling(fmt, path, raw, rope_scaling, *, cfg: ModelConfig | None = None) -> RopeScaling | None:
     if fmt is format_hf and not format_hf.native(raw):
-        rope_choice.rope_spec(rope_scaling)  # a bad spelling is said as such first
-        raise UserError(f"rope_scaling is interp's own transformer's, and {path} is a {raw.get('model_type')} model "
-                        "that transformers runs (wrapped): set rope_parameters in its config.json instead")
+        raise rope_refusal(raw.get("model_type"), str(path), rope_scaling)  # a bad spelling is said as such first
     return rope_choice.choose(cfg or fmt.config(path, raw), rope_scaling)
 
 
