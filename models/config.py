@@ -32,6 +32,13 @@ QKNormOver = Literal["head", "projection"]
 RopeKind = Literal["linear", "dynamic", "ntk", "yarn", "llama3", "longrope"]
 
 
+FACTOR_RANGE = (1e-4, 1e4)  # a rope scaling factor outside it is a typo or a damaged file, never a model
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """Rotary scaling, as Hugging Face configs express it (`rope_scaling` / `rope_parameters`).
@@ -212,22 +219,7 @@ class ModelConfig:
         if self.layer_types is not None and set(self.layer_types) - set(get_args(LayerType)):
             problems.append(f"layer_types must hold {list(get_args(LayerType))}, got {sorted(set(self.layer_types))}")
         if self.rope_scaling is not None:
-            s = self.rope_scaling
-            if self.positional != "rotary":
-                problems.append(f"rope_scaling is set but positional={self.positional!r}; it needs positional='rotary'")
-            if s.kind not in get_args(RopeKind):
-                problems.append(f"rope_scaling.kind={s.kind!r} is not one of {list(get_args(RopeKind))}")
-            if not s.factor > 0:
-                problems.append(f"rope_scaling.factor must be > 0, got {s.factor}")
-            if s.kind == "llama3" and s.original_max_position is None:
-                problems.append("llama3 rope scaling needs original_max_position (HF: original_max_position_embeddings)")
-            if s.kind == "longrope":
-                if s.original_max_position is None:
-                    problems.append("longrope rope scaling needs original_max_position (HF: original_max_position_embeddings)")
-                for name in ("short_factor", "long_factor"):
-                    f = getattr(s, name)
-                    if not isinstance(f, tuple) or len(f) != self.rot_dim // 2:
-                        problems.append(f"longrope {name} must be a tuple of rotary_dim / 2 = {self.rot_dim // 2} numbers, got {f!r}")
+            problems += self._rope_problems(self.rope_scaling)
         if self.d_head is None and self.d_model % self.n_heads:
             problems.append(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; set d_head")
         if self.n_heads % self.kv_heads:
@@ -264,6 +256,46 @@ class ModelConfig:
             raise ValueError("invalid ModelConfig: " + "; ".join(problems))
         if self.d_head is None:  # resolved once, so `cfg.d_head` (read by TransformerLens code) is never None
             object.__setattr__(self, "d_head", self.d_model // self.n_heads)
+
+    def _rope_problems(self, s: RopeScaling) -> list[str]:
+        """What is wrong with a rope scaling, wherever it came from (a config.json, GGUF metadata,
+        `interp.load(rope_scaling=)`): every number finite and in its range, so that a NaN attention
+        factor is refused here, in one line, instead of turning every logit into NaN."""
+        problems = []
+        if self.positional != "rotary":
+            problems.append(f"rope_scaling is set but positional={self.positional!r}; it needs positional='rotary'")
+        if s.kind not in get_args(RopeKind):
+            problems.append(f"rope_scaling.kind={s.kind!r} is not one of {list(get_args(RopeKind))}")
+        if not _finite(s.factor) or not FACTOR_RANGE[0] <= s.factor <= FACTOR_RANGE[1]:
+            problems.append(f"rope_scaling.factor must be a finite number from {FACTOR_RANGE[0]:g} to {FACTOR_RANGE[1]:g}, "
+                            f"got {s.factor!r}")
+        elif s.kind in ("dynamic", "yarn", "llama3") and s.factor < 1:
+            problems.append(f"rope_scaling.factor of {s.kind} stretches the context and must be >= 1, got {s.factor!r}")
+        positive = {"beta_fast": s.beta_fast, "beta_slow": s.beta_slow, "low_freq_factor": s.low_freq_factor,
+                    "high_freq_factor": s.high_freq_factor}
+        if s.attention_factor is not None:
+            positive["attention_factor"] = s.attention_factor
+        for name in ("short_factor", "long_factor"):
+            for i, v in enumerate(getattr(s, name) or ()):
+                positive[f"{name}[{i}]"] = v
+        problems += [f"rope_scaling.{k} must be a finite number > 0, got {v!r}" for k, v in positive.items()
+                     if not _finite(v) or v <= 0]
+        if s.kind == "llama3" and _finite(s.low_freq_factor) and _finite(s.high_freq_factor) \
+                and s.high_freq_factor <= s.low_freq_factor:
+            problems.append(f"llama3 rope scaling needs high_freq_factor > low_freq_factor, got {s.high_freq_factor!r} "
+                            f"and {s.low_freq_factor!r}")
+        if s.original_max_position is not None and (not isinstance(s.original_max_position, int)
+                                                    or isinstance(s.original_max_position, bool)
+                                                    or s.original_max_position < 1):
+            problems.append(f"rope_scaling.original_max_position must be a whole number >= 1, got {s.original_max_position!r}")
+        if s.kind in ("llama3", "longrope") and s.original_max_position is None:
+            problems.append(f"{s.kind} rope scaling needs original_max_position (HF: original_max_position_embeddings)")
+        if s.kind == "longrope":
+            for name in ("short_factor", "long_factor"):
+                f = getattr(s, name)
+                if not isinstance(f, tuple) or len(f) != self.rot_dim // 2:
+                    problems.append(f"longrope {name} must be a tuple of rotary_dim / 2 = {self.rot_dim // 2} numbers, got {f!r}")
+        return problems
 
     def _expert_and_sink_problems(self) -> list[str]:
         """What is wrong with the mixture-of-experts fields (num_experts and what goes with it) and with

@@ -5,6 +5,7 @@ that adopts the tensors. The formats (`ours`, `hf`, `gguf`) call in here.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -12,9 +13,22 @@ from torch import Tensor
 
 from ..components import relayout_mlp_
 from ..config import ModelConfig
-from interp.errors import CheckpointError
+from interp.errors import CheckpointError, UserError
 from ..positions import Rotary, alibi_slopes, sinusoidal_table
 from ..transformer import HookedTransformer
+
+
+@contextlib.contextmanager
+def config_errors(source):
+    """What building a config from a file's description raises (a ModelConfig that cannot be: zero heads, a
+    string layer count, a NaN rope parameter), as one line naming the file, before any weight is read."""
+    try:
+        yield
+    except UserError:
+        raise
+    except (ValueError, TypeError, KeyError, ZeroDivisionError, OverflowError) as e:
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"{source} does not describe a model interp can build: {message}") from None
 
 
 def build_model(cfg: ModelConfig, sd: dict[str, Tensor], source: str, dtype, device, *,

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .build import build_model, convert_weights
+from .build import build_model, config_errors, convert_weights
 from ..config import ModelConfig
 from interp.errors import CheckpointError
 from ..families import get_family
@@ -151,7 +151,8 @@ class _DequantizedOnRead(Mapping):
 def config(path: Path, raw=None) -> ModelConfig:
     """The ModelConfig of a GGUF file, from its metadata alone (no tensor is read)."""
     hf = hf_config(_reader(Path(path)), str(path))
-    return get_family(hf["model_type"]).config(hf)
+    with config_errors(path):
+        return get_family(hf["model_type"]).config(hf)
 
 
 def load(path: Path, raw=None, *, dtype, device, tokenizer) -> HookedTransformer:
@@ -168,7 +169,8 @@ def load_gguf(path, *, dtype: torch.dtype = torch.float32, device=None, tokenize
     reader = _reader(path)
     config = hf_config(reader, source)
     family = get_family(config["model_type"])
-    cfg = family.config(config)
+    with config_errors(source):
+        cfg = family.config(config)
     tensors = _DequantizedOnRead(reader, config, _LAYOUTS[_field(reader, "general.architecture")], source, dtype)
     sd = convert_weights(family, cfg, tensors, source)
     del tensors

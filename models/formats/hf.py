@@ -6,9 +6,10 @@ attention interface; otherwise it is refused in one line before any weight is re
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
-from .build import build_model, check_finite, convert_weights
+from .build import build_model, check_finite, config_errors, convert_weights
 from ..config import ModelConfig
 from interp.errors import CheckpointError
 from ..families import FAMILIES, get_family
@@ -18,11 +19,39 @@ from ..transformer import HookedTransformer
 from .. import wrapped
 
 
+# The sizes a wrapped config.json names, under the names transformers' configs use; a config past
+# MAX_LAYERS is a damaged or hostile file (the deepest published causal LMs have about 200 layers), and
+# building its model on the meta device would take minutes before the refusal.
+_SIZE_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_attention_heads", "n_head",
+              "num_key_value_heads", "hidden_size", "n_embd", "d_model", "intermediate_size", "vocab_size", "head_dim")
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+MAX_LAYERS = 1024
+
+
+def _check_numbers(raw: dict) -> None:
+    """Refuse, before transformers builds anything, sizes that are not positive whole numbers, a layer
+    count no model has, and a rotary base or rope parameter that is not a finite positive number."""
+    for key in _SIZE_KEYS:
+        v = raw.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{key} must be a whole number >= 1, got {v!r}")
+        if key in _LAYER_KEYS and v is not None and v > MAX_LAYERS:
+            raise ValueError(f"{key}={v} is more layers than any model has (at most {MAX_LAYERS} are read)")
+    rope = [raw] + [raw[k] for k in ("rope_parameters", "rope_scaling") if isinstance(raw.get(k), dict)]
+    for where in rope:
+        for key in ("rope_theta", "factor", "attention_factor", "low_freq_factor", "high_freq_factor",
+                    "beta_fast", "beta_slow"):
+            v = where.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0):
+                raise ValueError(f"{key} must be a finite number > 0, got {v!r}")
+
+
 def _structure(raw: dict):
     """The transformers config of a non-native config.json, after checking that interp can wrap its model:
     a causal LM whose attention goes through transformers' attention interface (`wrapped.check_wrappable`),
     built on the meta device (no memory, no weights) to check its layers (`wrapped.check_structure`)."""
     wrapped.check_wrappable(raw.get("model_type"))
+    _check_numbers(raw)
     import torch
     from transformers import AutoConfig
 
@@ -42,7 +71,8 @@ def load_wrapped(path, raw: dict, *, dtype, device, tokenizer) -> wrapped.Wrappe
     """A Hugging Face folder of a non-native architecture, loaded by transformers (never its own code)
     and wrapped. Everything that can be refused is refused before a weight is read; weights that do not
     match the config are refused after, naming the tensor."""
-    _structure(raw)
+    with config_errors(Path(path) / "config.json"):
+        _structure(raw)
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -79,9 +109,12 @@ def native(raw: dict) -> bool:
 
 
 def config(path: Path, raw: dict) -> ModelConfig:
-    if not native(raw):
-        return config_from_raw(raw)
-    return get_family(raw.get("model_type")).config(raw)
+    """The config of a folder's config.json; one that cannot be a model (zero heads, a layer count that is a
+    string, a NaN rope parameter) is refused in one line naming the file, before any weight is read."""
+    with config_errors(Path(path) / "config.json"):
+        if not native(raw):
+            return config_from_raw(raw)
+        return get_family(raw.get("model_type")).config(raw)
 
 
 def load(path: Path, raw: dict, *, dtype, device, tokenizer) -> HookedTransformer:
@@ -89,7 +122,7 @@ def load(path: Path, raw: dict, *, dtype, device, tokenizer) -> HookedTransforme
         return load_wrapped(path, raw, dtype=dtype, device=device,
                                     tokenizer=tokenizer if tokenizer is not None else local_tokenizer(path))
     family = get_family(raw.get("model_type"))
-    cfg = family.config(raw)
+    cfg = config(path, raw)
     sd = convert_weights(family, cfg, read_state_dict(path), str(path))
     model = build_model(cfg, sd, str(path), dtype, device)
     model.tokenizer = tokenizer if tokenizer is not None else local_tokenizer(path)

@@ -26,7 +26,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from ..config import ModelConfig, RopeScaling
+from ..config import FACTOR_RANGE, ModelConfig, RopeScaling
 from interp.errors import BadValue, check_int, check_real
 from ..families.registry import rotary_from_hf
 
@@ -110,6 +110,13 @@ def rope_spec(given) -> dict[str, Any]:
         if kind in FACTOR_AT_LEAST_ONE and factor < 1:
             raise BadValue(f"rope_scaling {kind!r} stretches the context by its factor, which must be >= 1, got "
                            f"{factor} (linear and ntk take a factor below 1)")
+        if not FACTOR_RANGE[0] <= factor <= FACTOR_RANGE[1]:
+            raise BadValue(f"rope_scaling's factor {factor:g} is outside {FACTOR_RANGE[0]:g} to {FACTOR_RANGE[1]:g}: no "
+                           "model is scaled so; check the number (e.g. yarn:2)")
+    for key in ("attention_factor", "beta_fast", "beta_slow", "low_freq_factor", "high_freq_factor", "mscale",
+                "mscale_all_dim"):
+        if spec.get(key) is not None:  # a NaN here is every logit NaN, blamed on the weights downstream
+            check_real(f"rope_scaling's {key}", spec[key], minimum=0, strict=not key.startswith("mscale"))
     if spec.get("original_max_position_embeddings") is not None:
         check_int("rope_scaling's original_max_position_embeddings", spec["original_max_position_embeddings"],
                   minimum=1)
