@@ -11,10 +11,11 @@ our norms, weight folding and views stay the plain RMSNorm ones.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from ..config import ModelConfig
-from .registry import TensorGetter, qkv, require, rms_decoder, t
+from .builders import llama_attention, llama_layer, llama_weights, require, rms_decoder
 
 ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_new", "gelu_new": "gelu_new", "gelu": "gelu", "gelu_fast": "gelu_fast"}
 LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
@@ -70,36 +71,9 @@ def config(d: dict, mt: str, *, layer_types: tuple[str, ...], rotary: dict[str, 
     )
 
 
-def _norm(get: TensorGetter, name: str):
-    """A Gemma norm's multiplier: 1 + the stored weight, in float32 as Hugging Face's forward adds it."""
-    return get(name).float() + 1.0
-
-
-def weights(cfg: ModelConfig, get: TensorGetter) -> dict:
-    sd = {"embed.W_E": get("model.embed_tokens.weight")}
-    for l in range(cfg.n_layers):
-        p, o = f"model.layers.{l}.", f"blocks.{l}."
-        a, m = p + "self_attn.", p + "mlp."
-        sd |= {
-            o + "ln1.w": _norm(get, p + "input_layernorm.weight"),
-            o + "attn.W_qkv": qkv(get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")),
-            o + "attn.W_O_flat": t(get(a + "o_proj.weight")),
-            o + "ln1_post.w": _norm(get, p + "post_attention_layernorm.weight"),
-            o + "ln2.w": _norm(get, p + "pre_feedforward_layernorm.weight"),
-            o + "mlp.W_gate": t(get(m + "gate_proj.weight")),
-            o + "mlp.W_in": t(get(m + "up_proj.weight")),
-            o + "mlp.W_out": t(get(m + "down_proj.weight")),
-            o + "ln2_post.w": _norm(get, p + "post_feedforward_layernorm.weight"),
-        }
-        if cfg.qk_norm:
-            sd[o + "attn.q_norm.w"] = _norm(get, a + "q_norm.weight")
-            sd[o + "attn.k_norm.w"] = _norm(get, a + "k_norm.weight")
-        if cfg.qkv_bias:
-            sd[o + "attn.b_qkv"] = qkv(get(a + "q_proj.bias")[:, None], get(a + "k_proj.bias")[:, None],
-                                       get(a + "v_proj.bias")[:, None])[0]
-        if cfg.attn_out_bias:
-            sd[o + "attn.b_O"] = get(a + "o_proj.bias")
-    sd["ln_final.w"] = _norm(get, "model.norm.weight")
-    if not cfg.tie_embeddings:
-        sd["unembed.W_U"] = t(get("lm_head.weight"))
-    return sd
+# Gemma's block norms, ours -> theirs: before and after attention, before and after the MLP.
+NORMS = {"ln1": "input_layernorm", "ln1_post": "post_attention_layernorm", "ln2": "pre_feedforward_layernorm",
+         "ln2_post": "post_feedforward_layernorm"}
+# Every Gemma norm weight (the QK-norms' too) is stored as w for a multiplier 1 + w.
+weights = functools.partial(llama_weights, shift=1.0, layer=functools.partial(
+    llama_layer, block_norms=NORMS, shift=1.0, attention=functools.partial(llama_attention, shift=1.0)))

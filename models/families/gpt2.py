@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ..config import ModelConfig
-from .registry import Family, TensorGetter, register, reject, require
+from .builders import TensorGetter, decoder, linears, norms, reject, require
+from .registry import Family, register
 
 
 def config(d: dict) -> ModelConfig:
@@ -30,22 +31,15 @@ def config(d: dict) -> ModelConfig:
     )
 
 
+def _layer(cfg: ModelConfig, get: TensorGetter, p: str, o: str) -> dict:
+    conv1d = {"attn.qkv": "attn.c_attn", "attn.O": "attn.c_proj", "mlp.in": "mlp.c_fc", "mlp.out": "mlp.c_proj"}
+    return norms(get, o, p, {"ln1": "ln_1", "ln2": "ln_2"}, bias=True) | linears(get, o, p, conv1d, bias=True, transpose=False)
+
+
 def weights(cfg: ModelConfig, get: TensorGetter) -> dict:
-    sd = {"embed.W_E": get("transformer.wte.weight"), "pos_embed.W_pos": get("transformer.wpe.weight")}
-    for l in range(cfg.n_layers):
-        p, o = f"transformer.h.{l}.", f"blocks.{l}."
-        sd |= {
-            o + "ln1.w": get(p + "ln_1.weight"), o + "ln1.b": get(p + "ln_1.bias"),
-            o + "attn.W_qkv": get(p + "attn.c_attn.weight"), o + "attn.b_qkv": get(p + "attn.c_attn.bias"),
-            o + "attn.W_O_flat": get(p + "attn.c_proj.weight"), o + "attn.b_O": get(p + "attn.c_proj.bias"),
-            o + "ln2.w": get(p + "ln_2.weight"), o + "ln2.b": get(p + "ln_2.bias"),
-            o + "mlp.W_in": get(p + "mlp.c_fc.weight"), o + "mlp.b_in": get(p + "mlp.c_fc.bias"),
-            o + "mlp.W_out": get(p + "mlp.c_proj.weight"), o + "mlp.b_out": get(p + "mlp.c_proj.bias"),
-        }
-    sd |= {"ln_final.w": get("transformer.ln_f.weight"), "ln_final.b": get("transformer.ln_f.bias")}
-    if not cfg.tie_embeddings:
-        sd["unembed.W_U"] = get("lm_head.weight").T.contiguous()
-    return sd
+    embed = {"embed.W_E": get("transformer.wte.weight"), "pos_embed.W_pos": get("transformer.wpe.weight")}
+    return decoder(cfg, get, embed=embed, layers="transformer.h.", layer=_layer,
+                   final=norms(get, "", "transformer.", {"ln_final": "ln_f"}, bias=True))
 
 
 register(Family("gpt2", ("gpt2",), config, weights))

@@ -11,7 +11,8 @@ function never reaches it there: this family is how it runs on our backends.
 from __future__ import annotations
 
 from ..config import ModelConfig
-from .registry import Family, TensorGetter, qkv, register, require, t
+from .builders import TensorGetter, decoder, linears, norms, require, split_qkv
+from .registry import Family, register
 
 MT = "gpt_neo"
 _KINDS = {"global": "full", "local": "sliding"}
@@ -60,23 +61,16 @@ def config(d: dict) -> ModelConfig:
     )
 
 
+def _layer(cfg: ModelConfig, get: TensorGetter, p: str, o: str) -> dict:
+    a = p + "attn.attention."
+    mlp = linears(get, o, p, {"attn.O": "attn.attention.out_proj", "mlp.in": "mlp.c_fc", "mlp.out": "mlp.c_proj"}, bias=True)
+    return norms(get, o, p, {"ln1": "ln_1", "ln2": "ln_2"}, bias=True) | split_qkv(get, o, a, bias=False) | mlp
+
+
 def weights(cfg: ModelConfig, get: TensorGetter) -> dict:
-    sd = {"embed.W_E": get("transformer.wte.weight"), "pos_embed.W_pos": get("transformer.wpe.weight")}
-    for l in range(cfg.n_layers):
-        p, o = f"transformer.h.{l}.", f"blocks.{l}."
-        a = p + "attn.attention."
-        sd |= {
-            o + "ln1.w": get(p + "ln_1.weight"), o + "ln1.b": get(p + "ln_1.bias"),
-            o + "attn.W_qkv": qkv(get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")),
-            o + "attn.W_O_flat": t(get(a + "out_proj.weight")), o + "attn.b_O": get(a + "out_proj.bias"),
-            o + "ln2.w": get(p + "ln_2.weight"), o + "ln2.b": get(p + "ln_2.bias"),
-            o + "mlp.W_in": t(get(p + "mlp.c_fc.weight")), o + "mlp.b_in": get(p + "mlp.c_fc.bias"),
-            o + "mlp.W_out": t(get(p + "mlp.c_proj.weight")), o + "mlp.b_out": get(p + "mlp.c_proj.bias"),
-        }
-    sd |= {"ln_final.w": get("transformer.ln_f.weight"), "ln_final.b": get("transformer.ln_f.bias")}
-    if not cfg.tie_embeddings:
-        sd["unembed.W_U"] = t(get("lm_head.weight"))
-    return sd
+    embed = {"embed.W_E": get("transformer.wte.weight"), "pos_embed.W_pos": get("transformer.wpe.weight")}
+    return decoder(cfg, get, embed=embed, layers="transformer.h.", layer=_layer,
+                   final=norms(get, "", "transformer.", {"ln_final": "ln_f"}, bias=True))
 
 
 register(Family("gpt_neo", (MT,), config, weights))

@@ -18,8 +18,11 @@ the same in float32, one rounding apart in half precision. Defaults for absent k
 
 from __future__ import annotations
 
+import functools
+
 from ..config import ModelConfig
-from .registry import Family, TensorGetter, qkv, register, require, rms_decoder, rotary_from_hf, t
+from .builders import TensorGetter, linears, llama_attention, llama_layer, llama_weights, require, rms_decoder, rotary_from_hf
+from .registry import Family, register
 
 MT = "gpt_oss"
 _LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
@@ -64,38 +67,28 @@ def config(d: dict) -> ModelConfig:
     )
 
 
-def weights(cfg: ModelConfig, get: TensorGetter) -> dict:
-    sd = {"embed.W_E": get("model.embed_tokens.weight")}
-    for l in range(cfg.n_layers):
-        p, o = f"model.layers.{l}.", f"blocks.{l}."
-        a, m = p + "self_attn.", p + "mlp."
+def _attention(cfg: ModelConfig, get: TensorGetter, p: str, o: str) -> dict:
+    """Llama's attention with biases, and the learned sink logits."""
+    return llama_attention(cfg, get, p, o) | {o + "attn.sinks": get(p + "self_attn.sinks")}
+
+
+def _experts(cfg: ModelConfig, get: TensorGetter, p: str, o: str) -> dict:
+    """The router (with its bias) and every expert, input-major already: gate and linear columns interleaved."""
+    m = p + "mlp."
+    sd = linears(get, o, m, {"mlp.gate": "router"}, bias=True)
+    gate_up, gate_up_bias = get(m + "experts.gate_up_proj"), get(m + "experts.gate_up_proj_bias")
+    down, down_bias = get(m + "experts.down_proj"), get(m + "experts.down_proj_bias")
+    for e in range(cfg.num_experts):
+        x = f"{o}mlp.experts.{e}."
         sd |= {
-            o + "ln1.w": get(p + "input_layernorm.weight"),
-            o + "attn.W_qkv": qkv(get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")),
-            o + "attn.W_O_flat": t(get(a + "o_proj.weight")),
-            o + "attn.sinks": get(a + "sinks"),
-            o + "ln2.w": get(p + "post_attention_layernorm.weight"),
-            o + "mlp.W_gate": t(get(m + "router.weight")),
-            o + "mlp.b_gate": get(m + "router.bias"),
+            x + "W_gate": gate_up[e][:, 0::2].contiguous(), x + "b_gate": gate_up_bias[e][0::2].contiguous(),
+            x + "W_in": gate_up[e][:, 1::2].contiguous(), x + "b_in": gate_up_bias[e][1::2].contiguous(),
+            x + "W_out": down[e].contiguous(), x + "b_out": down_bias[e].contiguous(),
         }
-        if cfg.qkv_bias:
-            sd[o + "attn.b_qkv"] = qkv(get(a + "q_proj.bias")[:, None], get(a + "k_proj.bias")[:, None],
-                                       get(a + "v_proj.bias")[:, None])[0]
-        if cfg.attn_out_bias:
-            sd[o + "attn.b_O"] = get(a + "o_proj.bias")
-        gate_up, gate_up_bias = get(m + "experts.gate_up_proj"), get(m + "experts.gate_up_proj_bias")
-        down, down_bias = get(m + "experts.down_proj"), get(m + "experts.down_proj_bias")
-        for e in range(cfg.num_experts):
-            x = f"{o}mlp.experts.{e}."
-            sd |= {  # input-major already; gate and linear columns interleaved
-                x + "W_gate": gate_up[e][:, 0::2].contiguous(), x + "b_gate": gate_up_bias[e][0::2].contiguous(),
-                x + "W_in": gate_up[e][:, 1::2].contiguous(), x + "b_in": gate_up_bias[e][1::2].contiguous(),
-                x + "W_out": down[e].contiguous(), x + "b_out": down_bias[e].contiguous(),
-            }
-    sd["ln_final.w"] = get("model.norm.weight")
-    if not cfg.tie_embeddings:
-        sd["unembed.W_U"] = t(get("lm_head.weight"))
     return sd
+
+
+weights = functools.partial(llama_weights, layer=functools.partial(llama_layer, attention=_attention, mlp=_experts))
 
 
 register(Family(MT, (MT,), config, weights))

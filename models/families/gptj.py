@@ -11,7 +11,8 @@ naming the key.
 from __future__ import annotations
 
 from ..config import ModelConfig
-from .registry import Family, TensorGetter, qkv, register, reject, require, t
+from .builders import TensorGetter, decoder, linears, norms, reject, require, split_qkv
+from .registry import Family, register
 
 MT = "gptj"
 
@@ -45,22 +46,17 @@ def config(d: dict) -> ModelConfig:
     )
 
 
+def _layer(cfg: ModelConfig, get: TensorGetter, p: str, o: str) -> dict:
+    ln = norms(get, o, p, {"ln1": "ln_1"}, bias=True)
+    ln |= {o + "ln2.w": ln[o + "ln1.w"].clone(), o + "ln2.b": ln[o + "ln1.b"].clone()}  # the one ln_1, twice
+    mlp = linears(get, o, p, {"mlp.in": "mlp.fc_in", "mlp.out": "mlp.fc_out"}, bias=True)
+    return ln | split_qkv(get, o, p + "attn.", bias=False) | linears(get, o, p, {"attn.O": "attn.out_proj"}) | mlp
+
+
 def weights(cfg: ModelConfig, get: TensorGetter) -> dict:
-    sd = {"embed.W_E": get("transformer.wte.weight")}
-    for l in range(cfg.n_layers):
-        p, o = f"transformer.h.{l}.", f"blocks.{l}."
-        a, m = p + "attn.", p + "mlp."
-        w, b = get(p + "ln_1.weight"), get(p + "ln_1.bias")
-        sd |= {
-            o + "ln1.w": w, o + "ln1.b": b, o + "ln2.w": w.clone(), o + "ln2.b": b.clone(),  # the one ln_1, twice
-            o + "attn.W_qkv": qkv(get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")),
-            o + "attn.W_O_flat": t(get(a + "out_proj.weight")),
-            o + "mlp.W_in": t(get(m + "fc_in.weight")), o + "mlp.b_in": get(m + "fc_in.bias"),
-            o + "mlp.W_out": t(get(m + "fc_out.weight")), o + "mlp.b_out": get(m + "fc_out.bias"),
-        }
-    sd |= {"ln_final.w": get("transformer.ln_f.weight"), "ln_final.b": get("transformer.ln_f.bias"),
-           "unembed.W_U": t(get("lm_head.weight")), "unembed.b_U": get("lm_head.bias")}
-    return sd
+    final = norms(get, "", "transformer.", {"ln_final": "ln_f"}, bias=True) | {"unembed.b_U": get("lm_head.bias")}
+    return decoder(cfg, get, embed={"embed.W_E": get("transformer.wte.weight")}, layers="transformer.h.",
+                   layer=_layer, final=final)
 
 
 register(Family("gptj", (MT,), config, weights))

@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import ModelConfig
-from .registry import Family, TensorGetter, qkv, register, reject, require, rms_decoder, rotary_from_hf, t
+from .builders import llama_weights, reject, require, rms_decoder, rotary_from_hf
+from .registry import Family, register
 
 
 def _config(d: dict, mt: str, *, qkv_bias: bool, out_bias: bool, window: bool) -> ModelConfig:
@@ -39,30 +40,7 @@ def _config(d: dict, mt: str, *, qkv_bias: bool, out_bias: bool, window: bool) -
     )
 
 
-def weights(cfg: ModelConfig, get: TensorGetter) -> dict:
-    sd = {"embed.W_E": get("model.embed_tokens.weight")}
-    for l in range(cfg.n_layers):
-        p, o = f"model.layers.{l}.", f"blocks.{l}."
-        a, m = p + "self_attn.", p + "mlp."
-        sd |= {
-            o + "ln1.w": get(p + "input_layernorm.weight"),
-            o + "attn.W_qkv": qkv(get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")),
-            o + "attn.W_O_flat": t(get(a + "o_proj.weight")),
-            o + "ln2.w": get(p + "post_attention_layernorm.weight"),
-            o + "mlp.W_gate": t(get(m + "gate_proj.weight")),
-            o + "mlp.W_in": t(get(m + "up_proj.weight")),
-            o + "mlp.W_out": t(get(m + "down_proj.weight")),
-        }
-        if cfg.qkv_bias:
-            sd[o + "attn.b_qkv"] = qkv(get(a + "q_proj.bias")[:, None], get(a + "k_proj.bias")[:, None], get(a + "v_proj.bias")[:, None])[0]
-        if cfg.attn_out_bias:
-            sd[o + "attn.b_O"] = get(a + "o_proj.bias")
-        if cfg.mlp_bias:
-            sd |= {o + "mlp.b_gate": get(m + "gate_proj.bias"), o + "mlp.b_in": get(m + "up_proj.bias"), o + "mlp.b_out": get(m + "down_proj.bias")}
-    sd["ln_final.w"] = get("model.norm.weight")
-    if not cfg.tie_embeddings:
-        sd["unembed.W_U"] = t(get("lm_head.weight"))
-    return sd
+weights = llama_weights  # the Llama-style block (`builders.llama_layer`): two RMSNorms, q/k/v, SwiGLU
 
 
 register(Family("llama", ("llama",), lambda d: _config(d, "llama", qkv_bias=False, out_bias=False, window=False), weights))

@@ -22,10 +22,13 @@ as is OLMoE's `clip_qkv`. Defaults for absent keys are Hugging Face's.
 
 from __future__ import annotations
 
+import functools
+
 from ..config import ModelConfig
 from interp.errors import CheckpointError
 from .llamalike import _config as llamalike_config
-from .registry import Family, TensorGetter, qkv, register, reject, require, t
+from .builders import TensorGetter, linears, llama_layer, llama_weights, reject, require, t
+from .registry import Family, register
 
 # Hugging Face's defaults for keys a config.json may leave out, per family.
 _DEFAULTS = {
@@ -108,43 +111,25 @@ def _experts(cfg: ModelConfig, get: TensorGetter, prefixes: tuple[str, ...], nam
     return sd
 
 
-def _weights(cfg: ModelConfig, get: TensorGetter, prefixes: tuple[str, ...], names: tuple[str, str, str]) -> dict:
-    sd = {"embed.W_E": get("model.embed_tokens.weight")}
-    for l in range(cfg.n_layers):
-        p, o = f"model.layers.{l}.", f"blocks.{l}."
-        a = p + "self_attn."
-        sd |= {
-            o + "ln1.w": get(p + "input_layernorm.weight"),
-            o + "attn.W_qkv": qkv(get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")),
-            o + "attn.W_O_flat": t(get(a + "o_proj.weight")),
-            o + "ln2.w": get(p + "post_attention_layernorm.weight"),
-        }
-        if cfg.qkv_bias:
-            sd[o + "attn.b_qkv"] = qkv(get(a + "q_proj.bias")[:, None], get(a + "k_proj.bias")[:, None],
-                                       get(a + "v_proj.bias")[:, None])[0]
-        if cfg.attn_out_bias:
-            sd[o + "attn.b_O"] = get(a + "o_proj.bias")
-        if cfg.qk_norm:
-            sd |= {o + "attn.q_norm.w": get(a + "q_norm.weight"), o + "attn.k_norm.w": get(a + "k_norm.weight")}
-        sd |= _experts(cfg, get, tuple(p + pre for pre in prefixes), names, o + "mlp.")
-        if cfg.d_mlp_shared is not None:
-            s = p + "mlp.shared_expert."
-            sd |= {o + "mlp.shared_expert.W_gate": t(get(s + "gate_proj.weight")),
-                   o + "mlp.shared_expert.W_in": t(get(s + "up_proj.weight")),
-                   o + "mlp.shared_expert.W_out": t(get(s + "down_proj.weight")),
-                   o + "mlp.W_shared_gate": t(get(p + "mlp.shared_expert_gate.weight"))}
-    sd["ln_final.w"] = get("model.norm.weight")
-    if not cfg.tie_embeddings:
-        sd["unembed.W_U"] = t(get("lm_head.weight"))
+def _mlp(cfg: ModelConfig, get: TensorGetter, p: str, o: str, *, prefixes: tuple[str, ...],
+         names: tuple[str, str, str]) -> dict:
+    """A block's experts (`_experts`) and, where the config has one, its shared expert and that expert's gate."""
+    sd = _experts(cfg, get, tuple(p + pre for pre in prefixes), names, o + "mlp.")
+    if cfg.d_mlp_shared is not None:
+        sd |= linears(get, o + "mlp.", p + "mlp.shared_expert.",
+                      {"shared_expert.gate": "gate_proj", "shared_expert.in": "up_proj", "shared_expert.out": "down_proj"})
+        sd |= linears(get, o, p, {"mlp.shared_gate": "mlp.shared_expert_gate"})
     return sd
 
 
-def _linear_names(cfg: ModelConfig, get: TensorGetter) -> dict:
-    return _weights(cfg, get, ("mlp.",), ("gate_proj", "up_proj", "down_proj"))
+def _weights(prefixes: tuple[str, ...], names: tuple[str, str, str]):
+    """The weights of a checkpoint whose experts sit under `prefixes` as Linears called `names` (gate, up, down)."""
+    mlp = functools.partial(_mlp, prefixes=prefixes, names=names)
+    return functools.partial(llama_weights, layer=functools.partial(llama_layer, mlp=mlp))
 
 
-def _mixtral_weights(cfg: ModelConfig, get: TensorGetter) -> dict:
-    return _weights(cfg, get, ("mlp.", "block_sparse_moe."), ("w1", "w3", "w2"))
+_linear_names = _weights(("mlp.",), ("gate_proj", "up_proj", "down_proj"))
+_mixtral_weights = _weights(("mlp.", "block_sparse_moe."), ("w1", "w3", "w2"))
 
 
 register(Family("mixtral", ("mixtral",), mixtral, _mixtral_weights))

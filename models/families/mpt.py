@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-from .registry import Family, TensorGetter, register, reject, require, t
+from .builders import TensorGetter, decoder, layernorm_decoder, linears, norms, reject, require
+from .registry import Family, register
 
 MT = "mpt"
 _NORMS = ("layernorm", "low_precision_layernorm")  # the same LayerNorm in float32
@@ -33,44 +34,26 @@ def config(d: dict) -> ModelConfig:
            alibi=lambda v: v is False, alibi_bias_max=lambda v: v != 8,
            attn_type=lambda v: v != "multihead_attention")
     d_model = require(d, "d_model", MT)
-    return ModelConfig(
-        n_layers=require(d, "n_layers", MT),
-        d_model=d_model,
-        n_heads=require(d, "n_heads", MT),
-        d_vocab=require(d, "vocab_size", MT),
-        n_ctx=d.get("max_seq_len", 2048),
-        d_mlp=int(d.get("expansion_ratio", 4) * d_model),
-        act_fn="gelu",
-        normalization="layernorm",
-        norm_eps=d.get("layer_norm_epsilon", 1e-5),
-        positional="alibi",
-        qkv_bias=False,
-        attn_out_bias=False,
+    return layernorm_decoder(
+        d, MT, sizes=dict(n_layers="n_layers", n_heads="n_heads", d_vocab="vocab_size"), d_model=d_model,
+        n_ctx=d.get("max_seq_len", 2048), d_mlp=int(d.get("expansion_ratio", 4) * d_model), act_fn="gelu",
+        norm_eps=d.get("layer_norm_epsilon", 1e-5), positional="alibi", qkv_bias=False, attn_out_bias=False,
         mlp_bias=False,
-        tie_embeddings=bool(d.get("tie_word_embeddings", True)),
         attn_scale=attn.get("softmax_scale"),  # None: 1/sqrt(d_head)
-        model_type=MT,
         prepend_bos=False,  # TransformerLens's MPT adapter: no BOS
     )
 
 
+def _layer(cfg: ModelConfig, get: TensorGetter, p: str, o: str) -> dict:
+    zero = {o + "ln1.b": torch.zeros(cfg.d_model), o + "ln2.b": torch.zeros(cfg.d_model)}  # MPT's norms have no bias
+    names = {"attn.qkv": "attn.Wqkv", "attn.O": "attn.out_proj", "mlp.in": "ffn.up_proj", "mlp.out": "ffn.down_proj"}
+    return norms(get, o, p, {"ln1": "norm_1", "ln2": "norm_2"}) | zero | linears(get, o, p, names)
+
+
 def weights(cfg: ModelConfig, get: TensorGetter) -> dict:
-    zeros = torch.zeros(cfg.d_model)  # MPT's norms have no bias
-    sd = {"embed.W_E": get("transformer.wte.weight")}
-    for l in range(cfg.n_layers):
-        p, o = f"transformer.blocks.{l}.", f"blocks.{l}."
-        sd |= {
-            o + "ln1.w": get(p + "norm_1.weight"), o + "ln1.b": zeros.clone(),
-            o + "attn.W_qkv": t(get(p + "attn.Wqkv.weight")),
-            o + "attn.W_O_flat": t(get(p + "attn.out_proj.weight")),
-            o + "ln2.w": get(p + "norm_2.weight"), o + "ln2.b": zeros.clone(),
-            o + "mlp.W_in": t(get(p + "ffn.up_proj.weight")),
-            o + "mlp.W_out": t(get(p + "ffn.down_proj.weight")),
-        }
-    sd |= {"ln_final.w": get("transformer.norm_f.weight"), "ln_final.b": zeros.clone()}
-    if not cfg.tie_embeddings:
-        sd["unembed.W_U"] = t(get("lm_head.weight"))
-    return sd
+    final = norms(get, "", "transformer.", {"ln_final": "norm_f"}) | {"ln_final.b": torch.zeros(cfg.d_model)}
+    return decoder(cfg, get, embed={"embed.W_E": get("transformer.wte.weight")}, layers="transformer.blocks.",
+                   layer=_layer, final=final)
 
 
 register(Family("mpt", (MT,), config, weights))

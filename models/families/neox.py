@@ -3,10 +3,9 @@ per-head interleaved fused QKV ([head, (q, k, v), d_head] rows), untied unembedd
 
 from __future__ import annotations
 
-import torch
-
 from ..config import ModelConfig
-from .registry import Family, TensorGetter, register, reject, require, rotary_from_hf, t
+from .builders import TensorGetter, decoder, grouped_qkv_weights, linears, norms, reject, require, rotary_from_hf
+from .registry import Family, register
 
 
 def config(d: dict) -> ModelConfig:
@@ -33,26 +32,17 @@ def config(d: dict) -> ModelConfig:
     )
 
 
+def _layer(cfg: ModelConfig, get: TensorGetter, p: str, o: str) -> dict:
+    dense = {"attn.O": "attention.dense", "mlp.in": "mlp.dense_h_to_4h", "mlp.out": "mlp.dense_4h_to_h"}
+    return (norms(get, o, p, {"ln1": "input_layernorm", "ln2": "post_attention_layernorm"}, bias=True)
+            | grouped_qkv_weights(cfg, get, o, p + "attention.query_key_value", bias=True)
+            | linears(get, o, p, dense, bias=True))
+
+
 def weights(cfg: ModelConfig, get: TensorGetter) -> dict:
-    h, dh, d = cfg.n_heads, cfg.head_dim, cfg.d_model
-    sd = {"embed.W_E": get("gpt_neox.embed_in.weight")}
-    for l in range(cfg.n_layers):
-        p, o = f"gpt_neox.layers.{l}.", f"blocks.{l}."
-        w = get(p + "attention.query_key_value.weight").view(h, 3, dh, d)
-        b = get(p + "attention.query_key_value.bias").view(h, 3, dh)
-        sd |= {
-            o + "ln1.w": get(p + "input_layernorm.weight"), o + "ln1.b": get(p + "input_layernorm.bias"),
-            o + "attn.W_qkv": torch.cat([w[:, i].reshape(h * dh, d) for i in range(3)]).T.contiguous(),
-            o + "attn.b_qkv": torch.cat([b[:, i].reshape(h * dh) for i in range(3)]),
-            o + "attn.W_O_flat": t(get(p + "attention.dense.weight")), o + "attn.b_O": get(p + "attention.dense.bias"),
-            o + "ln2.w": get(p + "post_attention_layernorm.weight"), o + "ln2.b": get(p + "post_attention_layernorm.bias"),
-            o + "mlp.W_in": t(get(p + "mlp.dense_h_to_4h.weight")), o + "mlp.b_in": get(p + "mlp.dense_h_to_4h.bias"),
-            o + "mlp.W_out": t(get(p + "mlp.dense_4h_to_h.weight")), o + "mlp.b_out": get(p + "mlp.dense_4h_to_h.bias"),
-        }
-    sd |= {"ln_final.w": get("gpt_neox.final_layer_norm.weight"), "ln_final.b": get("gpt_neox.final_layer_norm.bias")}
-    if not cfg.tie_embeddings:
-        sd["unembed.W_U"] = t(get("embed_out.weight", "lm_head.weight"))
-    return sd
+    return decoder(cfg, get, embed={"embed.W_E": get("gpt_neox.embed_in.weight")}, layers="gpt_neox.layers.",
+                   layer=_layer, final=norms(get, "", "gpt_neox.", {"ln_final": "final_layer_norm"}, bias=True),
+                   head=("embed_out.weight", "lm_head.weight"))
 
 
 register(Family("gpt_neox", ("gpt_neox",), config, weights))

@@ -10,8 +10,11 @@ naming the key.
 
 from __future__ import annotations
 
+import functools
+
 from ..config import ModelConfig
-from .registry import Family, TensorGetter, qkv, register, reject, require, rms_decoder, rotary_from_hf, t
+from .builders import llama_layer, llama_weights, reject, require, rms_decoder, rotary_from_hf
+from .registry import Family, register
 
 MT = "olmo2"
 
@@ -41,26 +44,9 @@ def config(d: dict) -> ModelConfig:
     )
 
 
-def weights(cfg: ModelConfig, get: TensorGetter) -> dict:
-    sd = {"embed.W_E": get("model.embed_tokens.weight")}
-    for l in range(cfg.n_layers):
-        p, o = f"model.layers.{l}.", f"blocks.{l}."
-        a, m = p + "self_attn.", p + "mlp."
-        sd |= {
-            o + "attn.W_qkv": qkv(get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")),
-            o + "attn.q_norm.w": get(a + "q_norm.weight"),
-            o + "attn.k_norm.w": get(a + "k_norm.weight"),
-            o + "attn.W_O_flat": t(get(a + "o_proj.weight")),
-            o + "ln1_post.w": get(p + "post_attention_layernorm.weight"),
-            o + "mlp.W_gate": t(get(m + "gate_proj.weight")),
-            o + "mlp.W_in": t(get(m + "up_proj.weight")),
-            o + "mlp.W_out": t(get(m + "down_proj.weight")),
-            o + "ln2_post.w": get(p + "post_feedforward_layernorm.weight"),
-        }
-    sd["ln_final.w"] = get("model.norm.weight")
-    if not cfg.tie_embeddings:
-        sd["unembed.W_U"] = t(get("lm_head.weight"))
-    return sd
+# Norms only after attention and the MLP; QK-norm (`cfg.qk_norm`) read by the Llama-style attention.
+weights = functools.partial(llama_weights, layer=functools.partial(
+    llama_layer, block_norms={"ln1_post": "post_attention_layernorm", "ln2_post": "post_feedforward_layernorm"}))
 
 
 register(Family("olmo2", (MT,), config, weights))

@@ -12,10 +12,9 @@ project_in / project_out), `_remove_final_layer_norm` and norms without weights
 
 from __future__ import annotations
 
-import torch
-
 from ..config import ModelConfig
-from .registry import Family, TensorGetter, qkv, register, reject, require, t
+from .builders import TensorGetter, decoder, layernorm_decoder, linears, norms, reject, require, split_qkv
+from .registry import Family, register
 
 MT = "opt"
 OFFSET = 2  # OPTLearnedPositionalEmbedding's offset
@@ -30,50 +29,24 @@ def config(d: dict) -> ModelConfig:
     if act not in _ACTIVATIONS:
         raise NotImplementedError(f"{MT} config sets activation_function={act!r}; interp supports {sorted(_ACTIVATIONS)}")
     bias = bool(d.get("enable_bias", True))
-    return ModelConfig(
-        n_layers=require(d, "num_hidden_layers", MT),
-        d_model=d_model,
-        n_heads=require(d, "num_attention_heads", MT),
-        d_vocab=require(d, "vocab_size", MT),
-        n_ctx=d.get("max_position_embeddings", 2048),
-        d_mlp=require(d, "ffn_dim", MT),
-        act_fn=_ACTIVATIONS[act],
-        normalization="layernorm",
-        norm_eps=1e-5,  # nn.LayerNorm's default; OPT's config has no eps
-        positional="learned",
-        qkv_bias=bias,
-        attn_out_bias=bias,
-        mlp_bias=bias,
-        tie_embeddings=bool(d.get("tie_word_embeddings", True)),
-        model_type=MT,
-    )
+    sizes = dict(n_layers="num_hidden_layers", n_heads="num_attention_heads", d_vocab="vocab_size", d_mlp="ffn_dim")
+    return layernorm_decoder(d, MT, sizes=sizes, d_model=d_model, n_ctx=d.get("max_position_embeddings", 2048),
+                             act_fn=_ACTIVATIONS[act], positional="learned", qkv_bias=bias, attn_out_bias=bias,
+                             mlp_bias=bias, norm_eps=1e-5)  # nn.LayerNorm's default; OPT's config has no eps
 
 
-def _norm(get: TensorGetter, ours: str, name: str) -> dict:
-    return {ours + ".w": get(name + ".weight"), ours + ".b": get(name + ".bias")}
+def layer(cfg: ModelConfig, get: TensorGetter, p: str, o: str) -> dict:
+    """fairseq's pre-LN block (OPT's, XGLM's): LayerNorms with biases; projections with biases where `cfg` has them."""
+    names = {"attn.O": "self_attn.out_proj", "mlp.in": "fc1", "mlp.out": "fc2"}
+    return (norms(get, o, p, {"ln1": "self_attn_layer_norm", "ln2": "final_layer_norm"}, bias=True)
+            | split_qkv(get, o, p + "self_attn.", bias=cfg.qkv_bias) | linears(get, o, p, names, bias=cfg.qkv_bias))
 
 
 def weights(cfg: ModelConfig, get: TensorGetter) -> dict:
-    sd = {"embed.W_E": get("model.decoder.embed_tokens.weight"),
-          "pos_embed.W_pos": get("model.decoder.embed_positions.weight")[OFFSET:]}
-    for l in range(cfg.n_layers):
-        p, o = f"model.decoder.layers.{l}.", f"blocks.{l}."
-        a = p + "self_attn."
-        sd |= _norm(get, o + "ln1", p + "self_attn_layer_norm") | _norm(get, o + "ln2", p + "final_layer_norm")
-        sd |= {
-            o + "attn.W_qkv": qkv(get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")),
-            o + "attn.W_O_flat": t(get(a + "out_proj.weight")),
-            o + "mlp.W_in": t(get(p + "fc1.weight")),
-            o + "mlp.W_out": t(get(p + "fc2.weight")),
-        }
-        if cfg.qkv_bias:
-            sd[o + "attn.b_qkv"] = torch.cat([get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")])
-            sd[o + "attn.b_O"] = get(a + "out_proj.bias")
-            sd |= {o + "mlp.b_in": get(p + "fc1.bias"), o + "mlp.b_out": get(p + "fc2.bias")}
-    sd |= _norm(get, "ln_final", "model.decoder.final_layer_norm")
-    if not cfg.tie_embeddings:
-        sd["unembed.W_U"] = t(get("lm_head.weight"))
-    return sd
+    embed = {"embed.W_E": get("model.decoder.embed_tokens.weight"),
+             "pos_embed.W_pos": get("model.decoder.embed_positions.weight")[OFFSET:]}
+    return decoder(cfg, get, embed=embed, layers="model.decoder.layers.", layer=layer,
+                   final=norms(get, "", "model.decoder.", {"ln_final": "final_layer_norm"}, bias=True))
 
 
 register(Family("opt", (MT,), config, weights))

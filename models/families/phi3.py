@@ -11,8 +11,11 @@ naming the key.
 
 from __future__ import annotations
 
+import functools
+
 from ..config import ModelConfig
-from .registry import Family, TensorGetter, register, reject, require, rms_decoder, rotary_from_hf, t
+from .builders import TensorGetter, linears, llama_layer, llama_weights, reject, require, rms_decoder, rotary_from_hf, t
+from .registry import Family, register
 
 MT = "phi3"
 
@@ -51,24 +54,18 @@ def config(d: dict) -> ModelConfig:
     )
 
 
-def weights(cfg: ModelConfig, get: TensorGetter) -> dict:
-    sd = {"embed.W_E": get("model.embed_tokens.weight")}
-    for l in range(cfg.n_layers):
-        p, o = f"model.layers.{l}.", f"blocks.{l}."
-        gate, up = get(p + "mlp.gate_up_proj.weight").split(cfg.d_mlp)
-        sd |= {
-            o + "ln1.w": get(p + "input_layernorm.weight"),
-            o + "attn.W_qkv": t(get(p + "self_attn.qkv_proj.weight")),  # rows [q | k | v]: our column order
-            o + "attn.W_O_flat": t(get(p + "self_attn.o_proj.weight")),
-            o + "ln2.w": get(p + "post_attention_layernorm.weight"),
-            o + "mlp.W_gate": t(gate),
-            o + "mlp.W_in": t(up),
-            o + "mlp.W_out": t(get(p + "mlp.down_proj.weight")),
-        }
-    sd["ln_final.w"] = get("model.norm.weight")
-    if not cfg.tie_embeddings:
-        sd["unembed.W_U"] = t(get("lm_head.weight"))
-    return sd
+def _attention(cfg: ModelConfig, get: TensorGetter, p: str, o: str) -> dict:
+    """The fused qkv_proj: rows [q | k | v], our column order."""
+    return {o + "attn.W_qkv": t(get(p + "self_attn.qkv_proj.weight"))} | linears(get, o, p, {"attn.O": "self_attn.o_proj"})
+
+
+def _mlp(cfg: ModelConfig, get: TensorGetter, p: str, o: str) -> dict:
+    """The fused gate_up_proj: the gate's rows, then the up projection's."""
+    gate, up = get(p + "mlp.gate_up_proj.weight").split(cfg.d_mlp)
+    return {o + "mlp.W_gate": t(gate), o + "mlp.W_in": t(up)} | linears(get, o, p, {"mlp.out": "mlp.down_proj"})
+
+
+weights = functools.partial(llama_weights, layer=functools.partial(llama_layer, attention=_attention, mlp=_mlp))
 
 
 register(Family("phi3", (MT,), config, weights))

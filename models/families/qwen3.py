@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..config import ModelConfig
 from .llamalike import _config as llamalike_config
 from .llamalike import weights as llamalike_weights
-from .registry import Family, TensorGetter, register, require
+from .registry import Family, register, require
 
 MT = "qwen3"
 
@@ -30,13 +30,5 @@ def config(d: dict) -> ModelConfig:
     return cfg.replace(qk_norm=True, prepend_bos=False)
 
 
-def weights(cfg: ModelConfig, get: TensorGetter) -> dict:
-    sd = llamalike_weights(cfg, get)
-    for l in range(cfg.n_layers):
-        a, o = f"model.layers.{l}.self_attn.", f"blocks.{l}.attn."
-        sd[o + "q_norm.w"] = get(a + "q_norm.weight")
-        sd[o + "k_norm.w"] = get(a + "k_norm.weight")
-    return sd
-
-
-register(Family("qwen3", (MT,), config, weights))
+# QK-norm over each head (`cfg.qk_norm`), read by the Llama-style block
+register(Family("qwen3", (MT,), config, llamalike_weights))

@@ -19,7 +19,9 @@ import torch
 from torch import Tensor
 
 from ..config import ModelConfig
-from .registry import Family, TensorGetter, qkv, register, reject, require, t
+from . import opt
+from .builders import TensorGetter, decoder, layernorm_decoder, norms, reject, require
+from .registry import Family, register
 
 MT = "xglm"
 OFFSET = 2  # fairseq's: position p is row p + 2; rows 0 and 1 are never a position
@@ -45,41 +47,19 @@ def config(d: dict) -> ModelConfig:
     act = d.get("activation_function", "gelu")
     if act not in _ACTIVATIONS:
         raise NotImplementedError(f"{MT} config sets activation_function={act!r}; interp supports {sorted(_ACTIVATIONS)}")
-    return ModelConfig(
-        n_layers=require(d, "num_layers", MT),
-        d_model=d_model,
-        n_heads=require(d, "attention_heads", MT),
-        d_vocab=require(d, "vocab_size", MT),
-        n_ctx=d.get("max_position_embeddings", 2048),
-        d_mlp=require(d, "ffn_dim", MT),
-        act_fn=_ACTIVATIONS[act],
-        normalization="layernorm",
+    sizes = dict(n_layers="num_layers", n_heads="attention_heads", d_vocab="vocab_size", d_mlp="ffn_dim")
+    return layernorm_decoder(
+        d, MT, sizes=sizes, d_model=d_model, n_ctx=d.get("max_position_embeddings", 2048), act_fn=_ACTIVATIONS[act],
         norm_eps=1e-5,  # nn.LayerNorm's default; XGLM's config has no eps
         positional="learned",  # the sinusoidal table, computed by `weights`
-        tie_embeddings=bool(d.get("tie_word_embeddings", True)),
         embed_scale=math.sqrt(d_model) if d.get("scale_embedding", True) else None,
-        model_type=MT,
     )
 
 
 def weights(cfg: ModelConfig, get: TensorGetter) -> dict:
-    sd = {"embed.W_E": get("model.embed_tokens.weight"), "pos_embed.W_pos": position_table(cfg.n_ctx, cfg.d_model)}
-    for l in range(cfg.n_layers):
-        p, o = f"model.layers.{l}.", f"blocks.{l}."
-        a = p + "self_attn."
-        sd |= {
-            o + "ln1.w": get(p + "self_attn_layer_norm.weight"), o + "ln1.b": get(p + "self_attn_layer_norm.bias"),
-            o + "attn.W_qkv": qkv(get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")),
-            o + "attn.b_qkv": torch.cat([get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")]),
-            o + "attn.W_O_flat": t(get(a + "out_proj.weight")), o + "attn.b_O": get(a + "out_proj.bias"),
-            o + "ln2.w": get(p + "final_layer_norm.weight"), o + "ln2.b": get(p + "final_layer_norm.bias"),
-            o + "mlp.W_in": t(get(p + "fc1.weight")), o + "mlp.b_in": get(p + "fc1.bias"),
-            o + "mlp.W_out": t(get(p + "fc2.weight")), o + "mlp.b_out": get(p + "fc2.bias"),
-        }
-    sd |= {"ln_final.w": get("model.layer_norm.weight"), "ln_final.b": get("model.layer_norm.bias")}
-    if not cfg.tie_embeddings:
-        sd["unembed.W_U"] = t(get("lm_head.weight"))
-    return sd
+    embed = {"embed.W_E": get("model.embed_tokens.weight"), "pos_embed.W_pos": position_table(cfg.n_ctx, cfg.d_model)}
+    return decoder(cfg, get, embed=embed, layers="model.layers.", layer=opt.layer,  # biases everywhere
+                   final=norms(get, "", "model.", {"ln_final": "layer_norm"}, bias=True))
 
 
 register(Family("xglm", (MT,), config, weights))
