@@ -104,7 +104,7 @@ def _pad_id(model) -> int:
 
 
 def _encode(model, text: str) -> list[int]:
-    return model.to_tokens(text)[0].tolist()
+    return model.to_tokens(text, truncate=False)[0].tolist()  # never cut here: a long prompt is refused whole
 
 
 def single_tokens(model, words: Sequence[str]) -> dict[str, int]:
@@ -118,12 +118,20 @@ def single_tokens(model, words: Sequence[str]) -> dict[str, int]:
 
 
 def _pairs_task(model, name: str, clean: list[str], corrupted: list[str], answers, wrongs, metric: str,
-                description: str) -> Task:
-    """A task from texts: tokenised (the model's BOS rule), lengths checked pair by pair, right-padded."""
+                description: str, where: Sequence[str] | None = None) -> Task:
+    """A task from texts: tokenised whole (the model's BOS rule), lengths checked pair by pair against each
+    other and against the model's context (a longer prompt is refused, never cut: its metric would be read at
+    the wrong token), right-padded. `where` names each pair in a refusal ("pair 3", "tasks.jsonl:7")."""
     c_rows, x_rows = [_encode(model, t) for t in clean], [_encode(model, t) for t in corrupted]
+    n_ctx = model.cfg.n_ctx
     for i, (c, x) in enumerate(zip(c_rows, x_rows)):
+        at = where[i] if where else f"pair {i + 1}"
+        if max(len(c), len(x)) > n_ctx:
+            which, n = ("clean", len(c)) if len(c) >= len(x) else ("corrupted", len(x))
+            raise ValueError(f"{at}: the {which} prompt is {n} tokens, longer than the model's context of {n_ctx} "
+                             "tokens: shorten it (nothing is cut for you: the metric would be read at the wrong token)")
         if len(c) != len(x):
-            raise ValueError(f"pair {i + 1}: the corrupted prompt is {len(x)} tokens and the clean one {len(c)} "
+            raise ValueError(f"{at}: the corrupted prompt is {len(x)} tokens and the clean one {len(c)} "
                              f"({clean[i]!r} vs {corrupted[i]!r}); corrupted prompts must have the clean ones' "
                              "token lengths")
     pad = _pad_id(model)
@@ -222,6 +230,9 @@ def greater_than_task(model, n_prompts: int = 64, *, seed: int = 0, metric: str 
 
 
 # ---- a user's file ------------------------------------------------------------------------------------
+LINE = "_line"  # where a pair of a task file stands ("tasks.jsonl:7"), named by a refusal
+
+
 def read_task_file(path) -> list[dict]:
     """The pairs of a JSON-lines file: one object per line with "clean", "corrupted", "answer" (a string or
     a list of strings) and optionally "wrong" (the same). Checked before any model loads; one line says
@@ -229,14 +240,20 @@ def read_task_file(path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such task file (a JSON-lines file, or one of {', '.join(TASKS)})")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save the task file as UTF-8") from None
     pairs = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+        except RecursionError:  # [[[[...]]]] a hundred thousand deep
+            raise ValueError(f"{path}:{n}: JSON nested too deeply to be a pair (one object per line)") from None
         if not isinstance(row, dict) or not {"clean", "corrupted", "answer"} <= row.keys():
             raise ValueError(f'{path}:{n}: each line needs "clean", "corrupted" and "answer" (and may give "wrong")')
         for key in ("answer", "wrong"):
@@ -248,6 +265,7 @@ def read_task_file(path) -> list[dict]:
                     raise ValueError(f'{path}:{n}: "{key}" must be a string or a list of strings')
         if not all(isinstance(row[k], str) for k in ("clean", "corrupted")):
             raise ValueError(f'{path}:{n}: "clean" and "corrupted" must be strings')
+        row[LINE] = f"{path.name}:{n}"
         pairs.append(row)
     if not pairs:
         raise ValueError(f"{path} holds no pairs")
@@ -272,7 +290,8 @@ def file_task(model, pairs: list[dict], *, metric: str | None = None, name: str 
     answers = [[one(s, n, "answer") for s in p["answer"]] for n, p in enumerate(pairs, 1)]
     wrongs = [[one(s, n, "wrong answer") for s in p["wrong"]] for n, p in enumerate(pairs, 1)] if has_wrong else None
     return _pairs_task(model, name, [p["clean"] for p in pairs], [p["corrupted"] for p in pairs], answers, wrongs,
-                       metric, f"{len(pairs)} pairs from {name}")
+                       metric, f"{len(pairs)} pairs from {name}",
+                       where=[p.get(LINE, f"pair {n}") for n, p in enumerate(pairs, 1)])
 
 
 def build_task(model, task: str, *, n_prompts: int | None = None, seed: int = 0, metric: str | None = None) -> Task:
