@@ -98,10 +98,11 @@ def cache_policy(policy, settings: dict[str, Any]) -> dict[str, Any]:
     """`new_kv_cache`'s policy= / precision= from generate's `policy` and the older keywords, taken out of
     `settings`: `kv_policy=` (the same as policy=) and `kv_precision=` (a quantized cache; a map's other
     heads in fp32). {} for the model's own cache."""
-    if "kv_policy" in settings:
+    older = settings.pop("kv_policy", None)
+    if older is not None:
         if policy is not None:
             raise ValueError("give policy= or its older spelling kv_policy=, not both")
-        policy = settings.pop("kv_policy")
+        policy = older
     out = {"policy": policy, "precision": settings.pop("kv_precision", None)}
     return {k: v for k, v in out.items() if v is not None}
 

@@ -23,7 +23,8 @@ def add_arguments(p) -> None:
     p.add_argument("--top-p", type=float, default=None, help="with --sample: nucleus mass in (0, 1]")
     p.add_argument("--seed", type=int, default=0, help="with --sample: the sampling seed (default 0)")
     p.add_argument("--kv-policy", default=None,
-                   help="decode through a per-head cache policy: full, kivi4, int8, streaming(4,128), h2o(256), ...")
+                   help="decode through a per-head cache policy (interp's own models; a wrapped one refuses it): "
+                        "full, kivi4, int8, streaming(4,128), h2o(256), ...")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps ... (default: cuda when available)")
 
 
