@@ -6,6 +6,8 @@
     DIR/results.parquet, results.csv              every part, one tidy table
     DIR/errors.json                               every error file, one list
     DIR/timing.json                               wall time of each sweep invocation
+    DIR/progress.json                             whether the sweep completed, what it planned per run, and the
+                                                  rows of the merged table (written after both files of it)
     DIR/.interp-manifest.json                     every path interp wrote here (`OutputFolder`)
     DIR/.interp-lock                              held (flock) by the one process writing here
 
@@ -26,6 +28,7 @@ import json
 import math
 import os
 import re
+import warnings
 import zlib
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
@@ -50,8 +53,9 @@ ROW_FIELDS = ("layer", "head", "metric", "value")  # what an analysis produces; 
 LOAD = "load"  # the analysis name an error carries when the checkpoint itself could not be loaded
 MANIFEST = ".interp-manifest.json"
 LOCK = ".interp-lock"
+PROGRESS = "progress.json"
 SWEEP_FILES = ("settings.json", "results.parquet", "results.csv", "errors.json", "timing.json", "report.html",
-               "report.md")
+               "report.md", PROGRESS)
 # The keys every settings.json interp has written holds: how a sweep folder from before manifests is recognised.
 SETTINGS_KEYS = frozenset({"analyses", "data", "expensive_on", "params", "runs"})
 
@@ -529,14 +533,38 @@ class ResultStore:
             frames.append(rows)
         return as_table(pd.concat(frames, ignore_index=True)) if frames else empty_table()
 
-    def merge(self) -> pd.DataFrame:
-        """Write results.parquet (when pyarrow is installed), results.csv (`write_table`) and errors.json;
-        return the table."""
+    def merge(self, *, complete: bool = False) -> pd.DataFrame:
+        """Write results.parquet (when pyarrow is installed), results.csv (`write_table`) and errors.json,
+        both tables from one table; then progress.json, which says whether the sweep completed and how many
+        rows the tables hold, so a reader never takes a table merged mid-sweep (or a csv and a parquet that a
+        kill left one merge apart) for the finished one. Return the table."""
         finite, stale = self._all_parts()  # one read of the parts for both
         table = self.table(finite)
         write_table(self.folder, "results", table, csv=True)
         self.folder.write_text("errors.json", json.dumps(self.errors(stale), indent=1))
+        self.write_json(PROGRESS, {**self.read_json(PROGRESS, {}), "complete": complete, "rows": len(table)})
         return table
+
+    def start(self, planned: dict[str, list[str]]) -> None:
+        """Mark the sweep begun and not complete, with the analyses it runs on each run's checkpoints."""
+        self.write_json(PROGRESS, {"complete": False, "planned": planned, "rows": None})
+
+    def completion(self) -> tuple[int, int] | None:
+        """(checkpoints finished, checkpoints planned) of a sweep that has not completed (killed, interrupted,
+        or still running); None for a completed one, and for a folder from before progress.json. A checkpoint
+        is finished when each analysis planned on its run has a part or an error, or it did not load."""
+        progress = self.read_json(PROGRESS)
+        if progress is None or progress.get("complete"):
+            return None
+        runs = (self.read_json("settings.json") or {}).get("runs", {})
+        planned = progress.get("planned") or {}
+        have: dict[tuple[str, str], set] = {}
+        for r in [*self.part_records(), *self.errors()]:
+            have.setdefault((r["run"], r["checkpoint"]), set()).add(r["analysis"])
+        checkpoints = [(run, c) for run, info in runs.items() for c in info.get("checkpoints", [])]
+        done = sum(1 for run, c in checkpoints
+                   if LOAD in have.get((run, c), ()) or set(planned.get(run, ())) <= have.get((run, c), set()))
+        return done, len(checkpoints)
 
     def extras(self) -> list[dict]:
         """The `extra` payloads of finished tasks: [{run, checkpoint, step, analysis, extra}]."""
@@ -557,11 +585,38 @@ class ResultStore:
         self.folder.write_text(name, json.dumps(value, indent=2))
 
 
+class PartialResults(UserWarning):
+    """The sweep of a folder did not complete: its table holds only the checkpoints that finished."""
+
+
+def partial_note(done: int, total: int) -> str:
+    return f"partial: {done} of {total} checkpoints"
+
+
 def load_results(out) -> pd.DataFrame:
     """The results table of a sweep directory: results.parquet, else results.csv, else merged from parts.
     A (run, checkpoint, analysis) with a NaN or inf value (a table written before they were refused) is
-    left out whole, as `ResultStore.errors` reports it."""
+    left out whole, as `ResultStore.errors` reports it. A sweep that did not complete (`completion`) is read
+    from its parts, the only files a kill cannot leave stale, and said: `table.attrs["partial"]` is
+    "partial: N of M checkpoints", with a `PartialResults` warning; so is a table whose row count is not
+    the one progress.json recorded after writing it."""
     out = Path(out)
+    store = ResultStore(out)
+    progress = store.read_json(PROGRESS)
+    if (left := store.completion()) is not None:
+        table = store.table()
+        table.attrs["partial"] = partial_note(*left)
+        warnings.warn(f"{out}: {table.attrs['partial']} (the sweep did not complete; rerun `interp sweep` with this "
+                      "--out to finish it)", PartialResults, stacklevel=2)
+        return table
+    table = _read_results(out)
+    if table is None or (progress is not None and progress.get("rows") not in (None, len(table))):
+        return store.table()  # absent, or not the table progress.json recorded: the parts are the truth
+    return _finite_only(table)
+
+
+def _read_results(out: Path) -> pd.DataFrame | None:
+    """results.parquet, else results.csv, typed; None when neither exists."""
     table = None
     for name, read in (("results.parquet", pd.read_parquet), ("results.csv", pd.read_csv)):
         if table is None and (out / name).is_file():
@@ -573,8 +628,10 @@ def load_results(out) -> pd.DataFrame:
                 first = str(e).splitlines()[0] if str(e) else type(e).__name__
                 raise OutputError(f"{out / name} is unreadable ({first}): delete it; the next `interp sweep` "
                                   "with this --out rebuilds it from parts/") from None
-    if table is None:
-        return ResultStore(out).table()
+    return table
+
+
+def _finite_only(table: pd.DataFrame) -> pd.DataFrame:
     bad = ~np.isfinite(table["value"].to_numpy(dtype=float, na_value=np.nan))
     if bad.any():
         keys = ["run", "checkpoint", "analysis"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from pathlib import Path
 
 import pandas as pd
@@ -29,7 +30,7 @@ from .. import plots
 from ..document import Section, head_name, md_escape, write_document
 from .registry import ANALYSES, RunView, metrics
 from .registry.induction import phase_change  # noqa: F401 - public here since the report first computed it
-from ..store import ResultStore, _slug, load_results
+from ..store import PartialResults, ResultStore, _slug, load_results
 from ..data import source_line
 from interp.models.rope.choice import describe
 
@@ -93,7 +94,7 @@ def build_sections(out, log_steps: bool = False) -> tuple[str, list[Section]]:
     settings = store.read_json("settings.json")
     if settings is None:
         raise FileNotFoundError(f"{out} is not a sweep folder (no settings.json): run `interp sweep ... --out {out}` first")
-    table = load_results(out)
+    table = _results(out)
     errors = store.errors()
     timing = store.read_json("timing.json", {"invocations": []})
     analyses = settings.get("analyses", [])
@@ -148,6 +149,10 @@ def _rope_line(settings: dict) -> str:
 
 def _summary(settings, table, errors, timing, store, views: list[RunView]) -> Section:
     s = Section("summary", "Summary")
+    if partial := table.attrs.get("partial"):
+        s.add(f"**{partial.capitalize()}: this sweep did not complete** (killed, interrupted or still running), so "
+              "nothing here is final: the table holds the checkpoints that finished. Rerun `interp sweep` with this "
+              "--out to finish it; nothing finished is recomputed.")
     run_rows = []
     for v in views:
         run = v.run
@@ -178,7 +183,7 @@ def _summary(settings, table, errors, timing, store, views: list[RunView]) -> Se
     if not compute.empty:
         s.add(compute.groupby("analysis", as_index=False)
               .agg(tasks=("seconds", "size"), seconds=("seconds", "sum"), per_task=("seconds", "mean")).round(2))
-    for line in _headlines(views, markdown=True):
+    for line in _headlines(views, markdown=True, partial=table.attrs.get("partial")):
         s.add(line)
     for v in views:
         windows = settings.get("runs", {}).get(v.run, {}).get("layer_windows")
@@ -235,9 +240,10 @@ def _layer_kind_table(v: RunView, windows: list, top: int = 10) -> pd.DataFrame 
     return pd.DataFrame(rows) if rows else None
 
 
-def _headlines(views: list[RunView], markdown: bool = False) -> list[str]:
+def _headlines(views: list[RunView], markdown: bool = False, partial: str | None = None) -> list[str]:
     """One sentence per run with its headline facts (best heads, ICL score, phase change); plain text,
-    or a Markdown paragraph (the run's name escaped)."""
+    or a Markdown paragraph (the run's name escaped). A sweep that did not complete says so first, and
+    never calls its last finished checkpoint the last one."""
     headline = [m.name for m in metrics(lambda m: m.headline)]
     lines = []
     for v in views:
@@ -248,7 +254,9 @@ def _headlines(views: list[RunView], markdown: bool = False) -> list[str]:
                 facts += analysis.headline(v)
         if facts:
             name = md_escape(v.run) if markdown else v.run
-            lines.append(f"{name}: best heads at the last checkpoint: " + "; ".join(facts) + ".")
+            at = (f" ({partial}, not final): best heads at the latest finished checkpoint: " if partial
+                  else ": best heads at the last checkpoint: ")
+            lines.append(f"{name}{at}" + "; ".join(facts) + ".")
     return lines
 
 
@@ -259,9 +267,17 @@ def headline(out) -> str:
     settings = store.read_json("settings.json")
     if settings is None:
         raise FileNotFoundError(f"{out} is not a sweep folder (no settings.json)")
-    table = load_results(out)
+    table = _results(out)
     runs = list(settings.get("runs", {})) or sorted(table["run"].dropna().unique())
-    return "\n".join(_headlines([run_view(table, r, len(runs) > 1, settings) for r in runs]))
+    return "\n".join(_headlines([run_view(table, r, len(runs) > 1, settings) for r in runs],
+                                partial=table.attrs.get("partial")))
+
+
+def _results(out) -> pd.DataFrame:
+    """`load_results`, whose partial note (`table.attrs["partial"]`) the report says itself."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PartialResults)
+        return load_results(out)
 
 
 def _errors(errors: list[dict]) -> Section:

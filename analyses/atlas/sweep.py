@@ -292,6 +292,7 @@ def sweep(
         store.read_json("timing.json")  # damaged: said now, in one line, not after the work
         store.write_json("settings.json", record)
         tasks, skipped = plan(found, settings, store.done(), wrapped)
+        store.start({r.name: [a for a in settings.analyses if r.name not in wrapped or a not in skip] for r in found})
         store.claim_tasks((t.checkpoint.run, t.checkpoint.name, a) for t in tasks for a in (*t.analyses, LOAD))
         if tasks and (tokens := prebuild_tokens(settings.data)) is not None:
             tasks = [dataclasses.replace(t, tokens=tokens) for t in tasks]
@@ -314,7 +315,7 @@ def _run_tasks(store, found, settings, tasks, skipped, executor, start, tqdm, pr
     log(f"sweep: {len(found)} run(s), {n_ckpts} checkpoint(s), analyses {','.join(settings.analyses)}; "
         f"{n_pairs} task(s) to run, {skipped} already done -> {store.out}")
 
-    n_run, last_merge = 0, time.perf_counter()
+    n_run, last_merge, complete = 0, time.perf_counter(), False
     remaining = {(t.checkpoint.run, t.checkpoint.name): len(t.analyses) for t in tasks}
     ex = make_executor(executor) if tasks else None
     bar = tqdm(total=n_pairs, unit="task", desc="sweep", disable=not progress or not tasks, dynamic_ncols=True)
@@ -341,11 +342,12 @@ def _run_tasks(store, found, settings, tasks, skipped, executor, start, tqdm, pr
                 last_merge = time.perf_counter()
             if on_part is not None:
                 on_part(n_run)  # e.g. a test that raises here, as if the sweep had been killed
+        complete = True  # every task ran (or failed, said in errors.json); an exception leaves it partial
     finally:
         bar.close()
         if ex is not None:
             ex.close()
-        table = store.merge()
+        table = store.merge(complete=complete)
         seconds = time.perf_counter() - start
         timing = store.read_json("timing.json", {"invocations": []})
         timing["invocations"].append({"started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - seconds)),
