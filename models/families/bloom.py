@@ -15,9 +15,17 @@ naming the key.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
 from ..config import ModelConfig
 from .builders import TensorGetter, decoder, grouped_qkv_weights, layernorm_decoder, linears, norms, reject, require
+from .gguf_layout import LAYERNORM_KEYS, GGUFLayout, same_heads_and_width, weight_and_bias
 from .registry import Family, register
+
+if TYPE_CHECKING:
+    from ..formats.gguf_layouts import Metadata
 
 MT = "bloom"
 
@@ -47,4 +55,43 @@ def weights(cfg: ModelConfig, get: TensorGetter) -> dict:
                    final=norms(get, "", "transformer.", {"ln_final": "ln_f"}, bias=True))
 
 
-register(Family("bloom", (MT,), config, weights))
+# ---- GGUF: how llama.cpp writes BLOOM (LayerNorms and projections with biases, under `transformer.h.{l}.`) ----
+_GGUF_NAMES = weight_and_bias({
+    "attn_norm": "input_layernorm", "attn_qkv": "self_attention.query_key_value",
+    "attn_output": "self_attention.dense", "ffn_norm": "post_attention_layernorm",
+    "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h",
+})
+_GGUF_GLOBALS = {"token_embd.weight": "transformer.word_embeddings.weight",
+                       **weight_and_bias({"token_embd_norm": "transformer.word_embeddings_layernorm",
+                                           "output_norm": "transformer.ln_f"})}
+
+
+def _gguf_config(meta: Metadata, base: dict, names: set) -> dict:
+    """BLOOM: ALiBi, so no RoPE keys; the MLP is 4 d_model and every head has its own key and value."""
+    d_model, n_heads = meta.count("embedding_length"), meta.count("attention.head_count")
+    same_heads_and_width(meta, d_model, n_heads, 4 * d_model)
+    return {
+        "n_layer": meta.count("block_count"),
+        "hidden_size": d_model,
+        "n_head": n_heads,
+        "vocab_size": meta.vocab_size(),
+        "layer_norm_epsilon": meta.real("attention.layer_norm_epsilon"),
+        "seq_length": meta.count("context_length", 2048),
+        "tie_word_embeddings": True,
+    }
+
+
+def _gguf_qkv(x: Tensor, config: dict) -> Tensor:
+    """[q | k | v] rows (llama.cpp's converter) back to BLOOM's per-head [q, k, v] rows."""
+    h = config["n_head"]
+    return x.reshape(3, h, -1, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
+
+
+# BLOOM ties its unembedding; llama.cpp's converter writes a copy of the embedding as output.weight,
+# which is not read (as transformers' GGUF loading does not): the tied embedding is the unembedding.
+_GGUF = GGUFLayout(MT, _gguf_config, _GGUF_NAMES, permuted_qk=False, known_keys=LAYERNORM_KEYS, prefix="transformer.h.",
+                   global_names=_GGUF_GLOBALS, ignored=("output.weight",), common=False,
+                   transforms={"attn_qkv.weight": _gguf_qkv, "attn_qkv.bias": _gguf_qkv})
+
+
+register(Family("bloom", (MT,), config, weights, gguf={"bloom": _GGUF}))

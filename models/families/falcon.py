@@ -17,11 +17,18 @@ how it runs on our backends.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
 from ..config import ModelConfig
-from .registry import Family, TensorGetter, register, reject, require, rotary_from_hf, t
+from .builders import TensorGetter, reject, require, rotary_from_hf, t
+from .gguf_layout import LAYERNORM_KEYS, GGUFLayout, weight_and_bias
+from .registry import Family, register
+
+if TYPE_CHECKING:
+    from ..formats.gguf_layouts import Metadata
 
 MT = "falcon"
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
@@ -132,4 +139,70 @@ def weights(cfg: ModelConfig, get: TensorGetter) -> dict:
     return sd
 
 
-register(Family("falcon", (MT,), config, weights))
+# ---- GGUF: how llama.cpp writes Falcon ----
+def _gguf_names(config: dict) -> dict[str, str]:
+    """Falcon's: attn_norm is the one shared input_layernorm (7B, 11B); with two norms (40B, 180B) llama.cpp
+    runs attention off attn_norm_2 (ln_attn) and the MLP off attn_norm (ln_mlp)."""
+    two = config.get("num_ln_in_parallel_attn") == 2
+    return weight_and_bias({
+        "attn_norm": "ln_mlp" if two else "input_layernorm", "attn_norm_2": "ln_attn",
+        "attn_qkv": "self_attention.query_key_value", "attn_output": "self_attention.dense",
+        "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h",
+    })
+
+
+_GGUF_GLOBALS = {"token_embd.weight": "transformer.word_embeddings.weight", "output.weight": "lm_head.weight",
+                        **weight_and_bias({"output_norm": "transformer.ln_f"})}
+_GGUF_KEYS = LAYERNORM_KEYS | {"tensor_data_layout", "rope.freq_base"}
+
+
+def _gguf_config(meta: Metadata, base: dict, names: set) -> dict:
+    """Falcon as llama.cpp's converter writes it (tensor_data_layout "jploski": the fused QKV's rows as
+    [q | k | v], which the tensor transform puts back in Falcon's groups). Always the parallel block;
+    head_count_kv 1 with one norm is Falcon-7B (multi_query); otherwise grouped KV heads
+    (new_decoder_architecture) with one shared norm (Falcon-11B) or two (attn_norm_2: 40B, 180B)."""
+    data_layout = meta.get("tensor_data_layout")
+    if data_layout not in (None, "jploski"):
+        raise NotImplementedError(f"{meta.source}: falcon.tensor_data_layout = {data_layout!r} is not supported "
+                                  "(llama.cpp's 'jploski' is)")
+    d_model, n_heads = meta.count("embedding_length"), meta.count("attention.head_count")
+    n_kv = meta.count("attention.head_count_kv", 1)
+    two_norms = "blk.0.attn_norm_2.weight" in names
+    config = {
+        "hidden_size": d_model,
+        "num_attention_heads": n_heads,
+        "num_hidden_layers": meta.count("block_count"),
+        "vocab_size": meta.vocab_size(),
+        "max_position_embeddings": meta.count("context_length", 2048),
+        "layer_norm_epsilon": meta.real("attention.layer_norm_epsilon"),
+        "ffn_hidden_size": meta.count("feed_forward_length", 4 * d_model),
+        "rope_theta": meta.real("rope.freq_base", 10000.0),
+        "alibi": False,
+        "bias": "blk.0.attn_qkv.bias" in names,
+        "parallel_attn": True,
+        "tie_word_embeddings": "output.weight" not in names,
+    }
+    if n_kv == 1 and not two_norms:
+        return config | {"multi_query": True, "new_decoder_architecture": False}
+    return config | {"multi_query": False, "new_decoder_architecture": True, "num_kv_heads": n_kv,
+                     "num_ln_in_parallel_attn": 2 if two_norms else 1}
+
+
+def _gguf_qkv(x: Tensor, config: dict) -> Tensor:
+    """[q | k | v] rows (llama.cpp's "jploski" layout) back to Falcon's groups: per KV head, its
+    n_heads / n_kv query heads, then its key, then its value."""
+    h = config["num_attention_heads"]
+    kv = 1 if config["multi_query"] else config["num_kv_heads"]
+    dh = config["hidden_size"] // h
+    rest = x.shape[1:]
+    q, k, v = x.split([h * dh, kv * dh, kv * dh])
+    parts = (q.reshape(kv, h // kv * dh, *rest), k.reshape(kv, dh, *rest), v.reshape(kv, dh, *rest))
+    return torch.cat(parts, dim=1).reshape(x.shape)
+
+
+_GGUF = GGUFLayout(MT, _gguf_config, _gguf_names, permuted_qk=False, known_keys=_GGUF_KEYS, prefix="transformer.h.",
+                   global_names=_GGUF_GLOBALS, ignored=(), common=False,
+                   transforms={"attn_qkv.weight": _gguf_qkv, "attn_qkv.bias": _gguf_qkv})
+
+
+register(Family("falcon", (MT,), config, weights, gguf={"falcon": _GGUF}))

@@ -9,12 +9,20 @@ loads is read the same way here. What this model cannot represent raises, naming
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from interp.errors import CheckpointError
 from ..config import ModelConfig
 from . import gemmalike
 from .gemmalike import LAYER_TYPES as _LAYER_TYPES
-from .registry import Family, register, reject, require, rotary_from_hf
+from .builders import reject, require, rotary_from_hf
+from .gguf_layout import GGUFLayout
+from .registry import Family, register
+
+if TYPE_CHECKING:
+    from ..formats.gguf_layouts import Metadata
 
 MT = "gemma3_text"
 _DEFAULT_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}  # Gemma3TextConfig.default_theta
@@ -56,4 +64,52 @@ def config(d: dict) -> ModelConfig:
     )
 
 
-register(Family("gemma3_text", (MT,), config, gemmalike.weights))
+# ---- GGUF: how llama.cpp writes Gemma 3 ----
+_GGUF_KEYS = frozenset({
+    "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
+    "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
+    "attention.layer_norm_rms_epsilon", "attention.sliding_window", "attention.sliding_window_pattern",
+    "rope.freq_base", "rope.freq_base_swa", "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor",
+})
+
+
+def _gguf_config(meta: Metadata, base: dict, names: set) -> dict:
+    """Gemma 3's keys. llama.cpp fixes what the file leaves out, and so does transformers' Gemma3TextConfig:
+    a global layer every 6th, local RoPE base 1e4 unscaled, query scale d_head ** -0.5 (d_model / n_heads
+    for the 62-layer 27B, as llama.cpp has it), GELU (tanh), no soft-capping."""
+    source, n_layers = meta.source, base["num_hidden_layers"]
+    pattern = meta.get("attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):  # per layer, True for a sliding-window layer (llama.cpp's newer files)
+        if len(pattern) != n_layers or not all(isinstance(p, (bool, np.bool_)) for p in pattern):
+            raise CheckpointError(f"{source}: gemma3.attention.sliding_window_pattern = {pattern!r} is not one flag "
+                                  f"per layer ({n_layers}); the file is corrupt")
+        sliding = [bool(p) for p in pattern]
+    else:
+        period = meta.count("attention.sliding_window_pattern", 6)
+        sliding = [(l + 1) % period != 0 for l in range(n_layers)]
+    full = {"rope_type": "default", "rope_theta": meta.real("rope.freq_base", 1_000_000.0)}
+    scaling = meta.get("rope.scaling.type")
+    if scaling == "linear":  # Gemma 3 4B-27B scale their global layers' RoPE by 8
+        full |= {"rope_type": "linear", "factor": meta.real("rope.scaling.factor")}
+    elif scaling not in (None, "none"):
+        raise NotImplementedError(f"{source}: gemma3.rope.scaling.type = {scaling!r} is not supported (linear is)")
+    window = meta.count("attention.sliding_window")
+    d_model, n_heads = base["hidden_size"], base["num_attention_heads"]
+    return {
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "sliding_window": window,
+        "rope_parameters": {
+            "full_attention": full,
+            "sliding_attention": {"rope_type": "default", "rope_theta": meta.real("rope.freq_base_swa", 10_000.0)},
+        },
+        "query_pre_attn_scalar": d_model // n_heads if n_layers == 62 else base["head_dim"],
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
+
+
+_GGUF = GGUFLayout(MT, _gguf_config, gemmalike.GGUF_NAMES | {"attn_q_norm.weight": "self_attn.q_norm.weight",
+                                                               "attn_k_norm.weight": "self_attn.k_norm.weight"},
+                   permuted_qk=False, norm_shift=1.0, known_keys=_GGUF_KEYS)
+
+
+register(Family("gemma3_text", (MT,), config, gemmalike.weights, gguf={"gemma3": _GGUF}))

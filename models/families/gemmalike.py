@@ -77,3 +77,21 @@ NORMS = {"ln1": "input_layernorm", "ln1_post": "post_attention_layernorm", "ln2"
 # Every Gemma norm weight (the QK-norms' too) is stored as w for a multiplier 1 + w.
 weights = functools.partial(llama_weights, shift=1.0, layer=functools.partial(
     llama_layer, block_norms=NORMS, shift=1.0, attention=functools.partial(llama_attention, shift=1.0)))
+
+
+# ---- GGUF: the tensor names llama.cpp gives both Gemmas: a norm before and after attention and MLP
+# (llama.cpp's ffn_norm is Gemma's pre_feedforward_layernorm here, not a llama post_attention_layernorm);
+# Gemma 3 adds its QK-norm.
+GGUF_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}

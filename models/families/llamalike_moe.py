@@ -23,12 +23,20 @@ as is OLMoE's `clip_qkv`. Defaults for absent keys are Hugging Face's.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
+
+import torch
 
 from ..config import ModelConfig
 from interp.errors import CheckpointError
 from .llamalike import _config as llamalike_config
 from .builders import TensorGetter, linears, llama_layer, llama_weights, reject, require, t
+from . import qwen3
+from .gguf_layout import GGUFLayout
 from .registry import Family, register
+
+if TYPE_CHECKING:
+    from ..formats.gguf_layouts import Metadata
 
 # Hugging Face's defaults for keys a config.json may leave out, per family.
 _DEFAULTS = {
@@ -132,7 +140,34 @@ _linear_names = _weights(("mlp.",), ("gate_proj", "up_proj", "down_proj"))
 _mixtral_weights = _weights(("mlp.", "block_sparse_moe."), ("w1", "w3", "w2"))
 
 
+# ---- GGUF: how llama.cpp writes Qwen 3 MoE ----
+# Qwen 3's tensor names, the router and the experts' stacked down projections (gate and up are merged).
+_GGUF_NAMES = {k: v for k, v in qwen3.GGUF_NAMES.items() if not k.startswith("ffn_")} | {
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+}
+_GGUF_KEYS = qwen3.GGUF_KEYS | {"expert_count", "expert_used_count", "expert_feed_forward_length"}
+
+
+def _gguf_config(meta: Metadata, base: dict, names: set[str]) -> dict:
+    """Qwen 3 MoE: Qwen 3's keys and expert_count experts of expert_feed_forward_length, expert_used_count
+    chosen per token, their weights always renormalised (llama.cpp's fixed choice for qwen3moe; the
+    released models set norm_topk_prob)."""
+    return qwen3.gguf_config(meta, base, names) | {
+        "num_experts": meta.count("expert_count"),
+        "num_experts_per_tok": meta.count("expert_used_count"),
+        "moe_intermediate_size": meta.count("expert_feed_forward_length"),
+        "norm_topk_prob": True,
+    }
+
+
+_GGUF = GGUFLayout("qwen3_moe", _gguf_config, _GGUF_NAMES, known_keys=_GGUF_KEYS, permuted_qk=False, ignored=(),
+                   merged={"mlp.experts.gate_up_proj": (("ffn_gate_exps.weight", "ffn_up_exps.weight"),
+                                                        lambda gate, up: torch.cat([gate, up], dim=1))})
+
+
 register(Family("mixtral", ("mixtral",), mixtral, _mixtral_weights))
 register(Family("qwen2_moe", ("qwen2_moe",), qwen2_moe, _linear_names))
-register(Family("qwen3_moe", ("qwen3_moe",), qwen3_moe, _linear_names))
+register(Family("qwen3_moe", ("qwen3_moe",), qwen3_moe, _linear_names, gguf={"qwen3moe": _GGUF}))
 register(Family("olmoe", ("olmoe",), olmoe, _linear_names))

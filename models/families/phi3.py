@@ -12,10 +12,16 @@ naming the key.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
+from interp.errors import CheckpointError
 from ..config import ModelConfig
 from .builders import TensorGetter, linears, llama_layer, llama_weights, reject, require, rms_decoder, rotary_from_hf, t
+from .gguf_layout import RMS_KEYS, GGUFLayout
 from .registry import Family, register
+
+if TYPE_CHECKING:
+    from ..formats.gguf_layouts import Metadata
 
 MT = "phi3"
 
@@ -68,4 +74,54 @@ def _mlp(cfg: ModelConfig, get: TensorGetter, p: str, o: str) -> dict:
 weights = functools.partial(llama_weights, layer=functools.partial(llama_layer, attention=_attention, mlp=_mlp))
 
 
-register(Family("phi3", (MT,), config, weights))
+# ---- GGUF: how llama.cpp writes Phi-3 ----
+# Phi-3's fused projections, as Hugging Face fuses them: attn_qkv = qkv_proj ([q | k | v] rows) and
+# ffn_up = gate_up_proj (gate rows, then up rows).
+_GGUF_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_KEYS = RMS_KEYS | {"attention.sliding_window", "rope.scaling.original_context_length",
+                          "rope.scaling.attn_factor"}
+
+
+def _gguf_config(meta: Metadata, base: dict, names: set[str]) -> dict:
+    """Phi-3: llama's keys, partial rotary (rope.dimension_count < d_head: Phi-4-mini), and LongRoPE when
+    the file holds rope_factors_long / rope_factors_short (one factor per rotated pair; the
+    original context in rope.scaling.original_context_length, the attention factor in
+    rope.scaling.attn_factor). attention.sliding_window is read and not applied: llama.cpp runs Phi-3
+    without a window (its loader turns Phi's window off), and transformers' GGUF loading does too."""
+    source = meta.source
+    rope = {"rope_type": "default", "rope_theta": meta.real("rope.freq_base", 10000.0)}
+    longrope = {"rope_factors_long.weight", "rope_factors_short.weight"} & names
+    scaling = meta.get("rope.scaling.type")
+    if scaling not in (None, "none", "longrope") or (scaling == "longrope" and not longrope):
+        raise NotImplementedError(f"{source}: phi3.rope.scaling.type = {scaling!r} is not supported (LongRoPE is, "
+                                  "with its rope_factors_long / rope_factors_short tensors)")
+    config = {"hidden_act": "silu", "rope_scaling": None}
+    if longrope:
+        if len(longrope) == 1:
+            raise CheckpointError(f"{source}: the file holds {sorted(longrope)[0]} but not its pair; it is corrupt")
+        factors = {name: meta.small_tensor(name) for name in longrope}
+        pairs = int(round(base["head_dim"] * base.get("partial_rotary_factor", 1.0))) // 2
+        for name, values in factors.items():
+            if len(values) != pairs:
+                raise CheckpointError(f"{source}: {name} holds {len(values)} factors, not one per rotated pair "
+                                      f"({pairs}); the file is corrupt")
+        rope |= {"rope_type": "longrope", "long_factor": factors["rope_factors_long.weight"],
+                 "short_factor": factors["rope_factors_short.weight"]}
+        if meta.has("rope.scaling.attn_factor"):
+            rope["attention_factor"] = meta.real("rope.scaling.attn_factor")
+        config["original_max_position_embeddings"] = meta.count("rope.scaling.original_context_length")
+    return config | {"rope_parameters": rope}
+
+
+_GGUF = GGUFLayout(MT, _gguf_config, _GGUF_NAMES, permuted_qk=False, known_keys=_GGUF_KEYS,
+                   ignored=("rope_factors_long.weight", "rope_factors_short.weight"), partial_rotary=True)
+
+
+register(Family("phi3", (MT,), config, weights, gguf={"phi3": _GGUF}))

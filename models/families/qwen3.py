@@ -8,10 +8,17 @@ before RoPE, whose weight multiplies as stored (unlike Gemma's 1 + w). The head 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..config import ModelConfig
+from . import llamalike
 from .llamalike import _config as llamalike_config
 from .llamalike import weights as llamalike_weights
+from .gguf_layout import RMS_KEYS, GGUFLayout, stated_rope
 from .registry import Family, register, require
+
+if TYPE_CHECKING:
+    from ..formats.gguf_layouts import Metadata
 
 MT = "qwen3"
 
@@ -30,5 +37,24 @@ def config(d: dict) -> ModelConfig:
     return cfg.replace(qk_norm=True, prepend_bos=False)
 
 
+# ---- GGUF: how llama.cpp writes Qwen 3 ----
+# llama's tensor names with a QK-norm per head.
+GGUF_NAMES = llamalike.GGUF_NAMES | {"attn_q_norm.weight": "self_attn.q_norm.weight",
+                                     "attn_k_norm.weight": "self_attn.k_norm.weight"}
+GGUF_KEYS = RMS_KEYS | {"rope.scaling.factor", "rope.scaling.original_context_length", "rope.scaling.attn_factor"}
+
+
+def gguf_config(meta: Metadata, base: dict, names: set[str]) -> dict:
+    """Qwen 3: llama's keys, the head width as attention.key_length (128 where d_model / n_heads is not),
+    QK-norm from the tensors, YaRN or linear scaling as stated (`stated_rope`: the long-context releases'
+    YaRN x4 from 32k); llama.cpp runs no sliding window for it, nor does Qwen3Config by default."""
+    theta = meta.real("rope.freq_base", 10000.0)
+    config = {"rope_theta": theta, "hidden_act": "silu", "use_sliding_window": False}
+    rope = stated_rope(meta)
+    return config if rope is None else config | {"rope_parameters": {"rope_theta": theta, **rope}}
+
+
+# NEOX-style RoPE in llama.cpp: Hugging Face's row order
+GGUF = GGUFLayout(MT, gguf_config, GGUF_NAMES, known_keys=GGUF_KEYS, permuted_qk=False, ignored=())
 # QK-norm over each head (`cfg.qk_norm`), read by the Llama-style block
-register(Family("qwen3", (MT,), config, llamalike_weights))
+register(Family("qwen3", (MT,), config, llamalike_weights, gguf={"qwen3": GGUF}))

@@ -10,10 +10,10 @@ as [q | k | v]; GPT-2's Conv1D weights transposed; Qwen 3 MoE's experts split in
 tensors), writes a Hugging Face config from the metadata, and hands both to the family of that
 `model_type` (`families/`): the same converter as a Hugging Face folder.
 
-Each architecture declares its layout (`gguf_layouts.py`: metadata keys, tensor names, what the converter
-changed); for every architecture but llama, mistral and qwen2, a metadata key the layout does not know
-raises, naming the key, instead of loading a silently different model, and so does a tensor it has
-no place for. What the metadata leaves out is llama.cpp's (and transformers') fixed choice for that
+Each architecture's family declares its layout in its own file (`families/*.py`, a `GGUFLayout`:
+metadata keys, tensor names, what the converter changed; read through `gguf_layouts.py`); for every
+architecture but llama, mistral and qwen2, a metadata key the layout does not know raises, naming the
+key, instead of loading a silently different model, and so does a tensor it has no place for. What the metadata leaves out is llama.cpp's (and transformers') fixed choice for that
 architecture: Gemma 3's global layer every 6th, RoPE base 1e4 on local layers; Gemma 2's even layers
 local; the Gemmas' query scale d_head ** -0.5; Qwen 3 MoE's renormalised expert weights; Phi-3 without
 its sliding window (llama.cpp turns it off).
@@ -43,7 +43,8 @@ from ..config import ModelConfig
 from interp.errors import CheckpointError
 from ..families import get_family
 from .gguf_file import GGUFFile, dequantize
-from .gguf_layouts import ARCHITECTURES, _LAYOUTS, _Layout, _field, hf_config
+from ..families.gguf_layout import GGUFLayout
+from .gguf_layouts import ARCHITECTURES, _field, hf_config, layouts
 from .gguf_tokenizer import gguf_tokenizer
 from ..transformer import HookedTransformer
 
@@ -83,7 +84,7 @@ class _DequantizedOnRead(Mapping):
     to them (Gemma's 1), in float32, before the cast to `dtype`; then what else it changed is undone
     (Q / K rows, fused QKV layouts, transposes) and split tensors are joined."""
 
-    def __init__(self, reader, config: dict, layout: _Layout, source: str, dtype: torch.dtype) -> None:
+    def __init__(self, reader, config: dict, layout: GGUFLayout, source: str, dtype: torch.dtype) -> None:
         self.source, self.dtype, self.layout = source, dtype, layout
         fixes = {k: functools.partial(f, config=config) for k, f in layout.transforms.items()}
         if layout.permuted_qk:
@@ -171,7 +172,7 @@ def load_gguf(path, *, dtype: torch.dtype = torch.float32, device=None, tokenize
     family = get_family(config["model_type"])
     with config_errors(source):
         cfg = family.config(config)
-    tensors = _DequantizedOnRead(reader, config, _LAYOUTS[_field(reader, "general.architecture")], source, dtype)
+    tensors = _DequantizedOnRead(reader, config, layouts()[_field(reader, "general.architecture")], source, dtype)
     sd = convert_weights(family, cfg, tensors, source)
     del tensors
     model = build_model(cfg, sd, source, dtype, device, fresh=True)
