@@ -7,10 +7,15 @@ before the model loads, measures, and writes its report sections; `run` owns the
 
         def measure(self, model, settings, stage):
             tokens = settings.data.tokens(model)
-            return {"norms": stage("norms", lambda: head_norms(model, tokens))}
+            norms = stage("norms", lambda: head_norms(model, tokens))
+            return NormsMeasured(tables={"norms": norms}, top=float(norms["norm"].max()))
 
         def sections(self, settings, measured, record):
-            return [Section("summary", "Summary").add(f"{len(measured['norms'])} heads.")]
+            return [Section("summary", "Summary").add(f"{len(measured['norms'])} heads; the largest {measured.top:.3f}.")]
+
+    @dataclass(frozen=True, kw_only=True, eq=False)
+    class NormsMeasured(Measured):
+        top: float  # what only the report reads: a typed field, never a table
 
     run(Norms(), model, "out/norms", StudySettings(model="attn-only-2l", data=StudyData.of(DataSpec("text"))))
 
@@ -25,7 +30,9 @@ every task's results, `run` owns, for every study:
   the report;
 - the tables: each declared `Table`, checked for its columns and written by `store.write_table`
   (parquet, CSV where pyarrow is missing: the same for every table, and never a failure after the
-  work is done);
+  work is done). `measure` returns them as `Measured.tables`; what only the study's `record` and
+  `sections` read passes as typed fields of the study's own `Measured` subclass, never as a table
+  (a name `tables` does not declare is refused);
 - settings.json: `SHARED_KEYS` for every study (the study, the model, the data and its sha256, the RoPE
   scaling chosen at inference or null, where it computed, the versions, the seconds per stage), then the
   study's own (`Study.record`);
@@ -35,7 +42,9 @@ every task's results, `run` owns, for every study:
 `Study.check(cfg, settings)` is pure: it reads a config (no weights) and returns the settings to run,
 with a default length fitted to the model (`fit_default`: said in one note) and anything that cannot
 work refused in one line. The command line's side is `interp.commands.checks` (read the config, check,
-then load); a new study is one file here, its command, and its test.
+then load); from Python, `run(study, model, out, study.checked(model.cfg, settings))`. A new study is one
+file, its command, and its test (`tests/test_study_plugin.py` defines one; `tests/test_study_commands.py`
+holds every `Study` subclass it finds under `interp.analyses` to the contract).
 """
 
 from __future__ import annotations
@@ -181,6 +190,24 @@ class StudySettings:
     progress: bool | None = None
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Measured:
+    """What `Study.measure` returns. `tables`: {declared table name: DataFrame}, what `run` writes (an
+    optional table may be absent); `measured[name]` reads one. What only the study's `record` and `sections`
+    read (the task, the heads a ranking named, a circuit) is a typed field of the study's own subclass
+    (a frozen, kw_only dataclass), never a key of `tables`. A study whose report reads its tables alone
+    may return the dict of them."""
+
+    tables: Mapping[str, pd.DataFrame]
+
+    def __getitem__(self, name: str) -> pd.DataFrame:
+        return self.tables[name]
+
+    def get(self, name: str) -> pd.DataFrame | None:
+        """An optional table, or None when it was not measured."""
+        return self.tables.get(name)
+
+
 class Study:
     """A study: its `name` (settings.json, log lines), `title` (the report's), its `tables`, and four
     methods; `run` does the rest. See the module docstring."""
@@ -195,18 +222,26 @@ class Study:
         to the model); raises ValueError (one line) for settings that cannot work."""
         return settings, []
 
-    def measure(self, model, settings, stage: Callable) -> dict:
-        """{table name: DataFrame} for every declared table (an optional one may be absent), plus anything
-        the report needs under names starting with "_" (not written). `stage(label, fn)` runs and times a step."""
+    def measure(self, model, settings, stage: Callable) -> Measured | Mapping[str, pd.DataFrame]:
+        """A `Measured` (the study's subclass): a DataFrame for every declared table (an optional one may be
+        absent) and, as typed fields, what only the report reads; or the dict of the tables alone.
+        `stage(label, fn)` runs and times a step."""
         raise NotImplementedError
 
-    def record(self, settings, measured: Mapping) -> dict:
+    def record(self, settings, measured: Measured) -> dict:
         """The study's own entries of settings.json (JSON values), beside `SHARED_KEYS`."""
         return {}
 
-    def sections(self, settings, measured: Mapping, record: dict) -> list[Section]:
+    def sections(self, settings, measured: Measured, record: dict) -> list[Section]:
         """The report's sections; `record` is settings.json's content."""
         raise NotImplementedError
+
+    def checked(self, cfg, settings):
+        """`check` for a caller in Python (a notebook, a test): the settings to run, against the model's
+        config `cfg`; a refusal raised as one `UserError` line, as the command says it. Its notes (a default
+        length fitted to the model) are the command's to print: `check` returns them."""
+        with as_user_errors(ValueError):
+            return self.check(cfg, settings)[0]
 
     def files(self) -> str:
         """What `run` writes, in words (the command's last line)."""
@@ -252,15 +287,25 @@ def _write(folder: OutputFolder, frames: list[tuple[Table, pd.DataFrame]], recor
         return write_document(folder.path, title, sections, folder=folder)
 
 
-def _frames(study: Study, measured: Mapping) -> list[tuple[Table, pd.DataFrame]]:
+def _measured(study: Study, measured: Measured | Mapping) -> Measured:
+    """What `measure` returned, as a `Measured` (a dict is its tables alone)."""
+    if isinstance(measured, Measured):
+        return measured
+    if isinstance(measured, Mapping):
+        return Measured(tables=dict(measured))
+    raise TypeError(f"study {study.name}: measure returned {type(measured).__name__}, not a Measured or a dict of "
+                    "its tables")
+
+
+def _frames(study: Study, measured: Measured) -> list[tuple[Table, pd.DataFrame]]:
     declared = {t.name for t in study.tables}
-    stray = [k for k in measured if k not in declared and not k.startswith("_")]
+    stray = [k for k in measured.tables if k not in declared]
     if stray:
         raise ValueError(f"study {study.name} measured undeclared tables {stray}: declare them in its tables, "
-                         "or name what only the report reads with a leading _")
+                         "or pass what only the report reads as a typed field of the study's Measured subclass")
     frames = []
     for table in study.tables:
-        frame = measured.get(table.name)
+        frame = measured.tables.get(table.name)
         if frame is None:
             if not table.optional:
                 raise ValueError(f"study {study.name} did not measure its table {table.name}")
@@ -279,7 +324,7 @@ def run(study: Study, model, out, settings: StudySettings, *, force: bool = Fals
     timings: dict[str, float] = {}
     data = settings.data
     source = data.named() if data is not None else None  # hashed before the work, as the data is read
-    measured = study.measure(model, settings, stages(timings, log, prefix=study.name))
+    measured = _measured(study, study.measure(model, settings, stages(timings, log, prefix=study.name)))
     frames = _frames(study, measured)
     # the model's own word for it, however it was loaded (`interp.load(rope_scaling=)`, `rescale_rope_`)
     rope = as_hf(model.cfg.rope_scaling) if model.runtime.rope_chosen else None
@@ -307,5 +352,5 @@ def fit_note(flag: str, default, used, n_ctx: int) -> str:
     return f"note: {flag} {default} (the default) does not fit this model's context (n_ctx={n_ctx}): {flag} {used} used"
 
 
-__all__ = ["SHARED_KEYS", "Study", "StudyData", "StudySettings", "Table", "check_folder", "fit_default", "run",
-           "versions"]
+__all__ = ["SHARED_KEYS", "Measured", "Study", "StudyData", "StudySettings", "Table", "check_folder", "fit_default",
+           "run", "versions"]

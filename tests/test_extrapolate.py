@@ -28,11 +28,11 @@ from core_models import GEMMA3_LIKE, build, small, tokens
 from interp.analyses.extrapolation.extrapolate import (PairEnergy, autopsy_pass, breaking_order, bucket_perplexity, choose_repair,
                                          head_changes, never_completed_shares, rope_as, sequence_nll,
                                          split_perplexity)
-from interp.analyses.extrapolation.study import ExtrapolateSettings, run_extrapolate_study
+from interp.analyses.extrapolation.study import ExtrapolateSettings, ExtrapolateStudy
 from interp.analyses.kv.tasks import retrieval_prompts
 from interp.analyses.extrapolation.lengths import METRICS, scores_at_lengths, scores_by_length
 from interp.analyses.store import read_table
-from interp.analyses.study import SHARED_KEYS, StudyData
+from interp.analyses.study import SHARED_KEYS, StudyData, run
 from interp.analyses.data import DataSpec, build_tokens
 from interp.cli import main as cli
 from interp.errors import BadValue
@@ -316,7 +316,8 @@ def test_a_gemma_like_model_repairs_its_global_layer_only(tmp_path):
     model.tokenizer = ByteTokenizer()
     settings = ExtrapolateSettings(model="gemma-like", data=StudyData.of(DataSpec(kind="text", n_seqs=1, seq_len=4)),
                                    lengths=(256, 512), scalings=("none", "yarn"), depths=(0.5,), repair_fraction=0.2)
-    run_extrapolate_study(model, tmp_path / "g", settings, log=lambda *a: None)
+    study = ExtrapolateStudy()
+    run(study, model, tmp_path / "g", study.checked(model.cfg, settings), log=lambda *a: None)
     heads = read_table(tmp_path / "g", "heads")
     assert set(heads.loc[heads["repaired_scaling"], "layer"]) <= {2}  # the one full layer
     assert (heads.loc[heads["layer"] < 2, "window"] == 4).all() and (heads.loc[heads["layer"] == 2, "window"] == 0).all()
@@ -368,7 +369,8 @@ def test_an_alibi_model_is_read_as_loaded(tmp_path):
     model.tokenizer = ByteTokenizer()
     settings = ExtrapolateSettings(model="alibi", data=StudyData.of(DataSpec(kind="text", n_seqs=2, seq_len=4)),
                                    lengths=(256, 512), depths=(0.5,), buckets=4)
-    run_extrapolate_study(model, tmp_path / "a", settings, log=lambda *a: None)
+    study = ExtrapolateStudy()
+    run(study, model, tmp_path / "a", study.checked(model.cfg, settings), log=lambda *a: None)
     record = json.loads((tmp_path / "a" / "settings.json").read_text())
     assert record["scalings"] == ["none"] and record["repair"] is None and record["positions"] == "alibi"
     assert record["spearman"] is None and record["rotary_tables"] == []

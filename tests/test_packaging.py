@@ -49,7 +49,7 @@ def test_the_check_catches_an_unlisted_folder(tmp_path):
     ("interp.models.kv_policy", "interp.models.kv.policies", "parse_policy"),
     ("interp.models.kv_cache_policy", "interp.models.kv.policy_cache", "PolicyKVCache"),
     ("interp.models.checkpoint", "interp.models.formats.checkpoint", "load_checkpoint"),
-    ("interp.analyses.kv_policies", "interp.analyses.kv.policies", "run_policy_study"),
+    ("interp.analyses.kv_policies", "interp.analyses.kv.policies", "PolicyStudy"),
     ("interp.analyses.tasks", "interp.analyses.kv.tasks", "retrieval_prompts"),
     ("interp.models.evaldata", "interp.analyses.evaldata", "language_reference"),
 ])

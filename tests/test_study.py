@@ -36,13 +36,13 @@ class Norms(Study):
             return pd.DataFrame(rows)
 
         frame = stage("norms", norms)
-        return {"norms": frame, "count": pd.DataFrame({"tokens": [tokens.numel()]}), "_top": frame["norm"].max()}
+        return {"norms": frame, "count": pd.DataFrame({"tokens": [tokens.numel()]})}
 
     def record(self, settings, measured):
         return {"heads": len(measured["norms"])}
 
     def sections(self, settings, measured, record):
-        return [Section("summary", "Summary").add(f"The largest mean norm: {measured['_top']:.4f}.")]
+        return [Section("summary", "Summary").add(f"The largest mean norm: {measured['norms']['norm'].max():.4f}.")]
 
 
 @pytest.fixture(scope="module")

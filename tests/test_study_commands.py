@@ -1,20 +1,25 @@
-"""One command per study (`interp kv precision|passkey|select`, `interp lengths`, beside `interp analyze` and
-`interp sweep`): the same settings.json keys from every study, a default length fitted to the model in one
-note (an explicit one past n_ctx still refused), the old spellings with one deprecation note, at most 12
-options of its own per `interp kv` subcommand, a study that completes without pyarrow, and one study's
-folder refused to another without --force."""
+"""One command per study (`interp kv precision|passkey|select`, `interp lengths`, `interp circuit`, `interp
+extrapolate`, beside `interp analyze` and `interp sweep`): every `Study` subclass under `interp.analyses`, found
+by importing each of its modules, has a command here and writes its declared tables with their columns, its
+settings.json with the same keys as every study, and its report (so a new study cannot skip the contract); a
+default length fitted to the model in one note (an explicit one past n_ctx still refused), the old spellings
+with one deprecation note, at most 12 options of its own per `interp kv` subcommand, a study that completes
+without pyarrow, and one study's folder refused to another without --force."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import pkgutil
 import sys
 
 import pandas as pd
 import pytest
 
+import interp.analyses
 from interp.analyses.store import read_table
-from interp.analyses.study import SHARED_KEYS
+from interp.analyses.study import SHARED_KEYS, Study
 from interp.cli import build_parser
 from interp.cli import main as cli
 
@@ -27,9 +32,33 @@ COMMANDS = {
                "--scoring-prompts", "1", "--selection-seeds", "1", *PASSKEY],
     "lengths": ["lengths", "rope-gqa-4l", "--lengths", "32,64", "--no-progress"],
     "circuit": ["circuit", "attn-only-2l", "--task", "induction", "--prompts", "4", "--method", "eap", "--no-progress"],
+    "extrapolate": ["extrapolate", "rope-gqa-4l", "--lengths", "256,320", "--scalings", "none,yarn", "--depths", "0.5",
+                    "--buckets", "2", "--no-progress"],
     "sweep": ["analyze", "attn-only-2l", "--analyses", "sinks", "--n-seqs", "2", "--seq-len", "32", "--no-progress",
               "--no-report"],
 }
+
+
+# the study each command writes (its settings.json "study")
+STUDY = {"precision": "kv-precision", "passkey": "kv-policies", "select": "kv-roles", "lengths": "lengths",
+         "circuit": "circuit", "extrapolate": "extrapolate", "sweep": "sweep"}
+
+
+def every_study() -> list[type[Study]]:
+    """Every `Study` subclass interp defines: each module under `interp.analyses` imported (pkgutil), then the
+    subclasses of `Study` walked, at any depth."""
+    for module in pkgutil.walk_packages(interp.analyses.__path__, "interp.analyses."):
+        importlib.import_module(module.name)
+
+    def below(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from below(sub)
+
+    return sorted({c for c in below(Study) if c.__module__.startswith("interp.analyses.")}, key=lambda c: c.name)
+
+
+STUDIES = every_study()
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +74,40 @@ def test_every_studys_settings_json_has_the_same_keys(folders):
     for name in COMMANDS:
         record = json.loads((folders / name / "settings.json").read_text())
         assert set(SHARED_KEYS) <= set(record), (name, set(SHARED_KEYS) - set(record))
-        assert record["study"] == {"precision": "kv-precision", "passkey": "kv-policies", "select": "kv-roles",
-                                   "lengths": "lengths", "circuit": "circuit", "sweep": "sweep"}[name]
+        assert record["study"] == STUDY[name]
         assert record["compute"]["device"] == "cpu" and "torch" in record["versions"]
         assert all(isinstance(v, float) for v in record["seconds"].values()) and record["seconds"], name
+
+
+def test_every_study_is_found_and_has_a_command_here():
+    names = [c.name for c in STUDIES]
+    assert {"kv-precision", "kv-policies", "kv-roles", "lengths", "circuit", "extrapolate"} <= set(names)  # found
+    assert len(names) == len(set(names)), names  # settings.json names one study
+    missing = sorted(set(names) - set(STUDY.values()))
+    assert not missing, f"add a command for each study to COMMANDS and STUDY: {missing}"
+
+
+@pytest.mark.parametrize("study", STUDIES, ids=lambda c: c.name)
+def test_every_study_writes_its_declared_tables_settings_and_report(study, folders):
+    """The contract, for every `Study` subclass found: its own measure and report, declared tables with distinct
+    names, each written with its columns (an optional one may be absent) and nothing undeclared; settings.json
+    with the shared keys; the report under its title."""
+    assert study.measure is not Study.measure and study.sections is not Study.sections, study
+    declared = [t.name for t in study.tables]
+    assert declared and len(declared) == len(set(declared)), declared
+    commands = [key for key, name in STUDY.items() if name == study.name]
+    assert commands, f"study {study.name} has no command in COMMANDS and STUDY"
+    folder = folders / commands[0]
+    record = json.loads((folder / "settings.json").read_text())
+    assert record["study"] == study.name and set(SHARED_KEYS) <= set(record)
+    for table in study.tables:
+        if table.optional and not list(folder.glob(f"{table.name}.*")):
+            continue
+        frame = read_table(folder, table.name)
+        assert set(table.columns) <= set(frame.columns), (table.name, set(table.columns) - set(frame.columns))
+    written = {p.stem for p in folder.glob("*.parquet")} | {p.stem for p in folder.glob("*.csv")}
+    assert written <= set(declared), written - set(declared)
+    assert (folder / "report.md").read_text().startswith(f"# {study.title}: ") and (folder / "report.html").is_file()
 
 
 def test_the_tables_are_the_declared_ones(folders):

@@ -25,11 +25,11 @@ from interp.models.device import to_numpy
 from interp.errors import as_user_errors
 
 from .._common import spearman
-from .graph import FRACTIONS, IG_ON, METHODS, SELECTIONS, Graph, areas, select
+from .graph import FRACTIONS, IG_ON, METHODS, SELECTIONS, Graph, Task, areas, select
 from .runner import Runner, faithfulness_curve
 from .tasks import METRICS, TASKS, build_task, read_task_file
 from ..document import Html, Section, number, png
-from ..study import Study, StudySettings, Table
+from ..study import Measured, Study, StudySettings, Table
 
 # exact edge patching is one forward per edge: past this many edges it is refused (with the way round)
 MAX_PATCHED_EDGES = 20_000
@@ -72,6 +72,27 @@ def chosen_size(curve: pd.DataFrame) -> float:
 def _edge_cost_line(n_edges: int) -> str:
     return (f"exact edge patching is one forward per edge, and this model's graph has {n_edges:,} edges (at most "
             f"{MAX_PATCHED_EDGES:,}): use --method eap-ig (--oracle nodes checks it against exact node patching)")
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class CircuitMeasured(Measured):
+    """Beside the tables: the task and its runner (clean and corrupted metrics), the graph and its scores
+    [senders, receivers], the circuit drawn (a boolean [senders, receivers]) with its faithfulness and size
+    (a fraction of the edges), the atlas's heads by role, the heads that write the answer (None: the task has
+    no answer token), the circuit's heads' patterns on the first clean prompt ((names, [n, p, p], tokens) or
+    None) and the agreement with exact patching ({"nodes" | "edges": Spearman})."""
+
+    task: Task
+    runner: Runner
+    graph: Graph
+    scores: torch.Tensor
+    circuit: torch.Tensor
+    drawn: float
+    size: float
+    roles: dict[str, list[dict]]
+    movers: pd.DataFrame | None
+    patterns: tuple[list[str], np.ndarray, list[str]] | None
+    agreement: dict[str, float]
 
 
 class CircuitStudy(Study):
@@ -145,13 +166,13 @@ class CircuitStudy(Study):
             agreement["nodes"] = spearman(node_scores.abs(), exact_nodes.abs())
         if exact_edges is not None and s.method != "patching":
             agreement["edges"] = spearman(scores[s_edges, r_edges].abs(), exact_edges[s_edges, r_edges].abs())
-        return {"edges": edges, "nodes": nodes, "faithfulness": curve, "_task": task, "_runner": runner,
-                "_circuit": circuit, "_drawn": drawn, "_size": size, "_roles": roles, "_movers": movers, "_patterns": patterns, "_agreement": agreement,
-                "_scores": scores, "_graph": g}
+        return CircuitMeasured(tables={"edges": edges, "nodes": nodes, "faithfulness": curve}, task=task, runner=runner,
+                               graph=g, scores=scores, circuit=circuit, drawn=drawn, size=size, roles=roles,
+                               movers=movers, patterns=patterns, agreement=agreement)
 
-    def record(self, s: CircuitSettings, m) -> dict:
-        task, runner, curve = m["_task"], m["_runner"], m["faithfulness"]
-        circuit = m["_circuit"]
+    def record(self, s: CircuitSettings, m: CircuitMeasured) -> dict:
+        task, runner, curve = m.task, m.runner, m["faithfulness"]
+        circuit = m.circuit
         heads = m["nodes"][m["nodes"].in_circuit & (m["nodes"].kind == "head")]["node"].tolist()
         return {"task": s.task, "task_description": task.description, "metric": task.metric_name,
                 "method": s.method, "steps": s.steps if s.method == "eap-ig" else None,
@@ -159,13 +180,13 @@ class CircuitStudy(Study):
                 "answers": task.n_answers, "seed": s.seed, "select": s.select, "oracle": s.oracle,
                 "clean_metric": runner.clean_metric, "corrupted_metric": runner.corrupted_metric,
                 "n_edges": runner.graph.n_edges, **areas(curve),
-                "circuit": {"fraction": m["_size"], "chosen": s.size is None, "edges": int(circuit.sum()), "faithfulness": m["_drawn"],
-                            "heads": heads},
-                "roles": {k: v for k, v in m["_roles"].items()},
-                "movers": None if m["_movers"] is None else m["_movers"].to_dict("records"),
-                "agreement_spearman": m["_agreement"]}
+                "circuit": {"fraction": m.size, "chosen": s.size is None, "edges": int(circuit.sum()),
+                            "faithfulness": m.drawn, "heads": heads},
+                "roles": {k: v for k, v in m.roles.items()},
+                "movers": None if m.movers is None else m.movers.to_dict("records"),
+                "agreement_spearman": m.agreement}
 
-    def sections(self, s: CircuitSettings, m, record) -> list[Section]:
+    def sections(self, s: CircuitSettings, m: CircuitMeasured, record) -> list[Section]:
         return _sections(s, m, record)
 
 
@@ -249,9 +270,9 @@ def _patterns(model, task, heads: pd.DataFrame, limit: int = 24):
 
 
 # ---- the report ------------------------------------------------------------------------------------------
-def _sections(s: CircuitSettings, m, record) -> list[Section]:
-    task, runner, curve, g = m["_task"], m["_runner"], m["faithfulness"], m["_graph"]
-    edges, nodes, circuit = m["edges"], m["nodes"], m["_circuit"]
+def _sections(s: CircuitSettings, m: CircuitMeasured, record) -> list[Section]:
+    task, runner, curve, g = m.task, m.runner, m["faithfulness"], m.graph
+    edges, nodes, circuit = m["edges"], m["nodes"], m.circuit
     c = record["circuit"]
     at = lambda f: curve.loc[(curve.fraction - f).abs().idxmin()]  # noqa: E731
     heads = c["heads"]
@@ -280,12 +301,12 @@ def _sections(s: CircuitSettings, m, record) -> list[Section]:
                 *([Section("movers", "The heads that write the answer").add(
                     "The heads whose edges into the logits score most, and their mean attention from the answer "
                     "position to the positions holding the answer's token and the wrong answer's (on the clean "
-                    "prompts).", m["_movers"])] if m["_movers"] is not None else []),
+                    "prompts).", m.movers)] if m.movers is not None else []),
                 Section("nodes", "Top nodes").add(_top(nodes.drop(columns=["method"]), 25))]
-    if m["_patterns"] is not None:
+    if m.patterns is not None:
         from interp.models.attention_view import pattern_view
 
-        names, stack, strings = m["_patterns"]
+        names, stack, strings = m.patterns
         view = pattern_view(strings, stack, head_names=names, title="the circuit's heads on the first clean prompt")
         sections.append(Section("patterns", "The circuit's heads: patterns").add(
             "Each head of the circuit on the first clean prompt (click a thumbnail; hover a token).",

@@ -27,8 +27,8 @@ model has read), with a `length` column and `extrapolated` (L past the model's t
 the first L tokens' queries attend there as they do alone), and the residual stream for a loss.
 `role_changes` names the heads whose scores move most between the shortest and longest length;
 `how_far` summarises the distance distribution per kind of layer (a sliding window of W tokens, or
-global). `LengthStudy` (`interp lengths`; `run_length_study` from Python) writes it all to a folder
-with a report.
+global). `LengthStudy` (`interp lengths`; `study.run(LengthStudy(), model, out, LengthSettings(...))` from
+Python) writes it all to a folder with a report.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import dataclasses
 import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -54,7 +53,7 @@ from interp.models.stats import _layer_geometry, for_each_layer_qk
 from .._common import progress
 from ..document import Section, head_name, png
 from ..store import nonfinite_rows
-from ..study import Study, StudyData, StudySettings, Table, run
+from ..study import Measured, Study, StudySettings, Table
 
 QUANTILES = (0.5, 0.9, 0.99)
 FROM_FRACTION = 0.5  # score the queries in the second half of each length (see the module docstring)
@@ -312,6 +311,15 @@ class LengthSettings(StudySettings):
     from_fraction: float = FROM_FRACTION
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class LengthMeasured(Measured):
+    """Beside the table: the lengths scored, the model's trained context and its layers' windows."""
+
+    lengths: list[int]
+    n_ctx: int
+    windows: list[int | None]
+
+
 class LengthStudy(Study):
     """`interp lengths`: every head's scores at each length (`scores_by_length`), the heads whose role
     changes most, how far each kind of layer looks."""
@@ -338,30 +346,17 @@ class LengthStudy(Study):
             frames = [stage(f"{n} tokens", lambda n=n: scores_by_length(model, tokens, [n], from_fraction=s.from_fraction,
                                                                         backend=s.backend, progress_bar=False))
                       for n in lengths]
-        return {"lengths": pd.concat(frames, ignore_index=True), "_lengths": lengths, "_n_ctx": model.cfg.n_ctx,
-                "_windows": model.cfg.windows()}
+        return LengthMeasured(tables={"lengths": pd.concat(frames, ignore_index=True)}, lengths=lengths,
+                              n_ctx=model.cfg.n_ctx, windows=list(model.cfg.windows()))
 
-    def record(self, s: LengthSettings, m) -> dict:
-        lengths, n_ctx = m["_lengths"], m["_n_ctx"]
+    def record(self, s: LengthSettings, m: LengthMeasured) -> dict:
+        lengths, n_ctx = m.lengths, m.n_ctx
         return {"lengths": lengths, "n_sequences": s.data.rows, "n_ctx": n_ctx, "queries_from_fraction": s.from_fraction,
-                "extrapolated": [n for n in lengths if n > n_ctx], "layer_windows": m["_windows"],
+                "extrapolated": [n for n in lengths if n > n_ctx], "layer_windows": m.windows,
                 "metrics": list(METRICS)}
 
-    def sections(self, s: LengthSettings, m, record) -> list[Section]:
+    def sections(self, s: LengthSettings, m: LengthMeasured, record) -> list[Section]:
         return report_sections(m["lengths"], record)
-
-
-def run_length_study(model, out, tokens: Tensor, lengths: Sequence[int], *, name: str, data_description: str,
-                     data_source: dict | None = None, backend: str = "auto", progress_bar: bool | None = None,
-                     extrapolate: bool = False, from_fraction: float = FROM_FRACTION, force: bool = False,
-                     log=print) -> Path:
-    """Score every head at each length and write DIR/lengths.parquet and .csv, settings.json and the
-    report (`LengthStudy` through `study.run`: files interp did not write are never replaced). Returns
-    the report's path."""
-    settings = LengthSettings(model=name, data=StudyData.given(tokens, data_description, data_source),
-                              lengths=tuple(lengths), extrapolate=extrapolate, backend=backend,
-                              from_fraction=from_fraction, progress=progress_bar)
-    return run(LengthStudy(), model, out, settings, force=force, log=log)
 
 
 def report_sections(frame: pd.DataFrame, settings: dict) -> list[Section]:

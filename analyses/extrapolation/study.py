@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -41,8 +40,7 @@ from .extrapolate import (BUCKETS, CHANGES, DEPTHS, FACTOR, REPAIR_FRACTION, SCA
                           sequence_nll, share_correlations, split_perplexity)
 from ..kv.tasks import accuracy_label, retrieval_prompts
 from .lengths import FROM_FRACTION, check_lengths
-from ..study import Study, StudyData, StudySettings, Table, run
-from ..data import DataSpec
+from ..study import Measured, Study, StudySettings, Table
 
 LOGN = "logn"  # the temperature repair's name
 AUTO = "auto"  # the repair by default: yarn on a rotary model, none elsewhere
@@ -99,6 +97,23 @@ def check_scalings(cfg, scalings, factor: float) -> tuple[str, ...]:
         if n != "none":
             choose(cfg, n)  # a bad type, factor or key: one line
     return ("none", *[n for n in names if n != "none"])
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class ExtrapolateMeasured(Measured):
+    """Beside the tables: perplexity inside n_ctx and past it per scaling ({name: (inside, past)}), the first
+    length past n_ctx, the repair (what settings.json says of it; None: none), n_ctx, the positions ("rotary",
+    "alibi", "none", ...), the rotary tables (`extrapolate.rotary_tables`), each scaling's transformers
+    parameters, and the layers' windows."""
+
+    split: dict[str, tuple[float, float]]
+    first: int
+    repaired: dict | None
+    n_ctx: int
+    positional: str
+    rotary_tables: list[dict]
+    scalings: dict[str, dict]
+    windows: list[int | None]
 
 
 class ExtrapolateStudy(Study):
@@ -215,42 +230,32 @@ class ExtrapolateStudy(Study):
                         "kv_heads": [f"L{l}KV{g}" for l, g in groups],
                         "scaled_heads": [head_name(l, h) for l, h in scaled],
                         "logn_heads": [head_name(l, h) for l, h in chosen]}
-        return {"perplexity": pd.concat(ppl, ignore_index=True), "passkey": pd.concat(answers, ignore_index=True),
-                "autopsy": pd.concat(autopsy, ignore_index=True), "heads": heads, "_split": split, "_first": first,
-                "_repaired": repaired, "_n_ctx": n_ctx, "_positional": cfg.positional or "none",
-                "_tables": rotary_tables(model, n_ctx) if rotary else [],
-                "_scalings": {n: as_hf(choose(cfg, n)) for n in s.scalings if n != "none"}, "_windows": cfg.windows()}
+        tables = {"perplexity": pd.concat(ppl, ignore_index=True), "passkey": pd.concat(answers, ignore_index=True),
+                  "autopsy": pd.concat(autopsy, ignore_index=True), "heads": heads}
+        return ExtrapolateMeasured(tables=tables, split=split, first=first, repaired=repaired, n_ctx=n_ctx,
+                                   positional=cfg.positional or "none",
+                                   rotary_tables=rotary_tables(model, n_ctx) if rotary else [],
+                                   scalings={n: as_hf(choose(cfg, n)) for n in s.scalings if n != "none"},
+                                   windows=list(cfg.windows()))
 
-    def record(self, s: ExtrapolateSettings, m) -> dict:
-        heads, n_ctx = m["heads"], m["_n_ctx"]
+    def record(self, s: ExtrapolateSettings, m: ExtrapolateMeasured) -> dict:
+        heads, n_ctx = m["heads"], m.n_ctx
         out = {"n_ctx": n_ctx, "lengths": list(s.lengths), "reference_length": reference_length(s.lengths, n_ctx),
-               "first_length_past": m["_first"], "scalings": list(s.scalings), "scaling_parameters": m["_scalings"],
+               "first_length_past": m.first, "scalings": list(s.scalings), "scaling_parameters": m.scalings,
                "factor": s.factor, "depths": list(s.depths), "prompts_per_cell": s.prompts, "seed": s.seed,
                "max_new_tokens": s.max_new_tokens, "n_sequences": s.data.rows, "buckets": s.buckets,
-               "queries_from_fraction": s.from_fraction, "rotary_tables": m["_tables"],
-               "positions": m["_positional"],
-               "spearman": share_correlations(heads) if m["_tables"] else None,
+               "queries_from_fraction": s.from_fraction, "rotary_tables": m.rotary_tables,
+               "positions": m.positional,
+               "spearman": share_correlations(heads) if m.rotary_tables else None,
                "break_first": list(heads.sort_values("break_rank")["name"].head(10)),
-               "perplexity_inside_past": {k: [round(a, 4), round(b, 4)] for k, (a, b) in m["_split"].items()},
-               "repair": m["_repaired"]}
-        if m["_tables"] and any(w is not None for w in m["_windows"]):
+               "perplexity_inside_past": {k: [round(a, 4), round(b, 4)] for k, (a, b) in m.split.items()},
+               "repair": m.repaired}
+        if m.rotary_tables and any(w is not None for w in m.windows):
             out["spearman_global_layers"] = share_correlations(heads[heads["window"] == 0])
         return out
 
-    def sections(self, s: ExtrapolateSettings, m, record) -> list[Section]:
+    def sections(self, s: ExtrapolateSettings, m: ExtrapolateMeasured, record) -> list[Section]:
         return report_sections(s.model, m, record)
-
-
-def run_extrapolate_study(model, out, settings: ExtrapolateSettings | None = None, *, force: bool = False,
-                          log=print) -> Path:
-    """The study of `model` into the folder `out`, its settings checked against the model first as the command
-    checks them before loading (default: every default on one sequence of the shipped text). Returns the
-    report's path."""
-    study = ExtrapolateStudy()
-    settings = settings or ExtrapolateSettings(data=StudyData.of(DataSpec(kind="text", n_seqs=1, seq_len=4)))
-    with as_user_errors(ValueError):
-        settings, _ = study.check(model.cfg, settings)
-    return run(study, model, out, settings, force=force, log=log)
 
 
 def _heads_table(model, energy, changes: pd.DataFrame, first: int, longest: int) -> pd.DataFrame:
@@ -328,15 +333,31 @@ def _accuracy(part: pd.DataFrame) -> str:
     return accuracy_label(int(part["correct"].sum()), len(part))
 
 
-def report_sections(model_name: str, m, record: dict) -> list[Section]:
+def report_sections(model_name: str, m: ExtrapolateMeasured, record: dict) -> list[Section]:
     """The report of `ExtrapolateStudy` from what it measured and settings.json."""
-    ppl, passkey, autopsy, heads = m["perplexity"], m["passkey"], m["autopsy"], m["heads"]
+    heads, passkey = m["heads"], m["passkey"]
+    order = heads.sort_values("break_rank")  # the heads that break first, first
+    sections = [_summary(model_name, m, record, order), _perplexity_section(m["perplexity"], record["n_ctx"])]
+    if not passkey.empty:
+        sections.append(_passkey_section(passkey, record))
+    sections.append(_autopsy_section(m["autopsy"], order, record))
+    if record["rotary_tables"]:
+        sections.append(_frequencies_section(heads, list(order["name"].head(5)), record))
+    if record.get("repair"):
+        sections.append(_repair_section(m, record))
+    sections.append(Section("settings", "Settings").add("```\n" + json.dumps(record, indent=2) + "\n```"))
+    return sections
+
+
+def _rho_text(rho: dict | None) -> str:
+    return ", ".join(f"{c} {'n/a' if rho[c] is None else f'{rho[c]:+.2f}'}" for c in CHANGES) if rho else ""
+
+
+def _summary(model_name: str, m: ExtrapolateMeasured, record: dict, order: pd.DataFrame) -> Section:
+    passkey, split = m["passkey"], m.split
     lengths, n_ctx, first = record["lengths"], record["n_ctx"], record["first_length_past"]
-    longest, ref, scalings, split = lengths[-1], record["reference_length"], record["scalings"], m["_split"]
-    order = heads.sort_values("break_rank")
-    named = list(order["name"].head(5))
-    rho, rotary = record["spearman"], bool(record["rotary_tables"])
-    rho_text = ", ".join(f"{c} {'n/a' if rho[c] is None else f'{rho[c]:+.2f}'}" for c in CHANGES) if rho else ""
+    longest, ref, scalings = lengths[-1], record["reference_length"], record["scalings"]
+    rotary = bool(record["rotary_tables"])
     at_longest, asked = passkey[passkey["length"] == longest], not passkey.empty
     read_as = (f"as loaded (none) and with {', '.join(scalings[1:]) or 'no scaling'}, each from an original length of "
                "n_ctx" if rotary else "as loaded: " + (
@@ -358,9 +379,9 @@ def report_sections(model_name: str, m, record: dict) -> list[Section]:
         "loaded): " + ", ".join(f"{r['name']} ({r['first_change']:+.3f} nats)" for _, r in order.head(5).iterrows())
         + ".")
     if rotary:
-        summary.add(f"Spearman's rho over the {len(heads)} heads between each head's share of |q.k| energy on the "
+        summary.add(f"Spearman's rho over the {len(order)} heads between each head's share of |q.k| energy on the "
                     f"rotary pairs that never complete a period within n_ctx and how much it changes from {ref:,} to "
-                    f"{longest:,} tokens: {rho_text}.")
+                    f"{longest:,} tokens: {_rho_text(record['spearman'])}.")
     repaired = record.get("repair")
     if repaired:
         def said(name):
@@ -375,68 +396,81 @@ def report_sections(model_name: str, m, record: dict) -> list[Section]:
         g = record["spearman_global_layers"]
         summary.add("Over the global layers' heads only: " + ", ".join(
             f"{c} {'n/a' if g[c] is None else f'{g[c]:+.2f}'}" for c in CHANGES) + ".")
-    sections = [summary]
+    return summary
 
+
+def _perplexity_section(ppl: pd.DataFrame, n_ctx: int) -> Section:
     table = ppl.pivot_table(index="scaling", columns="bucket", values="perplexity", sort=False)
     spans = ppl.drop_duplicates("bucket").set_index("bucket")
     table.columns = [f"{spans.loc[b, 'start']:,}-{spans.loc[b, 'end'] - 1:,}" for b in table.columns]
-    sections.append(Section("perplexity", "Perplexity by position").add(
+    return Section("perplexity", "Perplexity by position").add(
         "Perplexity of the tokens at each span of positions (the first token is never predicted); dashed lines and "
         "rows marked (repair) change only the heads the autopsy chose, at the longest length.",
-        png(plot_perplexity(ppl, n_ctx), "perplexity_by_position.png"), table.round(3).reset_index()))
+        png(plot_perplexity(ppl, n_ctx), "perplexity_by_position.png"), table.round(3).reset_index())
 
-    if asked:
-        cells = passkey.groupby(["scaling", "length"], sort=False).apply(_accuracy, include_groups=False).unstack()
-        cells.columns = [f"{c:,}" for c in cells.columns]
-        depth = at_longest.groupby(["scaling", "depth"], sort=False).apply(_accuracy, include_groups=False).unstack()
-        depth.columns = [f"depth {c:g}" for c in depth.columns]
-        sections.append(Section("passkey", "Passkey").add(
-            f"Correct answers by length (the key in the {record['max_new_tokens']} greedy tokens after the prompt):",
-            cells.fillna("").reset_index(), f"At {longest:,} tokens, by depth of the needle:", depth.reset_index()))
 
+def _passkey_section(passkey: pd.DataFrame, record: dict) -> Section:
+    longest = record["lengths"][-1]
+    at_longest = passkey[passkey["length"] == longest]
+    cells = passkey.groupby(["scaling", "length"], sort=False).apply(_accuracy, include_groups=False).unstack()
+    cells.columns = [f"{c:,}" for c in cells.columns]
+    depth = at_longest.groupby(["scaling", "depth"], sort=False).apply(_accuracy, include_groups=False).unstack()
+    depth.columns = [f"depth {c:g}" for c in depth.columns]
+    return Section("passkey", "Passkey").add(
+        f"Correct answers by length (the key in the {record['max_new_tokens']} greedy tokens after the prompt):",
+        cells.fillna("").reset_index(), f"At {longest:,} tokens, by depth of the needle:", depth.reset_index())
+
+
+def _autopsy_section(autopsy: pd.DataFrame, order: pd.DataFrame, record: dict) -> Section:
+    first, longest, ref = record["first_length_past"], record["lengths"][-1], record["reference_length"]
     means = autopsy[autopsy["metric"].isin(SUMMARY)].pivot_table(index=["scaling", "length"], columns="metric",
                                                                  values="value", sort=False)[list(SUMMARY)]
-    top = order.head(10)[["name", *(["share"] if rotary else []), "first_change", *CHANGES]].rename(
+    top = order.head(10)[["name", *(["share"] if record["rotary_tables"] else []), "first_change", *CHANGES]].rename(
         columns={"first_change": f"entropy change at {first:,}", **{c: f"{c} change at {longest:,}" for c in CHANGES}})
-    sections.append(Section("autopsy", "The heads, by length and scaling").add(
+    return Section("autopsy", "The heads, by length and scaling").add(
         "The mean over heads of each score at each length and scaling (queries L/2 .. L-1):",
         means.round(4).reset_index(),
         f"The heads that break first, as loaded: by |entropy change| from {ref:,} to {first:,} tokens (distance: log2 "
         "of (distance + 1) over the reference's; the autopsy table holds every head's scores):",
-        top.round(4)))
-
-    if rotary:
-        tables = "; ".join(f"{_layers(t['layers'])}: {t['never_completed_pairs']} of {t['pairs']} pairs ("
-                           + (f"from pair {t['first_never_completed']} on; " if t["never_completed_pairs"] else "")
-                           + f"the longest period {t['longest_period']:,.0f} tokens)" for t in record["rotary_tables"])
-        sections.append(Section("frequencies", "Never-completed rotary pairs").add(
-            f"Pair i turns at theta_i; it completes a period within n_ctx = {n_ctx:,} when 2 pi / theta_i <= n_ctx. "
-            f"Pairs that never do: {tables}. A head's share is its |q_i| |k_i| (means over the trained context's "
-            f"positions) on those pairs over all its dimensions. Spearman's rho with the change from {ref:,} to "
-            f"{longest:,}: {rho_text}.", png(plot_change_vs_share(heads, rho, named, longest), "change_vs_share.png")))
-
-    if repaired:
-        global_name = repaired["scaling"]
-        rows = []
-        for name in ["none", global_name, *[n for n in split if n.endswith("(repair)")]]:
-            part = at_longest[at_longest["scaling"] == name]
-            heads_changed = int(ppl.loc[ppl["scaling"] == name, "heads"].iloc[0])
-            rows.append({"scaling": name, "heads changed": heads_changed, "perplexity inside n_ctx": split[name][0],
-                         "perplexity past n_ctx": split[name][1],
-                         **({f"passkey at {longest:,}": _accuracy(part)} if asked else {})})
-        every = rows[1]["heads changed"] == len(repaired["scaled_heads"])
-        sections.append(Section("repair", "Repairing the heads that break").add(
-            f"The heads whose entropy moves most at {longest:,} tokens, at most {repaired['fraction']:g} of all "
-            f"({repaired['budget_heads']} heads): {global_name} on their KV heads only "
-            f"({', '.join(repaired['kv_heads']) or 'none fit the budget'}: every query head of a chosen KV head counts), "
-            f"and LogN temperature (max(1, log(p + 1) / log n_ctx) on the logits of the query at position p) on "
-            f"{', '.join(repaired['logn_heads']) or 'no head'}; against the same scaling on every head"
-            + (f" (the KV heads chosen hold every head {global_name} changes: the two are the same model)" if every
-               else "") + ":",
-            pd.DataFrame(rows).round(4)))
-    sections.append(Section("settings", "Settings").add("```\n" + json.dumps(record, indent=2) + "\n```"))
-    return sections
+        top.round(4))
 
 
-__all__ = ["ExtrapolateSettings", "ExtrapolateStudy", "check_scalings", "plot_change_vs_share", "plot_perplexity",
-           "report_sections", "run_extrapolate_study"]
+def _frequencies_section(heads: pd.DataFrame, named: list[str], record: dict) -> Section:
+    n_ctx, longest, ref = record["n_ctx"], record["lengths"][-1], record["reference_length"]
+    tables = "; ".join(f"{_layers(t['layers'])}: {t['never_completed_pairs']} of {t['pairs']} pairs ("
+                       + (f"from pair {t['first_never_completed']} on; " if t["never_completed_pairs"] else "")
+                       + f"the longest period {t['longest_period']:,.0f} tokens)" for t in record["rotary_tables"])
+    return Section("frequencies", "Never-completed rotary pairs").add(
+        f"Pair i turns at theta_i; it completes a period within n_ctx = {n_ctx:,} when 2 pi / theta_i <= n_ctx. "
+        f"Pairs that never do: {tables}. A head's share is its |q_i| |k_i| (means over the trained context's "
+        f"positions) on those pairs over all its dimensions. Spearman's rho with the change from {ref:,} to "
+        f"{longest:,}: {_rho_text(record['spearman'])}.",
+        png(plot_change_vs_share(heads, record["spearman"], named, longest), "change_vs_share.png"))
+
+
+def _repair_section(m: ExtrapolateMeasured, record: dict) -> Section:
+    ppl, passkey, split, repaired = m["perplexity"], m["passkey"], m.split, record["repair"]
+    longest, asked = record["lengths"][-1], not passkey.empty
+    at_longest = passkey[passkey["length"] == longest]
+    global_name = repaired["scaling"]
+    rows = []
+    for name in ["none", global_name, *[n for n in split if n.endswith("(repair)")]]:
+        part = at_longest[at_longest["scaling"] == name]
+        heads_changed = int(ppl.loc[ppl["scaling"] == name, "heads"].iloc[0])
+        rows.append({"scaling": name, "heads changed": heads_changed, "perplexity inside n_ctx": split[name][0],
+                     "perplexity past n_ctx": split[name][1],
+                     **({f"passkey at {longest:,}": _accuracy(part)} if asked else {})})
+    every = rows[1]["heads changed"] == len(repaired["scaled_heads"])
+    return Section("repair", "Repairing the heads that break").add(
+        f"The heads whose entropy moves most at {longest:,} tokens, at most {repaired['fraction']:g} of all "
+        f"({repaired['budget_heads']} heads): {global_name} on their KV heads only "
+        f"({', '.join(repaired['kv_heads']) or 'none fit the budget'}: every query head of a chosen KV head counts), "
+        f"and LogN temperature (max(1, log(p + 1) / log n_ctx) on the logits of the query at position p) on "
+        f"{', '.join(repaired['logn_heads']) or 'no head'}; against the same scaling on every head"
+        + (f" (the KV heads chosen hold every head {global_name} changes: the two are the same model)" if every
+           else "") + ":",
+        pd.DataFrame(rows).round(4))
+
+
+__all__ = ["ExtrapolateMeasured", "ExtrapolateSettings", "ExtrapolateStudy", "check_scalings", "plot_change_vs_share", "plot_perplexity",
+           "report_sections"]

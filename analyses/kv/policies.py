@@ -4,7 +4,7 @@ through caches whose heads hold what a policy says (`interp.models.kv.policies`)
     runs = policy_runs("full,kivi4,streaming(4,128),h2o(132)")
     table = passkey_table(model, retrieval_prompts(model, [1024], [0.1, 0.5], 5, seed=0), runs)
     ppl = policy_perplexity(model, text_tokens, runs)           # {label: (perplexity, bytes per token)}
-    run_policy_study(model, "out/kv-passkey", runs=runs, ...)   # kv_policies.parquet + report (`PolicyStudy`)
+    study.run(PolicyStudy(), model, "out/kv-passkey", PolicySettings(runs=tuple(runs), ...))  # tables + report
 
 Protocol.
 - Passkey: each prompt is prefilled once with the full model for every policy whose prefill is the
@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import pandas as pd
@@ -43,7 +42,7 @@ from interp.models.memory import check_fits
 from .. import plots
 from .._common import progress, stages
 from ..document import Section, png
-from ..study import Study, StudyData, StudySettings, Table, fit_default, fit_note, run
+from ..study import Measured, Study, StudySettings, Table, fit_default, fit_note
 from .tasks import VARIANTS, RetrievalPrompt, accuracy_label, is_correct, retrieval_prompts
 
 DEFAULT_POLICIES = "full,kivi4,kivi2,streaming(4,128),h2o(132),snapkv(132),knorm(132),tova(132)"
@@ -347,6 +346,16 @@ class PolicySettings(RetrievalSettings):
     runs: tuple[PolicyRun, ...] | None = None
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class PolicyMeasured(Measured):
+    """Beside the tables: one row per policy (`summary`: perplexity and bytes per token on the text), the runs
+    measured and the prompts asked."""
+
+    summary: pd.DataFrame
+    runs: list[PolicyRun]
+    prompts: list[RetrievalPrompt]
+
+
 class PolicyStudy(Study):
     """Passkey (or needle) accuracy and perplexity for every policy; writes kv_policies (one row per
     (policy, length, depth)) and kv_passkey_answers (one row per answer)."""
@@ -371,34 +380,21 @@ class PolicyStudy(Study):
         prompts = prompts_of(model, s)
         answers, cells, summary = measure_runs(model, runs, prompts, s.data.tokens(model), chunk=s.chunk,
                                                max_new_tokens=s.max_new_tokens, progress_bar=s.progress, stage=stage)
-        return {"kv_policies": cells, "kv_passkey_answers": answers, "_summary": summary, "_runs": runs,
-                "_prompts": prompts}
+        return PolicyMeasured(tables={"kv_policies": cells, "kv_passkey_answers": answers}, summary=summary, runs=runs,
+                              prompts=prompts)
 
-    def record(self, s: PolicySettings, m) -> dict:
-        prompts = m["_prompts"]
+    def record(self, s: PolicySettings, m: PolicyMeasured) -> dict:
+        prompts = m.prompts
         cells = max(1, len({(p.length, p.depth) for p in prompts}))
-        return dict(policies=[r.label for r in m["_runs"]], **prompts_record(prompts),
+        return dict(policies=[r.label for r in m.runs], **prompts_record(prompts),
                     prompts_per_cell=max(1, len(prompts) // cells),
                     seeds=sorted({p.seed for p in prompts if p.seed is not None}),
                     variant=sorted({p.variant for p in prompts}), max_new_tokens=s.max_new_tokens,
                     perplexity_tokens=s.data.length, chunk=s.chunk)
 
-    def sections(self, s: PolicySettings, m, record) -> list[Section]:
-        return policy_sections(s.model, m["kv_policies"], m["_summary"], m["kv_passkey_answers"],
+    def sections(self, s: PolicySettings, m: PolicyMeasured, record) -> list[Section]:
+        return policy_sections(s.model, m["kv_policies"], m.summary, m["kv_passkey_answers"],
                                record["data_description"])
-
-
-def run_policy_study(model, out, *, runs: Sequence[PolicyRun], prompts: Sequence[RetrievalPrompt],
-                     text_tokens: torch.Tensor, name: str = "model", data_description: str = "",
-                     max_new_tokens: int = 8, chunk: int = 32, progress_bar: bool | None = None,
-                     log=print, data_source: dict | None = None, force: bool = False) -> Path:
-    """Passkey (or needle) accuracy and perplexity for every run into the folder `out` (`PolicyStudy`
-    through `study.run`: only files interp wrote there are ever replaced). Returns the report's path.
-    `data_source` (`data.data_source`) names the perplexity text by sha256 (settings.json, report)."""
-    settings = PolicySettings(model=name, data=StudyData.given(text_tokens, data_description, data_source),
-                              runs=tuple(runs), prompt_list=tuple(prompts), max_new_tokens=max_new_tokens,
-                              chunk=chunk, progress=progress_bar)
-    return run(PolicyStudy(), model, out, settings, force=force, log=log)
 
 
 def headline(name: str, cells: pd.DataFrame, summary: pd.DataFrame) -> list[str]:

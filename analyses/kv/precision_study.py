@@ -16,9 +16,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Sequence
-
 import pandas as pd
 import torch
 
@@ -31,7 +28,7 @@ from .._common import spearman
 from ..document import Section, head_name, png
 from ..heads import detect_heads
 from ..sinks import attention_sinks
-from ..study import Study, StudyData, StudySettings, Table, fit_default, run
+from ..study import Measured, Study, StudySettings, Table, fit_default
 from .precision import head_table, kv_sensitivity, mixed_precision, precision_table, recovered_gap
 
 KEEP_FRACTIONS = (0.1, 0.2, 0.5)
@@ -45,6 +42,18 @@ class PrecisionSettings(StudySettings):
     precisions: tuple[str, ...] = ("fp32", "int8", "fp8", "int4")
     seeds: tuple[int, ...] = (0, 1, 2)
     sensitivity_tokens: int = 1024
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class PrecisionMeasured(Measured):
+    """Beside the tables: the atlas's top heads by role ({role: [(layer, head)]}), the numbers of
+    KV heads kept in fp32 (`ks`) out of `n_kv`, the tokens' [rows, length] and the sensitivity rankings' length."""
+
+    roles: dict[str, list[tuple[int, int]]]
+    ks: list[int]
+    n_kv: int
+    tokens: list[int]
+    sensitivity_tokens: int
 
 
 class PrecisionStudy(Study):
@@ -85,28 +94,17 @@ class PrecisionStudy(Study):
         uniform = table.assign(k=[n_kv if p == "fp32" else 0 for p in table["precision"]], selection="uniform", seed=-1)
         mixed = pd.concat([uniform[mixed.columns], mixed], ignore_index=True)
         roles = stage("head roles", lambda: _roles(model, tokens))
-        return {"kv": table, "kv_heads": heads, "kv_mixed": mixed, "kv_sensitivity": sens, "_roles": roles,
-                "_ks": ks, "_n_kv": n_kv, "_tokens": list(tokens.shape), "_sensitivity_tokens": int(sens_tokens.shape[1])}
+        return PrecisionMeasured(tables={"kv": table, "kv_heads": heads, "kv_mixed": mixed, "kv_sensitivity": sens},
+                                 roles=roles, ks=ks, n_kv=n_kv, tokens=list(tokens.shape),
+                                 sensitivity_tokens=int(sens_tokens.shape[1]))
 
-    def record(self, s: PrecisionSettings, m) -> dict:
-        return dict(precisions=list(s.precisions), tokens=m["_tokens"], seeds=list(s.seeds),
-                    sensitivity_tokens=m["_sensitivity_tokens"], ks=m["_ks"])
+    def record(self, s: PrecisionSettings, m: PrecisionMeasured) -> dict:
+        return dict(precisions=list(s.precisions), tokens=m.tokens, seeds=list(s.seeds),
+                    sensitivity_tokens=m.sensitivity_tokens, ks=m.ks)
 
-    def sections(self, s: PrecisionSettings, m, record) -> list[Section]:
-        return _sections(s.model, m["kv"], m["kv_heads"], m["kv_mixed"], m["kv_sensitivity"], m["_roles"], m["_ks"],
-                         m["_n_kv"], record["data_description"])
-
-
-def run_study(model, tokens, out, *, precisions: Sequence[str] = ("fp32", "int8", "fp8", "int4"),
-              name: str = "model", data_description: str = "", seeds=(0, 1, 2), sensitivity_tokens: int = 1024,
-              progress_bar: bool | None = None, log=print, data_source: dict | None = None, force: bool = False) -> Path:
-    """The precision study of `model` on `tokens` [batch, pos] into the folder `out` (`study.run`: checked
-    before any work; only files interp wrote there are ever replaced). Returns the report's path.
-    `data_source` (`data.data_source`) names the text by sha256 in settings.json and the report."""
-    settings = PrecisionSettings(model=name, data=StudyData.given(tokens, data_description, data_source),
-                                 precisions=tuple(precisions), seeds=tuple(seeds),
-                                 sensitivity_tokens=sensitivity_tokens, progress=progress_bar)
-    return run(PrecisionStudy(), model, out, settings, force=force, log=log)
+    def sections(self, s: PrecisionSettings, m: PrecisionMeasured, record) -> list[Section]:
+        return _sections(s.model, m["kv"], m["kv_heads"], m["kv_mixed"], m["kv_sensitivity"], m.roles, m.ks, m.n_kv,
+                         record["data_description"])
 
 
 def _roles(model, tokens) -> dict:

@@ -27,7 +27,7 @@ from interp.models.kv.policies import Streaming
 from .. import plots
 from .._common import stages
 from ..document import Section, head_name, png
-from ..study import StudyData, Study, Table, run
+from ..study import Measured, Study, Table
 from .gates import gate_table, train_gates
 from .roles import (
     check_selection,
@@ -91,14 +91,15 @@ def scoring_prompts(model, eval_prompts: Sequence[RetrievalPrompt], n: int, seed
     return out[:n] if len(out) >= n else out
 
 
-def score_heads(model, prompts: Sequence[RetrievalPrompt], text: torch.Tensor, selections: Sequence[str], *,
-                sinks: int, window: int, n_scoring: int, seed: int, gate_seconds: float, gate_steps: int,
-                loss_tokens: int = LOSS_TOKENS, progress_bar=None, stage: Callable | None = None):
-    """(query-head table, KV-head table, gate curve or None). `stage`: a study's stage timer (`study.run`);
-    `loss_tokens`: the streaming-loss ranking reads the text's first that many tokens."""
+def score_heads(model, prompts: Sequence[RetrievalPrompt], text: torch.Tensor, s: RolesSettings,
+                stage: Callable | None = None):
+    """(query-head table, KV-head table, gate curve or None): the rankings `s.selections` asks for, with its
+    sinks, window, scoring prompts, seed, gate steps (and cap) and `loss_tokens` (the streaming-loss ranking
+    reads the text's first that many tokens). `stage`: a study's stage timer (`study.run`)."""
     stage = stage or stages({})
+    selections, sinks, window, seed, progress_bar = s.selections, s.sinks, s.window, s.seed, s.progress
 
-    scoring = scoring_prompts(model, prompts, n_scoring, seed)
+    scoring = scoring_prompts(model, prompts, s.n_scoring, seed)
     query = stage("retrieval scores", lambda: retrieval_scores(model, scoring, progress_bar=progress_bar))
     razor = stage("echo and induction scores", lambda: razor_scores(model, seed=seed))
     query = query.merge(razor, on=["layer", "head", "kv_head"])
@@ -108,7 +109,7 @@ def score_heads(model, prompts: Sequence[RetrievalPrompt], text: torch.Tensor, s
     loss = None
     if "loss" in selections:
         loss = stage("streaming loss per KV head",
-                     lambda: loss_scores(model, text[:, :loss_tokens], sinks=sinks, window=window,
+                     lambda: loss_scores(model, text[:, :s.loss_tokens], sinks=sinks, window=window,
                                          progress_bar=progress_bar))
     gates = curve = None
     if "gates" in selections:
@@ -118,7 +119,7 @@ def score_heads(model, prompts: Sequence[RetrievalPrompt], text: torch.Tensor, s
         gate_data = retrieval_prompts(model, [min(512, max(p.length for p in prompts))], depths, 2,
                                       seed + 2 * SCORING_SEED_OFFSET, variant=prompts[0].variant)
         result = stage("DuoAttention gates", lambda: train_gates(
-            model, gate_data, sinks=sinks, window=window, steps=gate_steps, time_budget_s=gate_seconds, seed=seed,
+            model, gate_data, sinks=sinks, window=window, steps=s.gate_steps, time_budget_s=s.gate_seconds, seed=seed,
             progress_bar=progress_bar, cache_dir=gate_cache_dir()))
         gates, curve = gate_table(result), result.curve
     roles = kv_roles(query, loss, gates)
@@ -143,6 +144,17 @@ class RolesSettings(RetrievalSettings):
     gate_steps: int = GATE_STEPS
     equal_bytes: str | None = "snapkv"
     loss_tokens: int = LOSS_TOKENS
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class RolesMeasured(Measured):
+    """Beside the tables: the query heads' scores (`query`), the KV heads' rankings (`roles`), one row per
+    run (`summary`: perplexity and bytes per token on the text) and the evaluation prompts."""
+
+    query: pd.DataFrame
+    roles: pd.DataFrame
+    summary: pd.DataFrame
+    prompts: list[RetrievalPrompt]
 
 
 class RolesStudy(Study):
@@ -182,10 +194,7 @@ class RolesStudy(Study):
     def measure(self, model, s: RolesSettings, stage):
         prompts = prompts_of(model, s)
         text = s.data.tokens(model)
-        query, roles, curve = score_heads(model, prompts, text, s.selections, sinks=s.sinks, window=s.window,
-                                          n_scoring=s.n_scoring, seed=s.seed, gate_seconds=s.gate_seconds,
-                                          gate_steps=s.gate_steps, loss_tokens=s.loss_tokens, progress_bar=s.progress,
-                                          stage=stage)
+        query, roles, curve = score_heads(model, prompts, text, s, stage)
         cfg = model.cfg
         rankings = {name: (None if name == "random" else ranking(roles, name)) for name in s.selections}
         stream = f"streaming({s.sinks},{s.window})"
@@ -202,20 +211,21 @@ class RolesStudy(Study):
         head_table = query.merge(roles.drop(columns=[c for c in roles.columns if c.endswith("_mean")] +
                                             [c for c in ("retrieval", "echo", "induction", "razor") if c in roles.columns]),
                                  on=["layer", "kv_head"], how="left")
-        return {"kv_policies": cells, "kv_head_roles": head_table, "kv_passkey_answers": answers,
-                "kv_gates_curve": curve, "_query": query, "_roles": roles, "_summary": summary, "_prompts": prompts}
+        tables = {"kv_policies": cells, "kv_head_roles": head_table, "kv_passkey_answers": answers}
+        return RolesMeasured(tables=tables if curve is None else {**tables, "kv_gates_curve": curve}, query=query,
+                             roles=roles, summary=summary, prompts=prompts)
 
-    def record(self, s: RolesSettings, m) -> dict:
-        curve = m["kv_gates_curve"]
+    def record(self, s: RolesSettings, m: RolesMeasured) -> dict:
+        curve = m.get("kv_gates_curve")
         return dict(selections=list(s.selections), fractions=list(s.fractions), seeds=list(s.selection_seeds),
                     sinks=s.sinks, window=s.window, n_scoring=s.n_scoring, seed=s.seed, gate_steps=s.gate_steps,
                     gate_seconds=s.gate_seconds, gate_steps_done=None if curve is None else len(curve),
-                    equal_bytes=s.equal_bytes, **prompts_record(m["_prompts"]), max_new_tokens=s.max_new_tokens,
+                    equal_bytes=s.equal_bytes, **prompts_record(m.prompts), max_new_tokens=s.max_new_tokens,
                     loss_tokens=min(s.loss_tokens, s.data.length) if "loss" in s.selections else None)
 
-    def sections(self, s: RolesSettings, m, record) -> list[Section]:
-        cells, summary = m["kv_policies"], m["_summary"]
-        sections = roles_sections(s.model, cells, summary, m["_query"], m["_roles"], m["kv_gates_curve"], s.sinks,
+    def sections(self, s: RolesSettings, m: RolesMeasured, record) -> list[Section]:
+        cells, summary = m["kv_policies"], m.summary
+        sections = roles_sections(s.model, cells, summary, m.query, m.roles, m.get("kv_gates_curve"), s.sinks,
                                   s.window, gate_steps=s.gate_steps, gate_seconds=s.gate_seconds)
         if (n := record.get("loss_tokens")) is not None:
             sections[2].add(f"The streaming-loss ranking reads the perplexity text's first {n} tokens (the loss of the "
@@ -223,22 +233,6 @@ class RolesStudy(Study):
                             "half the KV heads on small loss differences, so another span of text can keep other heads.")
         return sections + policy_sections(s.model, cells, summary, m["kv_passkey_answers"],
                                           record["data_description"])[1:]
-
-
-def run_roles_study(model, out, *, prompts: Sequence[RetrievalPrompt], text_tokens: torch.Tensor,
-                    selections: Sequence[str] = ("retrieval", "razor", "loss", "gates", "random"),
-                    fractions: Sequence[float] = (0.1, 0.25, 0.5), seeds: Sequence[int] = (0, 1, 2), sinks: int = 4,
-                    window: int = 128, n_scoring: int = 6, seed: int = 0, gate_seconds: float | None = None,
-                    gate_steps: int = GATE_STEPS, equal_bytes: str | None = "snapkv", name: str = "model",
-                    data_description: str = "", max_new_tokens: int = 8, progress_bar=None, log=print,
-                    data_source: dict | None = None, force: bool = False) -> Path:
-    """`RolesStudy` on prompts built already into the folder `out` (`study.run`). Returns the report's path."""
-    settings = RolesSettings(model=name, data=StudyData.given(text_tokens, data_description, data_source),
-                             prompt_list=tuple(prompts), selections=tuple(selections), fractions=tuple(fractions),
-                             selection_seeds=tuple(seeds), sinks=sinks, window=window, n_scoring=n_scoring, seed=seed,
-                             gate_seconds=gate_seconds, gate_steps=gate_steps, equal_bytes=equal_bytes,
-                             max_new_tokens=max_new_tokens, progress=progress_bar)
-    return run(RolesStudy(), model, out, settings, force=force, log=log)
 
 
 def selection_table(cells: pd.DataFrame) -> pd.DataFrame:

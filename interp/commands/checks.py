@@ -1,5 +1,5 @@
 """The study commands' checks, in one place: the options every study command shares, how they are
-read, and `run_study`, which reads the model's config (no weights), checks the settings
+read, and `run_command`, which reads the model's config (no weights), checks the settings
 (`Study.check`, pure) and the output folder, prints the notes (a default length fitted to the
 model, in one line), and only then loads the model and runs the study (`interp.analyses.study.run`).
 
@@ -102,7 +102,7 @@ def common(args) -> dict:
 
 
 # ---- running -----------------------------------------------------------------------------------------
-def run_study(study, args, settings, *, path=None) -> int:
+def run_command(study, args, settings, *, path=None) -> int:
     """Check, then load and run. `settings` (a function of no arguments, so that its own checks raise
     inside the checks) builds the study's settings; `path`: the checkpoint to load (default: the one
     `args.model` names). `--rope-scaling` is checked against the model's config with the rest, and the

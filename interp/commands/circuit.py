@@ -58,4 +58,4 @@ def run(args) -> int:
                                ig=args.ig, metric=args.metric, prompts=args.prompts, seed=args.seed,
                                batch_size=args.batch_size, select=args.select, size=args.size, oracle=args.oracle)
 
-    return checks.run_study(CircuitStudy(), args, settings)
+    return checks.run_command(CircuitStudy(), args, settings)

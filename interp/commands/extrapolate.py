@@ -102,4 +102,4 @@ def run(args) -> int:
                                    repair_scaling=None if args.repair in ("off", "none") else args.repair,
                                    repair_fraction=args.repair_fraction)
 
-    return checks.run_study(ExtrapolateStudy(), args, settings, path=path)
+    return checks.run_command(ExtrapolateStudy(), args, settings, path=path)

@@ -116,7 +116,7 @@ def run_precision(args) -> int:
                                  precisions=checks.names(args.precisions), seeds=tuple(range(args.seeds)),
                                  sensitivity_tokens=args.sensitivity_tokens)
 
-    return checks.run_study(PrecisionStudy(), args, settings)
+    return checks.run_command(PrecisionStudy(), args, settings)
 
 
 def run_passkey(args) -> int:
@@ -126,7 +126,7 @@ def run_passkey(args) -> int:
         return PolicySettings(**checks.common(args), **checks.prompt_settings(args),
                               data=checks.text_data(args, 2048, rows=1), policies=args.policies)
 
-    return checks.run_study(PolicyStudy(), args, settings)
+    return checks.run_command(PolicyStudy(), args, settings)
 
 
 def run_select(args) -> int:
@@ -143,4 +143,4 @@ def run_select(args) -> int:
                              n_scoring=args.scoring_prompts, gate_steps=args.gate_steps, gate_seconds=args.gate_seconds,
                              loss_tokens=args.loss_tokens)
 
-    return checks.run_study(RolesStudy(), args, settings)
+    return checks.run_command(RolesStudy(), args, settings)

@@ -59,4 +59,4 @@ def run(args) -> int:
         return LengthSettings(**checks.common(args), data=StudyData.of(spec), lengths=lengths,
                               extrapolate=args.extrapolate)
 
-    return checks.run_study(LengthStudy(), args, settings, path=path)
+    return checks.run_command(LengthStudy(), args, settings, path=path)
