@@ -17,13 +17,14 @@ how it runs on our backends.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from ..config import ModelConfig
-from .builders import TensorGetter, reject, require, rotary_from_hf, t
+from .builders import TensorGetter, decoder, grouped_qkv_weights, linears, norms, reject, require, rotary_from_hf
 from .gguf_layout import LAYERNORM_KEYS, GGUFLayout, weight_and_bias
 from .registry import Family, register
 
@@ -98,45 +99,28 @@ def config(d: dict) -> ModelConfig:
     )
 
 
-def _split_qkv(x: Tensor, cfg: ModelConfig) -> Tensor:
-    """The fused projection's rows (a weight [rows, d_model] or a bias [rows, 1]) in our order [q | k | v]."""
-    h, kv, dh = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-    if kv == h:  # multi-head: rows per head [q, k, v]
-        w = x.reshape(h, 3, dh, -1)
-        return torch.cat([w[:, i].reshape(h * dh, -1) for i in range(3)])
-    g = h // kv  # grouped (new_decoder_architecture) or one KV head (multi_query): rows per group [q_1..q_g, k, v]
-    w = x.reshape(kv, g + 2, dh, -1)
-    return torch.cat([w[:, :g].reshape(h * dh, -1), w[:, g].reshape(kv * dh, -1), w[:, g + 1].reshape(kv * dh, -1)])
+def _layer(cfg: ModelConfig, get: TensorGetter, p: str, o: str, *, block_norms: tuple[tuple[str, ...], ...]) -> dict:
+    """One block: our ln1 and ln2 from `block_norms` (each the first of its names the checkpoint has), the fused
+    projection laid out per KV group (per head when multi-head), `bias` on every projection or none."""
+    sd = {}
+    for ours, theirs in zip(("ln1", "ln2"), block_norms):
+        for leaf, their_leaf in (("w", "weight"), ("b", "bias")):
+            sd[f"{o}{ours}.{leaf}"] = get(*(f"{p}{n}.{their_leaf}" for n in theirs)).clone()
+    dense = {"attn.O": "self_attention.dense", "mlp.in": "mlp.dense_h_to_4h", "mlp.out": "mlp.dense_4h_to_h"}
+    return (sd | grouped_qkv_weights(cfg, get, o, p + "self_attention.query_key_value", bias=cfg.qkv_bias)
+            | linears(get, o, p, dense, bias=cfg.qkv_bias))
 
 
 def weights(cfg: ModelConfig, get: TensorGetter) -> dict:
-    sd = {"embed.W_E": get("transformer.word_embeddings.weight")}
     # Parallel blocks read `ln_attn` / `ln_mlp` where the checkpoint has two norms, else the one shared
     # `input_layernorm` as both our ln1 and ln2 (copies: each can be edited or folded on its own).
     if cfg.parallel_attn_mlp:
-        names = (("ln_attn", "input_layernorm"), ("ln_mlp", "input_layernorm"))
+        block_norms = (("ln_attn", "input_layernorm"), ("ln_mlp", "input_layernorm"))
     else:
-        names = (("input_layernorm",), ("post_attention_layernorm",))
-    for l in range(cfg.n_layers):
-        p, o = f"transformer.h.{l}.", f"blocks.{l}."
-        a, m = p + "self_attention.", p + "mlp."
-        for ours, theirs in zip(("ln1", "ln2"), names):
-            for leaf, their_leaf in (("w", "weight"), ("b", "bias")):
-                sd[f"{o}{ours}.{leaf}"] = get(*(f"{p}{n}.{their_leaf}" for n in theirs)).clone()
-        sd |= {
-            o + "attn.W_qkv": t(_split_qkv(get(a + "query_key_value.weight"), cfg)),
-            o + "attn.W_O_flat": t(get(a + "dense.weight")),
-            o + "mlp.W_in": t(get(m + "dense_h_to_4h.weight")),
-            o + "mlp.W_out": t(get(m + "dense_4h_to_h.weight")),
-        }
-        if cfg.qkv_bias:
-            sd[o + "attn.b_qkv"] = _split_qkv(get(a + "query_key_value.bias")[:, None], cfg)[:, 0]
-            sd[o + "attn.b_O"] = get(a + "dense.bias")
-            sd |= {o + "mlp.b_in": get(m + "dense_h_to_4h.bias"), o + "mlp.b_out": get(m + "dense_4h_to_h.bias")}
-    sd |= {"ln_final.w": get("transformer.ln_f.weight"), "ln_final.b": get("transformer.ln_f.bias")}
-    if not cfg.tie_embeddings:
-        sd["unembed.W_U"] = t(get("lm_head.weight"))
-    return sd
+        block_norms = (("input_layernorm",), ("post_attention_layernorm",))
+    return decoder(cfg, get, embed={"embed.W_E": get("transformer.word_embeddings.weight")}, layers="transformer.h.",
+                   layer=functools.partial(_layer, block_norms=block_norms),
+                   final=norms(get, "", "transformer.", {"ln_final": "ln_f"}, bias=True))
 
 
 # ---- GGUF: how llama.cpp writes Falcon ----

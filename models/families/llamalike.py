@@ -1,6 +1,7 @@
 """The Llama-like families share one builder: RMSNorm, SwiGLU, rotary, GQA, separate q/k/v
 projections. Llama (Touvron et al. 2023), Mistral (sliding window; Jiang et al. 2023) and Qwen2
-(q/k/v biases, per-layer sliding window) differ only in their defaults, given as data below."""
+(q/k/v biases, per-layer sliding window) differ only in their defaults, given as data below, with how
+llama.cpp writes each of them (`GGUF_NAMES`, `_gguf_config`: their GGUF layouts)."""
 
 from __future__ import annotations
 
