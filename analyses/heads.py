@@ -32,7 +32,7 @@ from interp.kernels import attention_stats
 
 from ._common import head_frame, pair_mask, token_input, valid_mask
 from .detect import DETECTION_PATTERNS, ErrorMeasure, canonical_kind, pattern_scores
-from interp.models.stats import _layer_geometry, attention_logsumexp, attention_weights_at, for_each_layer_qk
+from interp.models.stats import attention_logsumexp, attention_weights_at, for_each_layer_qk, layer_scoring
 
 METHODS = ("auto", "streaming", "pattern")
 # "auto" runs "pattern" up to this many tokens per sequence (measured crossovers, `python -m
@@ -147,9 +147,9 @@ class DetectStream:
         a0 = st.sink
         diag = torch.zeros_like(a0)
         if xc:
-            geometry = _layer_geometry(self.model, layer)
-            lse = attention_logsumexp(q, k, key_padding_mask=padding, **geometry)
-            diag = attention_weights_at(q, k, lse, None, key_padding_mask=padding, **geometry)
+            scoring = layer_scoring(self.model, layer)
+            lse = attention_logsumexp(q, k, scoring, key_padding_mask=padding)
+            diag = attention_weights_at(q, k, lse, None, scoring, key_padding_mask=padding)
         p0 = torch.zeros_like(a0)
         p0[..., 0] = 1.0
         row_a = 1 - xb * a0 - xc * diag + xb * xc * p0 * a0
@@ -177,9 +177,8 @@ def layer_pass(model, tokens, consumers, *, valid, attention_mask=None, backend:
     wanted = tuple(dict.fromkeys(name for c in consumers for name in c.stats))
 
     def fn(layer, q, k, v):
-        geometry = _layer_geometry(model, layer)
-        st = attention_stats(q, k, tokens, n_sink=1, key_padding_mask=padding, backend=backend, stats=wanted,
-                             **geometry) if wanted else None
+        st = attention_stats(q, k, tokens, layer_scoring(model, layer), n_sink=1, key_padding_mask=padding,
+                             backend=backend, stats=wanted) if wanted else None
         for c in consumers:
             if getattr(c, "wants_v", False):
                 c.layer(layer, q, k, v, st, padding)

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ._common import kv_group, token_input, valid_mask
-from interp.models.stats import _layer_geometry, attention_logsumexp, attention_weights_at
+from interp.models.stats import attention_logsumexp, attention_weights_at, layer_scoring
 
 
 def attention_sinks(
@@ -69,18 +69,18 @@ class SinkStream:
         model, valid, n_sink = self.model, self.valid, self.n_sink
         n = self.tokens.shape[1]
         device = self.tokens.device
-        geometry = _layer_geometry(model, layer)
+        scoring = layer_scoring(model, layer)
         keys = torch.arange(n_sink, device=device)
         p = torch.arange(n, device=device)
         if n_sink == 1:
             w = st.sink[..., None]  # [b, h, pos, 1]: each query's weight on key 0
         else:
-            lse = attention_logsumexp(q, k, key_padding_mask=padding, **geometry)
-            w = attention_weights_at(q, k, lse, keys, key_padding_mask=padding, **geometry)  # [b, h, pos, n_sink]
+            lse = attention_logsumexp(q, k, scoring, key_padding_mask=padding)
+            w = attention_weights_at(q, k, lse, keys, scoring, key_padding_mask=padding)  # [b, h, pos, n_sink]
         rel = p[:, None] - keys[None, :]
         sees = rel >= 0
-        if geometry["window"] is not None:
-            sees = sees & (rel < geometry["window"])
+        if scoring.window is not None:
+            sees = sees & (rel < scoring.window)
         sees = sees[None] & valid[:, :, None] & valid[:, None, :n_sink]  # [b, pos, n_sink]
         counts = sees.sum(1)  # [b, n_sink]
         per_seq = (torch.where(sees[:, None], w, 0.0)).sum(2) / counts[:, None]  # [b, h, n_sink]

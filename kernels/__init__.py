@@ -1,2 +1,2 @@
 
-from .stats import AttentionStats, attention_stats, resolve_backend
+from .stats import AttentionStats, Scoring, attention_stats, resolve_backend

@@ -1,8 +1,8 @@
 """The visibility rule, once: which keys a query may attend to.
 
 Every path that masks attention uses `visible`: the fused mask and the instrumented path
-(`kernels.attention.AttentionMask`), the streaming statistics' torch tiles (`kernels.stats`), the
-statistics read back from a KV cache (`models.stats`). The Triton kernel (`kernels.stats_triton`)
+(`kernels.attention.AttentionMask`), the streaming statistics' torch tiles (`kernels/stats/tiles.py`), the
+statistics read back from a KV cache (`models.stats`). The Triton kernel (`kernels/stats/triton_kernel.py`)
 cannot call torch and spells the same rule in its own language; its tests hold it to this one.
 
 Positions are absolute: with a KV cache the queries are the last n_q of the n_k keys, so query i

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from .hooks import HookPoint
 from interp.kernels.attention import AttentionBackend, AttentionMask, Needs, choose
+from interp.kernels.stats import Scoring
 
 from .components import ProjectionRMSNorm, RMSNorm
 from .config import ModelConfig
@@ -76,6 +77,12 @@ class Attention(nn.Module):
         self.hook_pattern = HookPoint()
         self.hook_z = HookPoint()
         self.hook_result = HookPoint()
+
+    @property
+    def scoring(self) -> Scoring:
+        """How this layer scores a (query, key) pair, for the statistics kernels (`interp.kernels.Scoring`):
+        see `scoring_of`."""
+        return scoring_of(self)
 
     # ---- TransformerLens weight views -------------------------------------------------------
     def _split(self, t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -200,6 +207,16 @@ class Attention(nn.Module):
         if b_O is None:
             return torch.matmul(z, self.W_O_flat)
         return torch.addmm(b_O, z.view(b * p, -1), self.W_O_flat).view(b, p, -1)
+
+
+def scoring_of(attn) -> Scoring:
+    """The `Scoring` of an attention layer, native (`Attention`) or wrapped (`interp.models.wrapped.WrappedAttention`):
+    its scale, window (narrowed, while `narrow_windows` narrows it), ALiBi slopes, soft cap and learned sink
+    logits as the layer holds them now (on its device), causal. Built from the attributes every attention
+    layer has, so the statistics need no per-kind geometry."""
+    sinks = attn.sinks
+    return Scoring(scale=attn.scale, window=attn.window, alibi_slopes=attn.alibi_slopes, softcap=attn.softcap,
+                   sink_logits=None if sinks is None else sinks.detach())
 
 
 def effective_window(own: int | None, asked: int | None) -> int | None:

@@ -27,19 +27,20 @@ from torch import Tensor
 import numpy as np
 import pandas as pd
 
-from interp.kernels import AttentionStats, attention_stats
+from interp.kernels import AttentionStats, Scoring, attention_stats
 from interp.kernels.attention import soft_cap
 from interp.kernels.visibility import visible
 
+from .attention import scoring_of
 from .device import to_numpy
 
 LayerFn = Callable[[int, Tensor, Tensor, Tensor], None]
 
 
-def _layer_geometry(model, layer: int) -> dict:
-    attn = model.blocks[layer].attn
-    return dict(scale=attn.scale, window=attn.window, alibi_slopes=attn.alibi_slopes, softcap=attn.softcap,
-                sink_logits=None if attn.sinks is None else attn.sinks.detach())
+def layer_scoring(model, layer: int) -> Scoring:
+    """Layer `layer`'s `Scoring` (`attn.scoring` of a native layer; the same, read from the attributes, of
+    a wrapped one): what every statistics call of the layer takes."""
+    return scoring_of(model.blocks[layer].attn)
 
 
 @torch.no_grad()
@@ -98,9 +99,8 @@ def model_attention_stats(
     out: dict[int, AttentionStats] = {}
 
     def fn(layer, q, k, v):
-        out[layer] = attention_stats(
-            q, k, tokens, n_sink=n_sink, key_padding_mask=padding, backend=backend, **_layer_geometry(model, layer)
-        )
+        out[layer] = attention_stats(q, k, tokens, layer_scoring(model, layer), n_sink=n_sink, key_padding_mask=padding,
+                                     backend=backend)
 
     for_each_layer_qk(model, tokens, fn, attention_mask=attention_mask, layers=layers)
     return out
@@ -127,10 +127,8 @@ def kv_cache_attention_stats(model, cache, *, layers=None, n_sink: int = 1, back
     tokens = cache.tokens[:, :n]
     layers = range(model.cfg.n_layers) if layers is None else layers
     return {
-        l: attention_stats(
-            cache.q(l), cache.k(l), tokens, n_sink=n_sink, key_padding_mask=padding, backend=backend,
-            **_layer_geometry(model, l),
-        )
+        l: attention_stats(cache.q(l), cache.k(l), tokens, layer_scoring(model, l), n_sink=n_sink,
+                           key_padding_mask=padding, backend=backend)
         for l in layers
     }
 
@@ -138,44 +136,47 @@ def kv_cache_attention_stats(model, cache, *, layers=None, n_sink: int = 1, back
 # ---- exact single pattern entries in O(n) memory ------------------------------------------------
 
 
-def _scores(q: Tensor, k: Tensor, p: Tensor, j: Tensor, *, scale, window, alibi_slopes, key_padding_mask,
-            softcap=None) -> Tensor:
+def _scores(q: Tensor, k: Tensor, p: Tensor, j: Tensor, scoring: Scoring, key_padding_mask) -> Tensor:
     """Masked float32 scores [batch, head, len(p), len(j)] for query positions p and key positions j
     (absolute positions; queries are the last n_q of the n_k keys), soft-capped before ALiBi and the
-    mask as the model's (`softcap`)."""
+    mask as the model's (`scoring`, its scale resolved)."""
     batch, heads, n_q, d = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
     group = heads // kv_heads
     qi = p - (n_k - n_q)
     qs = q[:, :, qi].float().view(batch, kv_heads, group * len(p), d)
-    s = torch.matmul(qs, k[:, :, j].float().transpose(-1, -2)).view(batch, heads, len(p), len(j)) * scale
-    if softcap is not None:
-        s = soft_cap(s, softcap)
+    s = torch.matmul(qs, k[:, :, j].float().transpose(-1, -2)).view(batch, heads, len(p), len(j)) * scoring.scale
+    if scoring.softcap is not None:
+        s = soft_cap(s, scoring.softcap)
     rel = (p[:, None] - j[None, :]).float()
-    if alibi_slopes is not None:
-        s = s - alibi_slopes.float().view(1, heads, 1, 1) * rel
-    ok = visible(rel, causal=True, window=window)[None, None]
+    if scoring.alibi_slopes is not None:
+        s = s - scoring.alibi_slopes.float().view(1, heads, 1, 1) * rel.abs()
+    ok = visible(rel, causal=scoring.causal, window=scoring.window)[None, None]
     if key_padding_mask is not None:
         ok = ok & key_padding_mask[:, None, None, j]
     return s.masked_fill(~ok, float("-inf"))
 
 
+def _resolved(q: Tensor, scoring: Scoring | None, old: dict) -> Scoring:
+    """`scoring` with the old keywords folded in, its scale resolved (1 / sqrt(d_head) by default)."""
+    scoring = Scoring.fold(scoring, **old)
+    return scoring if scoring.scale is not None else Scoring.fold(scoring, scale=1.0 / math.sqrt(q.shape[-1]))
+
+
 @torch.no_grad()
-def attention_logsumexp(
-    q: Tensor, k: Tensor, *, scale: float | None = None, window: int | None = None, alibi_slopes: Tensor | None = None,
-    key_padding_mask: Tensor | None = None, softcap: float | None = None, sink_logits: Tensor | None = None,
-    budget: int = 1 << 22,
-) -> Tensor:
+def attention_logsumexp(q: Tensor, k: Tensor, scoring: Scoring | None = None, *,
+                        key_padding_mask: Tensor | None = None, budget: int = 1 << 22, **old) -> Tensor:
     """log sum_j exp(score) per query, float32 [batch, head, n_q] (-inf for a query with no visible key).
 
-    q [batch, head, n_q, d], k [batch, kv_head, n_k, d] (GQA: head h reads kv head h // group),
-    causal with the queries the last n_q keys. Query blocks are sized so that one block's scores hold
-    about `budget` floats (under a window, a block of at most `window` queries reaches 2 x window keys):
-    O(n) memory, one attention pass of compute. `sink_logits` [head] (gpt-oss's learned sinks): each
-    head's sink logit is one more term in the sum (the model's softmax denominator)."""
+    q [batch, head, n_q, d], k [batch, kv_head, n_k, d] (GQA: head h reads kv head h // group), with the
+    queries the last n_q keys, scored as `scoring` says (the layer's `attn.scoring`; the old keywords
+    ``scale=``, ``window=``, ``alibi_slopes=``, ``softcap=``, ``sink_logits=`` fold into it for one release).
+    Query blocks are sized so that one block's scores hold about `budget` floats (under a window, a block of
+    at most `window` queries reaches 2 x window keys): O(n) memory, one attention pass of compute. Learned
+    sink logits (gpt-oss) are one more term in the sum (the model's softmax denominator)."""
+    scoring = _resolved(q, scoring, old)
     batch, heads, n_q, d = q.shape
-    n_k = k.shape[2]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    n_k, window = k.shape[2], scoring.window
     offset = n_k - n_q
     span = n_k if window is None else min(n_k, 2 * window)  # keys a block of <= window queries reaches
     block = max(1, budget // max(1, batch * heads * span))
@@ -185,42 +186,34 @@ def attention_logsumexp(
     for qs in range(0, n_q, block):
         p = torch.arange(offset + qs, offset + min(qs + block, n_q), device=q.device)
         lo = 0 if window is None else max(0, int(p[0]) - window + 1)
-        j = torch.arange(lo, int(p[-1]) + 1, device=q.device)
-        s = _scores(q, k, p, j, scale=scale, window=window, alibi_slopes=alibi_slopes, key_padding_mask=key_padding_mask,
-                    softcap=softcap)
-        out[:, :, qs : qs + len(p)] = torch.logsumexp(s, dim=-1)
-    if sink_logits is not None:  # learned sink logits (gpt-oss): one more term in every row's sum
-        out = torch.logaddexp(out, sink_logits.float().to(out.device)[None, :, None])
+        j = torch.arange(lo, int(p[-1]) + 1 if scoring.causal else n_k, device=q.device)
+        out[:, :, qs : qs + len(p)] = torch.logsumexp(_scores(q, k, p, j, scoring, key_padding_mask), dim=-1)
+    if scoring.sink_logits is not None:  # learned sink logits (gpt-oss): one more term in every row's sum
+        out = torch.logaddexp(out, scoring.sink_logits.float().to(out.device)[None, :, None])
     return out
 
 
 @torch.no_grad()
-def attention_weights_at(
-    q: Tensor, k: Tensor, lse: Tensor, keys: Tensor | None = None, *, scale: float | None = None,
-    window: int | None = None, alibi_slopes: Tensor | None = None, key_padding_mask: Tensor | None = None,
-    softcap: float | None = None, sink_logits: Tensor | None = None,
-) -> Tensor:
+def attention_weights_at(q: Tensor, k: Tensor, lse: Tensor, keys: Tensor | None = None,
+                         scoring: Scoring | None = None, *, key_padding_mask: Tensor | None = None, **old) -> Tensor:
     """Exact attention weights P[b, h, i, j] = exp(score - lse) at chosen keys, without the pattern.
 
     keys: long [m] absolute key positions -> [batch, head, n_q, m] (a few columns, e.g. the sink keys);
           None -> the diagonal P[b, h, i, p_i] (each query's weight on its own position), [batch, head, n_q].
-    Entries a query cannot see are 0. `lse` comes from `attention_logsumexp` with the same arguments
-    (`sink_logits` is taken so that they can be the same, and read there: `lse` holds the sinks' share)."""
+    Entries a query cannot see are 0. `lse` comes from `attention_logsumexp` with the same `scoring` (whose
+    sink logits it holds)."""
+    scoring = _resolved(q, scoring, old)
     batch, heads, n_q, d = q.shape
     n_k = k.shape[2]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
     p = torch.arange(n_k - n_q, n_k, device=q.device)
-    geometry = dict(scale=scale, window=window, alibi_slopes=alibi_slopes, key_padding_mask=key_padding_mask,
-                    softcap=softcap)
     if keys is not None:
-        s = _scores(q, k, p, keys.to(q.device), **geometry)
-        w = torch.exp(s - lse[..., None])
+        w = torch.exp(_scores(q, k, p, keys.to(q.device), scoring, key_padding_mask) - lse[..., None])
     else:
         group = heads // k.shape[1]
         k_own = k[:, :, p].float().repeat_interleave(group, dim=1)  # [batch, head, n_q, d]
-        s = (q.float() * k_own).sum(-1) * scale  # ALiBi adds -slope * (p - p) = 0 here
-        if softcap is not None:
-            s = soft_cap(s, softcap)
+        s = (q.float() * k_own).sum(-1) * scoring.scale  # ALiBi adds -slope * (p - p) = 0 here
+        if scoring.softcap is not None:
+            s = soft_cap(s, scoring.softcap)
         if key_padding_mask is not None:
             s = s.masked_fill(~key_padding_mask[:, None, p], float("-inf"))
         w = torch.exp(s - lse)

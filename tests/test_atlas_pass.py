@@ -13,7 +13,7 @@ from interp.analyses.atlas.atlas_pass import atlas_pass
 from interp.analyses.heads import detect_heads, icl_score
 from interp.analyses.atlas.registry import ANALYSES, Context
 from interp.analyses.sinks import attention_sinks
-from interp.models.stats import _layer_geometry, attention_logsumexp, attention_weights_at, for_each_layer_qk
+from interp.models.stats import attention_logsumexp, attention_weights_at, for_each_layer_qk, layer_scoring
 
 KINDS = ("previous_token", "duplicate_token", "induction")
 
@@ -53,9 +53,9 @@ def test_sinks_alpha_is_the_weight_on_key_0_from_the_rows_logsumexp(model):
     want = {}
 
     def fn(layer, q, k, v):
-        geometry = _layer_geometry(model, layer)
-        lse = attention_logsumexp(q, k, **geometry)
-        w = attention_weights_at(q, k, lse, torch.arange(1), **geometry)[..., 0]  # [b, h, pos]
+        scoring = layer_scoring(model, layer)
+        lse = attention_logsumexp(q, k, scoring)
+        w = attention_weights_at(q, k, lse, torch.arange(1), scoring)[..., 0]  # [b, h, pos]
         want[layer] = w.mean((0, 2))
 
     for_each_layer_qk(model, tokens, fn)

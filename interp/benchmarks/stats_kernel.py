@@ -48,7 +48,7 @@ import time
 import torch
 
 from interp.kernels.attention import AttentionMask, fused_attention
-from interp.kernels.stats import STAT_NAMES, attention_stats
+from interp.kernels.stats import STAT_NAMES, Scoring, attention_stats
 from . import entry
 from .report import Options, Section, Table
 from .timing import available_bytes, compare_times
@@ -104,9 +104,9 @@ def section(opts: Options) -> Section:
             mask, scale = AttentionMask(n, n), d ** -0.5
             fns = {
                 "sdpa": lambda: fused_attention(q, k, v, mask, scale=scale, window=window),
-                "fused": lambda: attention_stats(q, k, tokens, window=window, backend="fused"),
-                "fused_no_max": lambda: attention_stats(q, k, tokens, window=window, backend="fused", stats=NO_MAX),
-                "tiled": lambda: attention_stats(q, k, tokens, window=window, backend="torch"),
+                "fused": lambda: attention_stats(q, k, tokens, Scoring(window=window), backend="fused"),
+                "fused_no_max": lambda: attention_stats(q, k, tokens, Scoring(window=window), backend="fused", stats=NO_MAX),
+                "tiled": lambda: attention_stats(q, k, tokens, Scoring(window=window), backend="torch"),
             }
             slow = n >= OLD_ROUNDS_FROM and not opts.quick
             times, rounds = compare_times(fns, repeats=opts.repeats, warmup=0 if slow else opts.warmup,

@@ -6,7 +6,7 @@ kernels are live on the chosen device and which one ``backend="auto"`` picks the
 correctness check on that device (about ten seconds at most):
 
 * the streaming statistics of the torch kernel against the float64 materialised pattern
-  (`interp.kernels.stats_reference`), on a random GQA problem with a window and left padding;
+  (`interp.kernels.stats.reference`), on a random GQA problem with a window and left padding;
 * the Triton kernel against the torch one on the same problem: on CUDA natively (float32 and bfloat16),
   and on a machine without CUDA in Triton's CPU interpreter (a subprocess with ``TRITON_INTERPRET=1``);
 * a small model's fused forward against its instrumented one (the two attention paths).
@@ -183,7 +183,7 @@ def _checks(device, n: int):
 
     import torch
 
-    from interp.kernels.stats_reference import reference_stats
+    from interp.kernels.stats.reference import reference_stats
 
     f32 = problem(n, device, torch.float32)
     ref = reference_stats(f32["q"], f32["k"], f32["tokens"], key_padding_mask=f32["key_padding_mask"],

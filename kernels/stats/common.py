@@ -1,25 +1,27 @@
-"""What the two streaming-statistics kernels share: the statistics' names and order, the base-2
-constant of their exponentials, the validation of their arguments and the result type.
+"""What the statistics routes share: the statistics' names and order, the base-2 constants of their
+exponentials, the validation of their arguments and the result type.
 
-`kernels/stats.py` (the torch tiles, and the entry point `attention_stats`) and
-`kernels/stats_triton.py` (the GPU kernel) both import this module and never each other at import
-time: the entry point imports the Triton kernel only when asked for it (Triton is optional).
+The routes (`kernels/stats/fused.py`, `kernels/stats/tiles.py`, `kernels/stats/triton_kernel.py`) import
+this module and never each other's entry points; the entry point (`kernels/stats/__init__.py`) imports
+the Triton kernel only when asked for it (Triton is optional).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-__all__ = ["AttentionStats", "LOG2E", "STAT_NAMES", "validate"]
+from .scoring import Scoring
+
+__all__ = ["AttentionStats", "LN2", "LOG2E", "STAT_NAMES", "validate"]
 
 #: Order of the statistics in :class:`AttentionStats` and in the stacked kernel output.
 STAT_NAMES = ("sink", "previous", "duplicate", "induction", "entropy", "max", "distance")
 
 LOG2E = 1.4426950408889634  # scores are kept in base 2: exp(x) = exp2(x * log2 e)
+LN2 = 0.6931471805599453  # and back: ln x = log2 x * ln 2
 
 
 # --------------------------------------------------------------------------------------------
@@ -46,6 +48,9 @@ class AttentionStats:
         max: the largest attention weight.
         distance: mean of ``p - j`` (negative weight on future keys when not causal).
 
+        added: the added separable statistics that were asked for (`kernels/stats/separable.py`),
+            by name; each is also an attribute (``stats.<name>``).
+
     A query that sees no key at all (a left-padding position under a causal mask) has NaN in
     every statistic; :meth:`mean` skips NaNs.
     """
@@ -57,11 +62,20 @@ class AttentionStats:
     entropy: Tensor
     max: Tensor
     distance: Tensor
+    added: dict[str, Tensor] = field(default_factory=dict)
 
     @classmethod
-    def from_stacked(cls, stacked: Tensor) -> "AttentionStats":
-        """Build from a ``[len(STAT_NAMES), batch, heads, n_q]`` tensor (the kernels' output)."""
-        return cls(**dict(zip(STAT_NAMES, stacked.unbind(0))))
+    def from_stacked(cls, stacked: Tensor, added: tuple[str, ...] = ()) -> "AttentionStats":
+        """Build from a ``[len(STAT_NAMES) + len(added), batch, heads, n_q]`` tensor (the kernels' output:
+        the built-in statistics, then the `added` ones in that order)."""
+        rows = stacked.unbind(0)
+        return cls(**dict(zip(STAT_NAMES, rows)), added=dict(zip(added, rows[len(STAT_NAMES):])))
+
+    def __getattr__(self, name: str) -> Tensor:
+        added = self.__dict__.get("added") or {}
+        if name in added:
+            return added[name]
+        raise AttributeError(f"{type(self).__name__} has no statistic {name!r}")
 
     @property
     def shape(self) -> torch.Size:
@@ -69,12 +83,12 @@ class AttentionStats:
         return self.sink.shape
 
     def to_dict(self) -> dict[str, Tensor]:
-        """``{name: [batch, heads, n_q] tensor}`` in :data:`STAT_NAMES` order."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """``{name: [batch, heads, n_q] tensor}`` in :data:`STAT_NAMES` order, then the added ones."""
+        return {**{name: getattr(self, name) for name in STAT_NAMES}, **self.added}
 
     def stack(self) -> Tensor:
-        """All statistics as one ``[len(STAT_NAMES), batch, heads, n_q]`` tensor."""
-        return torch.stack([getattr(self, name) for name in STAT_NAMES])
+        """All statistics as one ``[len(STAT_NAMES) + len(added), batch, heads, n_q]`` tensor."""
+        return torch.stack(list(self.to_dict().values()))
 
     def mean(self, query_mask: Tensor | None = None, *, reduce_batch: bool = False) -> dict[str, Tensor]:
         """Per-head means over valid queries, NaN-aware.
@@ -127,8 +141,29 @@ class AttentionStats:
         return "\n".join(lines) + ")"
 
 
-def validate(q, k, tokens, n_sink, window, scale, key_padding_mask, alibi_slopes, softcap=None) -> dict:
-    """Check shapes and dtypes; return the normalised keyword arguments of the kernels."""
+def validate(q, k, tokens, scoring: Scoring | None = None, *old, n_sink: int = 1,
+             key_padding_mask: Tensor | None = None) -> dict:
+    """Check shapes and dtypes; return the routes' normalised keyword arguments: ``tokens``, ``n_sink``,
+    ``key_padding_mask`` (on q's device) and ``scoring`` (:meth:`Scoring.checked`).
+
+    The old positional call ``validate(q, k, tokens, n_sink, window, scale, key_padding_mask,
+    alibi_slopes, softcap=None)`` still works for one release."""
+    if scoring is not None and not isinstance(scoring, Scoring):  # the old positional call
+        window, scale, key_padding_mask, alibi_slopes, softcap = (*old, None, None, None, None, None)[:5]
+        n_sink, scoring = scoring, Scoring(scale=scale, window=window, alibi_slopes=alibi_slopes, softcap=softcap)
+    _check_qk(q, k)
+    batch, n_k = q.shape[0], k.shape[2]
+    tokens = _per_key("tokens", tokens, batch, n_k, k, q.device, "an integer",
+                      lambda t: not (t.is_floating_point or t.is_complex or t == torch.bool))
+    key_padding_mask = _per_key("key_padding_mask", key_padding_mask, batch, n_k, k, q.device,
+                                "a bool", lambda t: t == torch.bool)
+    if isinstance(n_sink, bool) or not isinstance(n_sink, int) or n_sink < 0:
+        raise ValueError(f"n_sink must be an int >= 0, got {n_sink!r}")
+    return dict(tokens=tokens, n_sink=n_sink, key_padding_mask=key_padding_mask,
+                scoring=(scoring or Scoring()).checked(q))
+
+
+def _check_qk(q, k) -> None:
     if not (isinstance(q, Tensor) and isinstance(k, Tensor)):
         raise TypeError(f"q and k must be tensors, got {type(q).__name__} and {type(k).__name__}")
     if q.ndim != 4 or k.ndim != 4:
@@ -157,44 +192,16 @@ def validate(q, k, tokens, n_sink, window, scale, key_padding_mask, alibi_slopes
             f"queries must be a suffix of the keys (n_q <= n_k); got q {list(q.shape)} "
             f"with n_q={n_q} and k {list(k.shape)} with n_k={n_k}"
         )
-    if tokens is not None:
-        if not isinstance(tokens, Tensor):
-            raise TypeError(f"tokens must be an int tensor [batch, n_k], got {type(tokens).__name__}")
-        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
-            raise TypeError(f"tokens must be an integer tensor, got dtype {tokens.dtype}")
-        if tuple(tokens.shape) != (batch, n_k):
-            raise ValueError(
-                f"tokens must be [batch, n_k] = [{batch}, {n_k}] (one id per key; k is "
-                f"{list(k.shape)}), got {list(tokens.shape)}"
-            )
-        tokens = tokens.to(q.device)
-    if key_padding_mask is not None:
-        if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
-            raise TypeError("key_padding_mask must be a bool tensor [batch, n_k] (True = real token)")
-        if tuple(key_padding_mask.shape) != (batch, n_k):
-            raise ValueError(
-                f"key_padding_mask must be [batch, n_k] = [{batch}, {n_k}] (k is {list(k.shape)}), "
-                f"got {list(key_padding_mask.shape)}"
-            )
-        key_padding_mask = key_padding_mask.to(q.device)
-    if alibi_slopes is not None:
-        if not isinstance(alibi_slopes, Tensor) or tuple(alibi_slopes.shape) != (heads,):
-            shape = list(alibi_slopes.shape) if isinstance(alibi_slopes, Tensor) else type(alibi_slopes).__name__
-            raise ValueError(f"alibi_slopes must be a tensor [heads] = [{heads}] (q is {list(q.shape)}), got {shape}")
-        alibi_slopes = alibi_slopes.to(device=q.device, dtype=torch.float32)
-    if isinstance(n_sink, bool) or not isinstance(n_sink, int) or n_sink < 0:
-        raise ValueError(f"n_sink must be an int >= 0, got {n_sink!r}")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be None or an int >= 1, got {window!r}")
-    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
-                                or not math.isfinite(softcap) or softcap <= 0):
-        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
-    return dict(
-        tokens=tokens,
-        n_sink=n_sink,
-        window=window,
-        scale=1.0 / math.sqrt(d) if scale is None else float(scale),
-        key_padding_mask=key_padding_mask,
-        alibi_slopes=alibi_slopes,
-        softcap=None if softcap is None else float(softcap),
-    )
+
+
+def _per_key(name, value, batch, n_k, k, device, kind, dtype_ok) -> Tensor | None:
+    """One value per key ``[batch, n_k]`` (the tokens, the padding), checked and moved to `device`."""
+    if value is None:
+        return None
+    if not isinstance(value, Tensor) or not dtype_ok(value.dtype):
+        got = f"dtype {value.dtype}" if isinstance(value, Tensor) else type(value).__name__
+        raise TypeError(f"{name} must be {kind} tensor [batch, n_k], got {got}")
+    if tuple(value.shape) != (batch, n_k):
+        raise ValueError(f"{name} must be [batch, n_k] = [{batch}, {n_k}] (one per key; k is {list(k.shape)}), "
+                         f"got {list(value.shape)}")
+    return value.to(device)

@@ -1,7 +1,7 @@
 """Head statistics at the fused attention kernel's speed: ``attention_stats(backend="fused")``.
 
 The statistics come in two kinds (DESIGN.md, "Streaming attention statistics"), and neither needs
-the per-pair indicator features the tiled kernels (:mod:`interp.kernels.stats`, ``stats_triton``)
+the per-pair indicator features the tiled kernels (:mod:`interp.kernels.stats.tiles`, ``triton_kernel``)
 compute in every tile:
 
 * **Separable** statistics are the pattern applied to a value matrix, which is what a fused attention
@@ -45,7 +45,7 @@ logsumexp); CUDA ``aten._scaled_dot_product_efficient_attention`` with ``compute
 device the same in plain torch ops (:func:`_attend_math`, also the tests' cross-check of the merging).
 Everything runs in float32 whatever the input dtype (fp16/bf16 kernels round the pattern to 8-11 bits
 before ``P @ V``), so the statistics equal the float64 materialised pattern's
-(``kernels/stats_reference.py``) to float32 round-off.
+(`kernels/stats/reference.py`) to float32 round-off.
 
 Blocks. Causal without a window: the keys before the block are seen by all its queries (one call, no
 mask, or the padding row), the block's own square is causal (``is_causal``, top-left = bottom-right on
@@ -59,15 +59,19 @@ there): those are NaN in every statistic, as in the tiled kernels.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .stats_common import STAT_NAMES
-from .visibility import visible
+from ..visibility import visible
+from .common import STAT_NAMES
+from .scoring import Scoring
+from .separable import SEPARABLE, columns
+from .tiles import ScoreTiles
 
-__all__ = ["attention_stats_fused", "unsupported", "row_max", "pairwise_masses"]
+__all__ = ["attention_stats_fused", "unsupported", "pairwise_masses"]
 
 CHUNK = 2048  # queries per block, causal without ALiBi
 ALIBI_CHUNK = 64  # with ALiBi the scores near the diagonal are ~slope * block in the call: keep their round-off small
@@ -88,12 +92,12 @@ NAN = float("nan")
 NEG_INF = float("-inf")
 
 
-def unsupported(*, causal: bool, alibi_slopes: Tensor | None, softcap: float | None) -> str | None:
-    """Why this route cannot give these statistics exactly (None: it can)."""
-    if softcap is not None:
+def unsupported(scoring: Scoring) -> str | None:
+    """Why this route cannot give the statistics of a layer scoring as `scoring` exactly (None: it can)."""
+    if scoring.softcap is not None:
         return ("soft-capped scores are not linear in k, so the entropy is not lse - scale * q . E[k]: the tiled "
                 "kernels (backend='torch' or 'triton') compute them")
-    if alibi_slopes is not None and not causal:
+    if scoring.alibi_slopes is not None and not scoring.causal:
         return "ALiBi without causality (-slope * |p - j|) is not linear in j: the tiled kernels compute it"
     return None
 
@@ -104,70 +108,103 @@ def unsupported(*, causal: bool, alibi_slopes: Tensor | None, softcap: float | N
 
 
 @torch.no_grad()
-def attention_stats_fused(
-    q: Tensor,
-    k: Tensor,
-    *,
-    tokens: Tensor | None,
-    n_sink: int,
-    causal: bool,
-    window: int | None,
-    scale: float,
-    key_padding_mask: Tensor | None,
-    alibi_slopes: Tensor | None,
-    softcap: float | None = None,
-    sink_logits: Tensor | None = None,
-    stats=STAT_NAMES,
-    block_q: int | None = None,
-    attend=None,
-) -> Tensor:
-    """Float32 ``[len(STAT_NAMES), batch, heads, n_q]``; statistics not in `stats` are NaN (not computed).
+def attention_stats_fused(q: Tensor, k: Tensor, scoring: Scoring | None = None, *, tokens: Tensor | None = None,
+                          n_sink: int = 1, key_padding_mask: Tensor | None = None, stats=STAT_NAMES,
+                          block_q: int | None = None, attend=None, **old) -> Tensor:
+    """Float32 ``[len(STAT_NAMES) + added, batch, heads, n_q]``: the built-in statistics, then the added
+    separable ones named in `stats` (`kernels/stats/separable.py`); those not in `stats` are NaN (not
+    computed).
 
-    Arguments as :func:`interp.kernels.attention_stats`, validated by it. `block_q`: queries per fused
-    call (None: :data:`CHUNK`, or smaller for ALiBi, windows and explicit masks). `attend`: the fused
-    call (None: the device's, :func:`attend_for`)."""
-    why = unsupported(causal=causal, alibi_slopes=alibi_slopes, softcap=softcap)
+    Arguments as :func:`interp.kernels.attention_stats`, validated by it (`scoring` checked; the old
+    geometry keywords fold into it for one release). `block_q`: queries per fused call (None:
+    :data:`CHUNK`, or smaller for ALiBi, windows and explicit masks). `attend`: the fused call (None: the
+    device's, :func:`attend_for`)."""
+    scoring = Scoring.fold(scoring, **old)
+    why = unsupported(scoring)
     if why is not None:
         raise ValueError(f"backend='fused': {why}")
     wanted = set(stats)
-    batch, heads, n_q, d = q.shape
-    kv_heads, n_k = k.shape[1], k.shape[2]
-    offset = n_k - n_q
-    device = q.device
-    f32 = torch.float32
-    qf, kf = q.to(f32), k.to(f32)
-    attend = attend or attend_for(device)
-    if window is not None and window >= n_k:
-        window = None  # p - j <= n_k - 1 < window: the window hides nothing
-    kpm = key_padding_mask
+    added = tuple(n for n in stats if n not in _IDX)
+    qf, kf = q.float(), k.float()
+    if scoring.window is not None and scoring.window >= k.shape[2]:  # p - j <= n_k - 1 < window: hides nothing
+        scoring = replace(scoring, window=None)
+    out, lse_keys, seen = _separable(qf, kf, scoring, tokens, n_sink, key_padding_mask, added, block_q,
+                                     attend or attend_for(q.device))
+    lse_all = lse_keys
+    if scoring.sink_logits is not None:  # one more term in each row's denominator, no value
+        lse_all = torch.logaddexp(lse_keys, scoring.sink_logits[None, :, None])
+        r = torch.exp(lse_keys - lse_all)  # the real keys' share of the row
+        for i in [_IDX["sink"], _IDX["distance"], *range(len(STAT_NAMES), len(out))]:
+            out[i] *= r
+        out[_IDX["entropy"]] = r * (out[_IDX["entropy"]] - torch.log(r))
+    if "max" in wanted:
+        tiles = CUDA_MAX_TILES if q.device.type == "cuda" else MAX_TILES
+        out[_IDX["max"]] = torch.exp(_row_max(qf, kf, scoring, key_padding_mask, tiles) - lse_all)
+    if "previous" in wanted or (tokens is not None and wanted & {"duplicate", "induction"}):
+        masses = pairwise_masses(qf, kf, tokens if wanted & {"duplicate", "induction"} else None, lse_all, scoring,
+                                 key_padding_mask=key_padding_mask)
+        for name, value in masses.items():
+            out[_IDX[name]] = value
+    batch, heads, n_q = lse_keys.shape
+    out[:, ~seen[:, None, :].expand(batch, heads, n_q)] = NAN  # no visible key: NaN everywhere
+    for name in STAT_NAMES:
+        if name not in wanted or (tokens is None and name in ("duplicate", "induction")):
+            out[_IDX[name]] = NAN
+    for i, name in enumerate(added):
+        if tokens is None and SEPARABLE[name].needs_tokens:
+            out[len(STAT_NAMES) + i] = NAN
+    return out
+
+
+def _row_max(qf, kf, scoring: Scoring, key_padding_mask, tiles) -> Tensor:
+    """max_j of the model's scores over the keys each query sees, float32 [batch, heads, n_q] (-inf: none):
+    the tiles' masked scores, a pass of ``q k^T`` (which no fused kernel torch has returns)."""
+    block_q, block_k = tiles
+    cap = 1 << (27 if qf.device.type == "cuda" else 22)  # floats in one tile of scores
+    while block_q > 16 and qf.shape[0] * qf.shape[1] * block_q * block_k > cap:
+        block_q //= 2
+    return ScoreTiles(qf, kf, scoring, key_padding_mask, block_q, block_k).row_max()
+
+
+def _separable(qf, kf, scoring: Scoring, tokens, n_sink, kpm, added, block_q, attend):
+    """The separable statistics (sink, distance, entropy, the `added` ones) from the fused calls on the
+    values ``[K | position | sink | added columns]``: (out [stats, batch, heads, n_q] with those rows
+    filled, each row's logsumexp over the real keys [batch, heads, n_q], whether each query saw a key
+    [batch, n_q])."""
+    batch, heads, n_q, d = qf.shape
+    kv_heads, n_k = kf.shape[1], kf.shape[2]
+    offset, device, scale = n_k - n_q, qf.device, scoring.scale
     real_before = None if kpm is None else F.pad(kpm.long().cumsum(1), (1, 0))  # [batch, n_k + 1]
-    slopes = None if alibi_slopes is None else alibi_slopes.to(device=device, dtype=f32)
-
-    out = torch.full((len(STAT_NAMES), batch, heads, n_q), NAN, dtype=f32, device=device)
-    lse_keys = torch.empty(batch, heads, n_q, dtype=f32, device=device)  # over the real keys, true scores
+    slopes = scoring.alibi_slopes
+    out = torch.full((len(STAT_NAMES) + len(added), batch, heads, n_q), NAN, device=device)
+    lse_keys = torch.empty(batch, heads, n_q, device=device)  # over the real keys, true scores
     seen = torch.empty(batch, n_q, dtype=torch.bool, device=device)
-    width = (d + 2 + 7) // 8 * 8
-    col_pos, col_sink = d, d + 1
+    width = (d + 2 + len(added) + 7) // 8 * 8
+    col_pos, col_sink, col_added = d, d + 1, d + 2
 
-    for qs, qe, regions in _blocks(n_q, n_k, causal, window, slopes is not None, kpm is not None, batch, block_q):
+    blocks = _blocks(n_q, n_k, scoring.causal, scoring.window, slopes is not None, kpm is not None, batch, block_q)
+    for qs, qe, regions in blocks:
         c0, c1 = offset + qs, offset + qe  # absolute positions [c0, c1)
-        bq = qe - qs
         pos = torch.arange(c0, c1, device=device)
-        qx = qf.new_zeros(batch, heads, bq, width)
+        qx = qf.new_zeros(batch, heads, qe - qs, width)
         qx[..., :d] = qf[:, :, qs:qe]
         if slopes is not None:
             qx[..., col_pos] = (slopes / scale)[None, :, None]
         o = lse = None
-        any_seen = torch.zeros(batch, bq, dtype=torch.bool, device=device)
+        any_seen = torch.zeros(batch, qe - qs, dtype=torch.bool, device=device)
         for a, b, kind in regions:
             kx = kf.new_zeros(batch, kv_heads, b - a, width)
             kx[..., :d] = kf[:, :, a:b]
             j = torch.arange(a, b, device=device)
-            kx[..., col_pos] = (j - c0).to(f32)
-            kx[..., col_sink] = (j < n_sink).to(f32)
-            mask, is_causal = _region_mask(kind, pos, j, causal, window, kpm, a, b)
+            kx[..., col_pos] = (j - c0).float()
+            kx[..., col_sink] = (j < n_sink).float()
+            if added:
+                # a column without its tokens is NaN: 0 in the call (a NaN value would reach every column), NaN after
+                kx[..., col_added:col_added + len(added)] = columns(added, j, tokens, batch).nan_to_num(0.0).permute(
+                    1, 2, 0)[:, None]
+            mask, is_causal = _region_mask(kind, pos, j, scoring.causal, scoring.window, kpm, a, b)
             o_r, lse_r = attend(qx, kx, mask, is_causal, scale)
-            sees = _sees(pos, a, b, causal, window, real_before)  # [batch or 1, bq]
+            sees = _sees(pos, a, b, scoring.causal, scoring.window, real_before)  # [batch or 1, bq]
             any_seen |= sees
             if not bool(sees.all()):  # rows with no key here: the CPU kernel says lse 0, CUDA's may say NaN
                 lse_r = lse_r.masked_fill(~sees[:, None], NEG_INF)
@@ -175,33 +212,14 @@ def attention_stats_fused(
             o, lse = _merge(o, lse, o_r, lse_r)
         blk = out[..., qs:qe]
         blk[_IDX["sink"]] = o[..., col_sink]
-        blk[_IDX["distance"]] = (pos - c0).to(f32) - o[..., col_pos]
+        blk[_IDX["distance"]] = (pos - c0).float() - o[..., col_pos]
         blk[_IDX["entropy"]] = lse - scale * (qx * o).sum(-1)  # lse - E[score]; ALiBi's row constant cancels
+        blk[len(STAT_NAMES):] = o[..., col_added:col_added + len(added)].permute(3, 0, 1, 2)
         if slopes is not None:
-            lse = lse - slopes[None, :, None] * (pos - c0).to(f32)  # back to the model's scores
+            lse = lse - slopes[None, :, None] * (pos - c0).float()  # back to the model's scores
         lse_keys[..., qs:qe] = lse
         seen[:, qs:qe] = any_seen
-
-    lse_all = lse_keys
-    if sink_logits is not None:  # one more term in each row's denominator, no value
-        lse_all = torch.logaddexp(lse_keys, sink_logits.to(device=device, dtype=f32)[None, :, None])
-        r = torch.exp(lse_keys - lse_all)  # the real keys' share of the row
-        out[_IDX["sink"]] *= r
-        out[_IDX["distance"]] *= r
-        out[_IDX["entropy"]] = r * (out[_IDX["entropy"]] - torch.log(r))
-    if "max" in wanted:
-        m = row_max(qf, kf, causal=causal, window=window, scale=scale, key_padding_mask=kpm, alibi_slopes=slopes)
-        out[_IDX["max"]] = torch.exp(m - lse_all)
-    if "previous" in wanted or (tokens is not None and wanted & {"duplicate", "induction"}):
-        masses = pairwise_masses(qf, kf, tokens if wanted & {"duplicate", "induction"} else None, lse_all,
-                                 window=window, scale=scale, key_padding_mask=kpm, alibi_slopes=slopes)
-        for name, value in masses.items():
-            out[_IDX[name]] = value
-    out[:, ~seen[:, None, :].expand(batch, heads, n_q)] = NAN  # no visible key: NaN everywhere
-    for name in STAT_NAMES:
-        if name not in wanted or (tokens is None and name in ("duplicate", "induction")):
-            out[_IDX[name]] = NAN
-    return out
+    return out, lse_keys, seen
 
 
 # --------------------------------------------------------------------------------------------
@@ -382,177 +400,157 @@ def _attend_math(qx, kx, mask, is_causal, scale, budget: int = 1 << 24):
 
 
 # --------------------------------------------------------------------------------------------
-# The row max (for `max`): q k^T tiles and their row maximum
-# --------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def row_max(qf: Tensor, kf: Tensor, *, causal: bool, window: int | None, scale: float,
-            key_padding_mask: Tensor | None, alibi_slopes: Tensor | None, tiles=None) -> Tensor:
-    """max_j of the model's scores over the keys each query sees, float32 [batch, heads, n_q] (-inf: none)."""
-    batch, heads, n_q, d = qf.shape
-    kv_heads, n_k = kf.shape[1], kf.shape[2]
-    group = heads // kv_heads
-    offset = n_k - n_q
-    device = qf.device
-    block_q, block_k = tiles or (CUDA_MAX_TILES if device.type == "cuda" else MAX_TILES)
-    cap = 1 << (27 if device.type == "cuda" else 22)  # floats in one tile of scores
-    while block_q > 16 and batch * heads * block_q * block_k > cap:
-        block_q //= 2
-    # real_before[j]: real (batch, key) entries before key j, so a tile's padding is known without a sync
-    real_before = None if key_padding_mask is None else [0] + key_padding_mask.sum(0).cumsum(0).tolist()
-    qg = (qf * scale).reshape(batch, kv_heads, group, n_q, d)
-    k_t = kf.transpose(-1, -2)
-    slopes = None if alibi_slopes is None else alibi_slopes.view(1, heads, 1, 1)
-    rel = (torch.arange(block_q, device=device)[:, None] - torch.arange(block_k, device=device)).to(torch.float32)
-    out = torch.full((batch, heads, n_q), NEG_INF, device=device)
-    for qs in range(0, n_q, block_q):
-        qe = min(qs + block_q, n_q)
-        bq = qe - qs
-        p0, p1 = offset + qs, offset + qe - 1
-        q_blk = qg[:, :, :, qs:qe].reshape(batch, kv_heads, group * bq, d)
-        m = out[..., qs:qe]
-        lo = 0 if window is None else max(0, p0 - window + 1)
-        hi = p1 + 1 if causal else n_k
-        for ks in range(lo, hi, block_k):
-            ke = min(ks + block_k, hi)
-            bk = ke - ks
-            s = torch.matmul(q_blk, k_t[..., ks:ke]).view(batch, heads, bq, bk)
-            delta = rel[:bq, :bk] + float(p0 - ks)
-            if slopes is not None:
-                s.addcmul_(slopes, delta.abs(), value=-1.0)
-            causal_cut = causal and ke - 1 > p0
-            window_cut = window is not None and p1 - ks >= window
-            ok = None
-            if causal_cut or window_cut:
-                ok = visible(delta, causal=causal_cut, window=window if window_cut else None)
-            if real_before is not None:
-                n_real = real_before[ke] - real_before[ks]
-                if n_real == 0:
-                    continue  # all padding in every sequence
-                if n_real < batch * bk:
-                    real = key_padding_mask[:, None, None, ks:ke]
-                    ok = real if ok is None else ok & real
-            if ok is not None:
-                s.masked_fill_(~ok, NEG_INF)
-            torch.maximum(m, s.amax(-1), out=m)
-    return out
-
-
-# --------------------------------------------------------------------------------------------
 # Pairwise statistics: exp(s_ij - lse_i) at the pairs found by sorting the tokens
 # --------------------------------------------------------------------------------------------
+# The pairwise statistics (previous, duplicate, induction): ``exp(s_ij - lse_i)`` at exactly their pairs,
+# found by sorting the tokens. Shared by the fused route and the Triton kernel, which give each row's
+# logsumexp.
+#
+# Every pair has ``j <= p`` (the detection patterns are lower triangular), so causality never hides one;
+# the window and the padding can. Duplicate keys of the query at p are the earlier occurrences j' of
+# tok[p]; induction keys are j' + 1 for the same j' (``tok[j - 1] = tok[p]``, ``j - 1 < p``). A global sort
+# of (batch, token, position) puts each query's j' in one run of the sorted order, from its token's first
+# occurrence (or the window's edge, by binary search) up to the query itself. The sorted order is cut into
+# tiles of TILE rows; a tile reads the contiguous sorted keys its rows' runs reach (its own entries and a
+# few before for most tokens; more for a frequent token) in one dense ``q k^T`` product, masked to the
+# pairs (same token, earlier position, window, padding). So the work is about pairs x heads x d on dense
+# matrix products, never a per-pair gather, and the scores held at once are at most `budget` floats.
 
 
 @torch.no_grad()
-def pairwise_masses(qf: Tensor, kf: Tensor, tokens: Tensor | None, lse: Tensor, *, window: int | None,
-                    scale: float, key_padding_mask: Tensor | None, alibi_slopes: Tensor | None,
-                    softcap: float | None = None, budget: int = PAIR_BUDGET) -> dict[str, Tensor]:
+def pairwise_masses(qf: Tensor, kf: Tensor, tokens: Tensor | None, lse: Tensor, scoring: Scoring | None = None, *,
+                    key_padding_mask: Tensor | None = None, budget: int = PAIR_BUDGET, **old) -> dict[str, Tensor]:
     """``{"previous", and with tokens "duplicate", "induction": float32 [batch, heads, n_q]}``: the mass of
     each query's row (``P_ij = exp(s_ij - lse_i)``, `lse` the row's full logsumexp) on those pairs.
 
-    Every pair has ``j <= p`` (the detection patterns are lower triangular), so causality never hides
-    one; the window and the padding can. Duplicate keys of the query at p are the earlier occurrences
-    j' of tok[p]; induction keys are j' + 1 for the same j' (``tok[j - 1] = tok[p]``, ``j - 1 < p``). A
-    global sort of (batch, token, position) puts each query's j' in one run of the sorted order, from its
-    token's first occurrence (or the window's edge, by binary search) up to the query itself. The sorted
-    order is cut into tiles of TILE rows; a tile reads the contiguous sorted keys its rows' runs reach
-    (its own entries and a few before for most tokens; more for a frequent token) in one dense ``q k^T``
-    product, masked to the pairs (same token, earlier position, window, padding). So the work is about
-    pairs x heads x d on dense matrix products, never a per-pair gather, and the scores held at once
-    are at most `budget` floats. `softcap`: the scores are capped, ``cap * tanh(s / cap)``, before ALiBi (as
-    the model and the Triton kernel score them; the fused route never sees a capped layer)."""
-    def capped(s: Tensor) -> Tensor:
-        return s if softcap is None else softcap * torch.tanh(s / softcap)
+    `scoring` as the layer's (scale resolved; the old keywords ``window=``, ``scale=``, ``alibi_slopes=``,
+    ``softcap=`` fold into it for one release). Scores are capped (``cap * tanh(s / cap)``) before ALiBi, as
+    the model and the Triton kernel score them (the fused route never sees a capped layer)."""
+    scoring = Scoring.fold(scoring, **old)
+    out = {"previous": _previous(qf, kf, lse, scoring, key_padding_mask)}
+    if tokens is None:
+        return out
+    sorted_ = _SortedTokens.of(tokens, qf.shape[2], scoring.window)
+    for name, value in _token_masses(qf, kf, lse, scoring, key_padding_mask, sorted_, budget).items():
+        out[name] = value
+    return out
 
+
+def _capped(s: Tensor, softcap: float | None) -> Tensor:
+    return s if softcap is None else softcap * torch.tanh(s / softcap)
+
+
+def _previous(qf, kf, lse, scoring: Scoring, key_padding_mask) -> Tensor:
+    """The mass on key p - 1: visible unless p = 0, a window of 1, or padding."""
     batch, heads, n_q, d = qf.shape
     kv_heads, n_k = kf.shape[1], kf.shape[2]
-    group = heads // kv_heads
-    offset = n_k - n_q
-    device = qf.device
-    pos = torch.arange(offset, n_k, device=device)  # query positions
-    out = {}
-
-    # previous: j = p - 1, visible unless p = 0, a window of 1, or padding
+    pos = torch.arange(n_k - n_q, n_k, device=qf.device)  # query positions
     j = (pos - 1).clamp(min=0)
     k_prev = kf[:, :, j]  # [batch, kv_heads, n_q, d]
-    s = capped((qf.view(batch, kv_heads, group, n_q, d) * k_prev[:, :, None]).sum(-1).view(batch, heads, n_q) * scale)
-    if alibi_slopes is not None:
-        s = s - alibi_slopes[None, :, None]
+    s = (qf.view(batch, kv_heads, heads // kv_heads, n_q, d) * k_prev[:, :, None]).sum(-1).view(batch, heads, n_q)
+    s = _capped(s * scoring.scale, scoring.softcap)
+    if scoring.alibi_slopes is not None:
+        s = s - scoring.alibi_slopes[None, :, None]
     ok = (pos >= 1)[None].expand(batch, n_q)
-    if window is not None and window < 2:
+    if scoring.window is not None and scoring.window < 2:
         ok = torch.zeros_like(ok)
     if key_padding_mask is not None:
         ok = ok & key_padding_mask[:, j]
-    out["previous"] = torch.exp(s - lse) * ok[:, None]
-    if tokens is None:
-        return out
+    return torch.exp(s - lse) * ok[:, None]
 
-    # duplicate / induction: tiles of the sorted (batch, token, position) order
-    tok = tokens.long()
-    tok = tok - tok.min()
-    vocab = int(tok.max()) + 1
+
+@dataclass
+class _SortedTokens:
+    """The (batch, token, position) order of every key and, per tile of it, the first sorted entry any of
+    its rows' runs reach."""
+
+    order: Tensor  # sorted index -> flat b * n_k + j
+    group_key: Tensor  # (batch, token) of each sorted entry
+    spos: Tensor  # position of each sorted entry
+    row_b: Tensor  # batch of each sorted entry
+    lo: list[int]  # per tile: the first sorted key its rows read
+    n_k: int
+    offset: int  # position of query 0
+
+    @classmethod
+    def of(cls, tokens: Tensor, n_q: int, window: int | None) -> "_SortedTokens":
+        batch, n_k = tokens.shape
+        device = tokens.device
+        tok = tokens.long()
+        tok = tok - tok.min()
+        vocab = int(tok.max()) + 1
+        total = batch * n_k
+        key = ((torch.arange(batch, device=device)[:, None] * vocab + tok) * n_k
+               + torch.arange(n_k, device=device)).reshape(-1)  # unique per (batch, position)
+        order = torch.argsort(key)
+        sorted_key = key[order]
+        group_key = sorted_key - order % n_k
+        spos = order % n_k
+        # the first sorted index any row's run may reach: its token's first occurrence, or the window's edge
+        reach = max(PAIR_RULES.values())
+        edge = (spos - window + 1 - reach).clamp(min=0) if window is not None else torch.zeros_like(spos)
+        first = torch.searchsorted(sorted_key, group_key + edge)  # [total]
+        n_tiles = (total + TILE - 1) // TILE
+        # each tile of rows (queries) reads the sorted keys from the earliest run start among its rows up to its end
+        lo = F.pad(first, (0, n_tiles * TILE - total), value=total).view(n_tiles, TILE).amin(1)
+        lo = torch.minimum(lo, torch.arange(n_tiles, device=device) * TILE).tolist()
+        return cls(order, group_key, spos, order // n_k, lo, n_k, n_k - n_q)
+
+
+def _token_masses(qf, kf, lse, scoring: Scoring, key_padding_mask, st: _SortedTokens, budget) -> dict[str, Tensor]:
+    """Duplicate and induction: tiles of the sorted order, each a dense product against the keys it reaches."""
+    batch, heads, n_q, d = qf.shape
+    kv_heads, n_k = kf.shape[1], kf.shape[2]
     total = batch * n_k
-    key = ((torch.arange(batch, device=device)[:, None] * vocab + tok) * n_k
-           + torch.arange(n_k, device=device)).reshape(-1)  # unique per (batch, position)
-    order = torch.argsort(key)  # sorted index -> flat b * n_k + j
-    sorted_key = key[order]
-    group_key = sorted_key - order % n_k  # (batch, token) of each sorted entry
-    spos = order % n_k  # position of each sorted entry
-    row_b = order // n_k
-    # the first sorted index any row's run may reach: its token's first occurrence, or the window's edge
-    reach = max(PAIR_RULES.values())
-    edge = (spos - window + 1 - reach).clamp(min=0) if window is not None else torch.zeros_like(spos)
-    first = torch.searchsorted(sorted_key, group_key + edge)  # [total]
-    tile = TILE
-    n_tiles = (total + tile - 1) // tile
-    # each tile of rows (queries) reads the sorted keys from the earliest run start among its rows up to its end
-    lo = F.pad(first, (0, n_tiles * tile - total), value=total).view(n_tiles, tile).amin(1)
-    lo = torch.minimum(lo, torch.arange(n_tiles, device=device) * tile).tolist()
-
     # rows in sorted order: the query (if the position is one) and its lse; keys at j' + shift for each rule
-    is_query = spos >= offset
-    q_index = row_b * n_q + (spos - offset).clamp(min=0)
-    q_rows = qf.permute(0, 2, 1, 3).reshape(batch * n_q, kv_heads, group, d)[q_index] * is_query[:, None, None, None]
+    is_query = st.spos >= st.offset
+    q_index = st.row_b * n_q + (st.spos - st.offset).clamp(min=0)
+    q_rows = qf.permute(0, 2, 1, 3).reshape(batch * n_q, kv_heads, -1, d)[q_index] * is_query[:, None, None, None]
     q_rows = q_rows.permute(1, 2, 0, 3)  # [kv_head, group, entry, d]
     lse_rows = lse.permute(0, 2, 1).reshape(batch * n_q, heads)[q_index].t()  # [head, entry]
-    k_flat = kf.permute(0, 2, 1, 3).reshape(total, kv_heads, d)
-    kpm_flat = None if key_padding_mask is None else key_padding_mask.reshape(-1)
-    keys = {}
-    for name, shift in PAIR_RULES.items():
-        j = spos + shift
-        inside = (j >= 0) & (j < n_k)
-        at = order - spos + j.clamp(0, n_k - 1)  # flat b * n_k + j
-        real = inside if kpm_flat is None else inside & kpm_flat[at]
-        keys[name] = (k_flat[at].permute(1, 2, 0), j, real)  # [kv_head, d, entry], [entry], [entry]
-
-    acc = {name: torch.zeros(heads, total, device=device) for name in PAIR_RULES}
-    slopes = None if alibi_slopes is None else alibi_slopes.view(heads, 1, 1)
-    cols = max(tile, budget // max(1, heads * tile))  # key entries per product: at most `budget` scores
-    for t in range(n_tiles):
-        r0, r1 = t * tile, min(total, (t + 1) * tile)
-        q_t = q_rows[:, :, r0:r1].reshape(kv_heads, group * (r1 - r0), d)
-        p_row = spos[r0:r1, None]  # [rows, 1]
-        row_ok = is_query[r0:r1, None]
-        for c0 in range(lo[t], r1, cols):
+    keys = _rule_keys(kf, key_padding_mask, st)
+    acc = {name: torch.zeros(heads, total, device=qf.device) for name in PAIR_RULES}
+    slopes = None if scoring.alibi_slopes is None else scoring.alibi_slopes.view(heads, 1, 1)
+    cols = max(TILE, budget // max(1, heads * TILE))  # key entries per product: at most `budget` scores
+    for t, lo in enumerate(st.lo):
+        r0, r1 = t * TILE, min(total, (t + 1) * TILE)
+        q_t = q_rows[:, :, r0:r1].reshape(kv_heads, -1, d)
+        p_row = st.spos[r0:r1, None]  # [rows, 1]
+        for c0 in range(lo, r1, cols):
             c1 = min(c0 + cols, r1)
-            same = (group_key[r0:r1, None] == group_key[None, c0:c1]) & row_ok
-            same &= spos[None, c0:c1] < p_row  # j' < p: an earlier occurrence
+            same = (st.group_key[r0:r1, None] == st.group_key[None, c0:c1]) & is_query[r0:r1, None]
+            same &= st.spos[None, c0:c1] < p_row  # j' < p: an earlier occurrence
             if not bool(same.any()):
                 continue
             for name, (k_t, j_all, real_all) in keys.items():
-                s = capped(torch.matmul(q_t, k_t[:, :, c0:c1]).view(heads, r1 - r0, c1 - c0) * scale)
+                s = _capped(torch.matmul(q_t, k_t[:, :, c0:c1]).view(heads, r1 - r0, c1 - c0) * scoring.scale,
+                            scoring.softcap)
                 j = j_all[None, c0:c1]
                 if slopes is not None:
                     s = s - slopes * (p_row - j).abs().to(s.dtype)
                 ok = same & real_all[None, c0:c1] & (j <= p_row)
-                if window is not None:
-                    ok &= (p_row - j) < window
-                w = torch.exp(s - lse_rows[:, r0:r1, None]).masked_fill_(~ok, 0.0)
-                acc[name][:, r0:r1] += w.sum(-1)
+                if scoring.window is not None:
+                    ok &= (p_row - j) < scoring.window
+                acc[name][:, r0:r1] += torch.exp(s - lse_rows[:, r0:r1, None]).masked_fill_(~ok, 0.0).sum(-1)
+    out = {}
     for name, value in acc.items():
-        rows = value.t()  # [sorted entry, head]
-        mass = torch.zeros(batch * n_q, heads, device=device)
-        mass.index_add_(0, q_index[is_query], rows[is_query])
+        mass = torch.zeros(batch * n_q, heads, device=qf.device)
+        mass.index_add_(0, q_index[is_query], value.t()[is_query])
         out[name] = mass.view(batch, n_q, heads).permute(0, 2, 1)
     return out
+
+
+def _rule_keys(kf, key_padding_mask, st: _SortedTokens) -> dict[str, tuple[Tensor, Tensor, Tensor]]:
+    """Per rule, the key each sorted entry j' stands for (j = j' + shift): its k [kv_head, d, entry], its
+    position j [entry] and whether it is a real key [entry]."""
+    batch, kv_heads, n_k, d = kf.shape
+    k_flat = kf.permute(0, 2, 1, 3).reshape(batch * n_k, kv_heads, d)
+    kpm_flat = None if key_padding_mask is None else key_padding_mask.reshape(-1)
+    keys = {}
+    for name, shift in PAIR_RULES.items():
+        j = st.spos + shift
+        inside = (j >= 0) & (j < n_k)
+        at = st.order - st.spos + j.clamp(0, n_k - 1)  # flat b * n_k + j
+        real = inside if kpm_flat is None else inside & kpm_flat[at]
+        keys[name] = (k_flat[at].permute(1, 2, 0), j, real)
+    return keys

@@ -1,5 +1,5 @@
 """Streaming attention statistics on the GPU: one Triton kernel for what the pattern applied to values
-gives, the pairs gathered outside it (the same split as :mod:`interp.kernels.stats_fused`).
+gives, the pairs gathered outside it (the same split as :mod:`interp.kernels.stats.fused`).
 
 The kernel is triton-lang/triton's ``python/tutorials/06-fused-attention.py`` forward pass with the value
 matrix replaced by the keys themselves. Each program owns ``BLOCK_M`` queries of one (batch, head) and
@@ -15,7 +15,7 @@ and accumulates
 It writes the sink mass, entropy, top weight (``exp(m - lse) = 1 / l``), distance and each row's
 logsumexp; nothing of size ``n_q x n_k`` leaves the chip. The pairwise statistics (previous, duplicate,
 induction) are ``exp(s_ij - lse_i)`` at exactly their pairs, found by sorting the tokens
-(:func:`interp.kernels.stats_fused.pairwise_masses`, dense products over the sorted order). Where the
+(:func:`interp.kernels.stats.fused.pairwise_masses`, dense products over the sorted order). Where the
 expected score is not linear in k (soft-capped scores, ALiBi without causality) the kernel carries
 ``sum p (s - m)`` per element instead of ``P @ K``.
 
@@ -42,8 +42,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .stats_common import LOG2E, STAT_NAMES
-from .stats_fused import pairwise_masses
+from .common import LOG2E, STAT_NAMES
+from .fused import pairwise_masses
+from .scoring import Scoring
 
 __all__ = ["attention_stats_triton"]
 
@@ -83,6 +84,9 @@ def _attention_stats_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    """One program: BLOCK_M queries of one (batch, head) against every key block they can see. The
+    signature is the launch's (pointers, strides, sizes, the constexpr features); the work is in the
+    helpers below, one step each (scores, online softmax, epilogue)."""
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = (off_bh // heads).to(tl.int64)  # int64 offsets: batch * heads * n * d may pass 2^31
@@ -101,6 +105,7 @@ def _attention_stats_kernel(
         other=0.0,
     )
     k_base = K + off_b * stride_kb + off_kvh * stride_kh
+    slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(SLOPES + off_h) * 1.4426950408889634  # base 2, like the scores
 
@@ -129,53 +134,78 @@ def _attention_stats_kernel(
             mask=col_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
-        if IEEE_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale
-        if HAS_SOFTCAP:  # cap * tanh(score / cap), in base 2 like the scores
-            s = cap_scale * _tanh(s / cap_scale)
-        delta = pos[:, None] - offs_n[None, :]  # p - j
-        delta_f = delta.to(tl.float32)
-        if HAS_ALIBI:
-            s = s - slope * tl.abs(delta_f)  # -slope * |p - j|, as the model
-
-        visible = row_ok[:, None] & col_ok[None, :]
-        if CAUSAL:
-            visible = visible & (delta >= 0)
-        if HAS_WINDOW:
-            visible = visible & (delta < window)
+        real = col_ok
         if HAS_KPM:
-            real = tl.load(KPM + off_b * stride_pb + offs_n * stride_pn, mask=col_ok, other=0)
-            visible = visible & (real != 0)[None, :]
-        s = tl.where(visible, s, float("-inf"))
+            real = col_ok & (tl.load(KPM + off_b * stride_pb + offs_n * stride_pn, mask=col_ok, other=0) != 0)
+        s, delta_f, visible = _masked_scores(q, k, pos, offs_n, row_ok, real, window, qk_scale, cap_scale, slope,
+                                             CAUSAL, HAS_WINDOW, HAS_ALIBI, HAS_SOFTCAP, IEEE_DOT)
+        m_i, l_i, acc_k, acc_ent, acc_sink, acc_dist = _online_step(
+            s, delta_f, visible, k, offs_n, n_sink, start_n, m_i, l_i, acc_k, acc_ent, acc_sink, acc_dist,
+            CAUSAL, HAS_ALIBI, HAS_SOFTCAP, IEEE_DOT)
 
-        # -- the tutorial's online softmax; m_use keeps fully masked rows at exp2(-inf) = 0 --
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])  # unnormalised weights, 0 where masked
+    _epilogue(q, m_i, l_i, acc_k, acc_ent, acc_sink, acc_dist, slope, qk_scale, row_ok,
+              OUT + off_b * stride_ob + off_h * stride_oh + offs_m * stride_om, stride_os,
+              LSE + off_b * stride_lb + off_h * stride_lh + offs_m * stride_lm,
+              CAUSAL, HAS_ALIBI, HAS_SOFTCAP)
 
-        # -- P @ [K | position | sink]: the keys on the tensor cores (float32 accumulators; tf32x3 keeps
-        # ~float32 accuracy for P's products), position and sink as row sums --
-        if HAS_SOFTCAP or (HAS_ALIBI and not CAUSAL):  # E[score] is not scale q . E[k] (- slope E[p - j]) here
-            sc = tl.where(visible, s - m_use[:, None], 0.0)  # centred score (0, not -inf, if masked)
-            shift = l_i * tl.where(l_i > 0, m_i - m_use, 0.0)  # no -inf * 0, even in dead lanes
-            acc_ent = acc_ent * alpha + alpha * shift + tl.sum(p * sc, 1)
+
+@triton.jit
+def _masked_scores(q, k, pos, offs_n, row_ok, real, window, qk_scale, cap_scale, slope,
+                   CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                   HAS_SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr):
+    """The tile's base-2 scores (soft cap, ALiBi), -inf where the key is not seen; with p - j and the mask."""
+    if IEEE_DOT:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * qk_scale
+    if HAS_SOFTCAP:  # cap * tanh(score / cap), in base 2 like the scores
+        s = cap_scale * _tanh(s / cap_scale)
+    delta = pos[:, None] - offs_n[None, :]  # p - j
+    delta_f = delta.to(tl.float32)
+    if HAS_ALIBI:
+        s = s - slope * tl.abs(delta_f)  # -slope * |p - j|, as the model
+
+    visible = row_ok[:, None] & real[None, :]  # real: inside the keys and not padding
+    if CAUSAL:
+        visible = visible & (delta >= 0)
+    if HAS_WINDOW:
+        visible = visible & (delta < window)
+    s = tl.where(visible, s, float("-inf"))
+    return s, delta_f, visible
+
+
+@triton.jit
+def _online_step(s, delta_f, visible, k, offs_n, n_sink, start_n, m_i, l_i, acc_k, acc_ent, acc_sink, acc_dist,
+                 CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE_DOT: tl.constexpr):
+    """The tutorial's online softmax over one tile, and P @ [K | position | sink] into the accumulators:
+    the keys on the tensor cores (float32 accumulators; tf32x3 keeps ~float32 accuracy for P's products),
+    position and sink as row sums. m_use keeps fully masked rows at exp2(-inf) = 0."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])  # unnormalised weights, 0 where masked
+    if HAS_SOFTCAP or (HAS_ALIBI and not CAUSAL):  # E[score] is not scale q . E[k] (- slope E[p - j]) here
+        sc = tl.where(visible, s - m_use[:, None], 0.0)  # centred score (0, not -inf, if masked)
+        shift = l_i * tl.where(l_i > 0, m_i - m_use, 0.0)  # no -inf * 0, even in dead lanes
+        acc_ent = acc_ent * alpha + alpha * shift + tl.sum(p * sc, 1)
+    else:
+        if IEEE_DOT:
+            acc_k = acc_k * alpha[:, None] + tl.dot(p, k.to(tl.float32), input_precision="ieee")
         else:
-            if IEEE_DOT:
-                acc_k = acc_k * alpha[:, None] + tl.dot(p, k.to(tl.float32), input_precision="ieee")
-            else:
-                acc_k = acc_k * alpha[:, None] + tl.dot(p, k.to(tl.float32), input_precision="tf32x3")
-        acc_dist = acc_dist * alpha + tl.sum(p * delta_f, 1)
-        acc_sink = acc_sink * alpha
-        if start_n < n_sink:  # the sink keys live in the first block(s) only
-            acc_sink += tl.sum(tl.where(offs_n[None, :] < n_sink, p, 0.0), 1)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+            acc_k = acc_k * alpha[:, None] + tl.dot(p, k.to(tl.float32), input_precision="tf32x3")
+    acc_dist = acc_dist * alpha + tl.sum(p * delta_f, 1)
+    acc_sink = acc_sink * alpha
+    if start_n < n_sink:  # the sink keys live in the first block(s) only
+        acc_sink += tl.sum(tl.where(offs_n[None, :] < n_sink, p, 0.0), 1)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return m_new, l_i, acc_k, acc_ent, acc_sink, acc_dist
 
-    # -- epilogue: divide by l; a row that saw no key is NaN (its lse too, so the pairs are NaN) --
+
+@triton.jit
+def _epilogue(q, m_i, l_i, acc_k, acc_ent, acc_sink, acc_dist, slope, qk_scale, row_ok, out, stride_os, lse_out,
+              CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """Divide by l and store; a row that saw no key is NaN (its lse too, so the pairs are NaN)."""
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)  # no 1/0 or log(0), even in lanes that are thrown away
     inv_l = tl.where(seen, 1.0 / l_safe, float("nan"))
@@ -190,13 +220,11 @@ def _attention_stats_kernel(
             e_score = e_score - slope * dist
         entropy = (lse2 - e_score) * 0.6931471805599453
     entropy = tl.where(seen, entropy, float("nan"))
-    out = OUT + off_b * stride_ob + off_h * stride_oh + offs_m * stride_om
     tl.store(out + 0 * stride_os, acc_sink * inv_l, mask=row_ok)
     tl.store(out + 4 * stride_os, entropy, mask=row_ok)
     tl.store(out + 5 * stride_os, inv_l, mask=row_ok)  # the top weight is exp2(m - m) / l
     tl.store(out + 6 * stride_os, dist, mask=row_ok)
-    lse = tl.where(seen, lse2 * 0.6931471805599453, float("nan"))
-    tl.store(LSE + off_b * stride_lb + off_h * stride_lh + offs_m * stride_lm, lse, mask=row_ok)
+    tl.store(lse_out, tl.where(seen, lse2 * 0.6931471805599453, float("nan")), mask=row_ok)
 
 
 def default_blocks(dtype: torch.dtype, d: int) -> tuple[int, int]:
@@ -218,31 +246,63 @@ def _interpreting() -> bool:
     return not isinstance(_attention_stats_kernel, triton.runtime.JITFunction)
 
 
-def attention_stats_triton(
-    q: Tensor,
-    k: Tensor,
-    *,
-    tokens: Tensor | None,
-    n_sink: int,
-    causal: bool,
-    window: int | None,
-    scale: float,
-    key_padding_mask: Tensor | None,
-    alibi_slopes: Tensor | None,
-    softcap: float | None = None,
-    block_q: int | None = None,
-    block_k: int | None = None,
-    num_warps: int = 8,
-) -> Tensor:
+def attention_stats_triton(q: Tensor, k: Tensor, scoring: Scoring | None = None, *, tokens: Tensor | None = None,
+                           n_sink: int = 1, key_padding_mask: Tensor | None = None, block_q: int | None = None,
+                           block_k: int | None = None, num_warps: int = 8, **old) -> Tensor:
     """Launch the kernel; returns float32 ``[len(STAT_NAMES), batch, heads, n_q]``.
 
     Arguments are those of :func:`interp.kernels.attention_stats`, already validated by it
     (shapes: q ``[batch, heads, n_q, d]``, k ``[batch, kv_heads, n_k, d]``, tokens int
-    ``[batch, n_k]``, key_padding_mask bool ``[batch, n_k]``, alibi_slopes ``[heads]``, softcap a
-    float or None).
+    ``[batch, n_k]``, key_padding_mask bool ``[batch, n_k]``; `scoring` checked, without sink logits;
+    the old geometry keywords fold into it for one release).
     ``block_q`` / ``block_k`` are the kernel's BLOCK_M / BLOCK_N (powers of two, >= 16, the
     minimum ``tl.dot`` tile); None picks :func:`default_blocks`.
     """
+    scoring = Scoring.fold(scoring, **old)
+    block_q, block_k = _launch_blocks(q, k, block_q, block_k)
+    batch, heads, n_q, d = q.shape
+    kv_heads, n_k = k.shape[1], k.shape[2]
+    # tl.dot wants both operands in one of fp16 / bf16 / fp32. Triton's interpreter multiplies
+    # the raw bit patterns of bf16 operands (triton-lang/triton#11584, "not supported yet"), so
+    # under the interpreter bf16 goes in as fp32, which holds every bf16 value exactly.
+    half = (torch.float16,) if _interpreting() else (torch.float16, torch.bfloat16)
+    dtype = q.dtype if q.dtype == k.dtype and q.dtype in half else torch.float32
+    q, k = q.to(dtype), k.to(dtype)
+    out = torch.full((len(STAT_NAMES), batch, heads, n_q), float("nan"), dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, heads, n_q, dtype=torch.float32, device=q.device)
+    dummy = out  # any tensor: the kernel never reads an unused pointer
+    kpm_arg = key_padding_mask.to(torch.int8).contiguous() if key_padding_mask is not None else dummy
+    slopes = scoring.alibi_slopes
+    kpm_strides = kpm_arg.stride()[:2] if key_padding_mask is not None else (0, 0)
+
+    grid = (triton.cdiv(n_q, block_q), batch * heads)
+    _attention_stats_kernel[grid](
+        q, k, kpm_arg, dummy if slopes is None else slopes.float().contiguous(), out, lse,
+        *q.stride(), *k.stride(), *kpm_strides, *out.stride(), *lse.stride(),
+        n_q, n_k, d, heads, heads // kv_heads, n_sink, scoring.window or 0,
+        scoring.scale * LOG2E,
+        (scoring.softcap or 1.0) * LOG2E,
+        CAUSAL=scoring.causal,
+        HAS_WINDOW=scoring.window is not None,
+        HAS_KPM=key_padding_mask is not None,
+        HAS_ALIBI=slopes is not None,
+        HAS_SOFTCAP=scoring.softcap is not None,
+        IEEE_DOT=dtype == torch.float32,
+        BLOCK_M=block_q,
+        BLOCK_N=block_k,
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        num_warps=num_warps,
+    )
+    # the pairs (previous, duplicate, induction): exp(s - lse) at exactly those, found by sorting the tokens
+    masses = pairwise_masses(q.float(), k.float(), tokens, lse, scoring, key_padding_mask=key_padding_mask)
+    for name, value in masses.items():
+        out[STAT_NAMES.index(name)] = value
+    out[:, lse.isnan()] = float("nan")  # a row that saw no key: NaN everywhere
+    return out
+
+
+def _launch_blocks(q: Tensor, k: Tensor, block_q: int | None, block_k: int | None) -> tuple[int, int]:
+    """The kernel's (BLOCK_M, BLOCK_N), checked, after checking that it can run on these tensors."""
     if not (q.is_cuda or _interpreting()):
         raise ValueError(
             f"backend='triton' needs CUDA tensors (q is on {q.device}); to run it on the CPU for "
@@ -254,47 +314,6 @@ def attention_stats_triton(
     for name, block in (("block_q", block_q), ("block_k", block_k)):
         if block < 16 or block & (block - 1):
             raise ValueError(f"backend='triton' needs {name} to be a power of two >= 16, got {block}")
-    batch, heads, n_q, d = q.shape
-    kv_heads, n_k = k.shape[1], k.shape[2]
-    if n_k >= 2**31 // 2:
-        raise ValueError(f"n_k={n_k} overflows the kernel's int32 positions")
-
-    # tl.dot wants both operands in one of fp16 / bf16 / fp32. Triton's interpreter multiplies
-    # the raw bit patterns of bf16 operands (triton-lang/triton#11584, "not supported yet"), so
-    # under the interpreter bf16 goes in as fp32, which holds every bf16 value exactly.
-    half = (torch.float16,) if _interpreting() else (torch.float16, torch.bfloat16)
-    dtype = q.dtype if q.dtype == k.dtype and q.dtype in half else torch.float32
-    q, k = q.to(dtype), k.to(dtype)
-    out = torch.full((len(STAT_NAMES), batch, heads, n_q), float("nan"), dtype=torch.float32, device=q.device)
-    lse = torch.empty(batch, heads, n_q, dtype=torch.float32, device=q.device)
-    dummy = out  # any tensor: the kernel never reads an unused pointer
-    kpm_arg = key_padding_mask.to(torch.int8).contiguous() if key_padding_mask is not None else dummy
-    slopes_arg = alibi_slopes.to(torch.float32).contiguous() if alibi_slopes is not None else dummy
-    kpm_strides = kpm_arg.stride()[:2] if key_padding_mask is not None else (0, 0)
-
-    grid = (triton.cdiv(n_q, block_q), batch * heads)
-    _attention_stats_kernel[grid](
-        q, k, kpm_arg, slopes_arg, out, lse,
-        *q.stride(), *k.stride(), *kpm_strides, *out.stride(), *lse.stride(),
-        n_q, n_k, d, heads, heads // kv_heads, n_sink, window or 0,
-        scale * LOG2E,
-        (softcap or 1.0) * LOG2E,
-        CAUSAL=causal,
-        HAS_WINDOW=window is not None,
-        HAS_KPM=key_padding_mask is not None,
-        HAS_ALIBI=alibi_slopes is not None,
-        HAS_SOFTCAP=softcap is not None,
-        IEEE_DOT=dtype == torch.float32,
-        BLOCK_M=block_q,
-        BLOCK_N=block_k,
-        BLOCK_D=max(16, triton.next_power_of_2(d)),
-        num_warps=num_warps,
-    )
-    # the pairs (previous, duplicate, induction): exp(s - lse) at exactly those, found by sorting the tokens
-    masses = pairwise_masses(q.float(), k.float(), tokens, lse, window=window, scale=scale,
-                             key_padding_mask=key_padding_mask,
-                             alibi_slopes=None if alibi_slopes is None else slopes_arg, softcap=softcap)
-    for name, value in masses.items():
-        out[STAT_NAMES.index(name)] = value
-    out[:, lse.isnan()] = float("nan")  # a row that saw no key: NaN everywhere
-    return out
+    if k.shape[2] >= 2**31 // 2:
+        raise ValueError(f"n_k={k.shape[2]} overflows the kernel's int32 positions")
+    return block_q, block_k
