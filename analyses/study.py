@@ -1,6 +1,10 @@
 """One shape for every study: a study declares its tables and their columns, checks its settings
 before the model loads, measures, and writes its report sections; `run` owns the plumbing, once.
 
+    @dataclass(frozen=True, kw_only=True, eq=False)
+    class NormsMeasured(Measured):
+        top: float  # what only the report reads: a typed field beside the tables, never a table
+
     class Norms(Study):
         name, title = "norms", "Head output norms"
         tables = (Table("norms", ("layer", "head", "norm")),)
@@ -12,10 +16,6 @@ before the model loads, measures, and writes its report sections; `run` owns the
 
         def sections(self, settings, measured, record):
             return [Section("summary", "Summary").add(f"{len(measured['norms'])} heads; the largest {measured.top:.3f}.")]
-
-    @dataclass(frozen=True, kw_only=True, eq=False)
-    class NormsMeasured(Measured):
-        top: float  # what only the report reads: a typed field, never a table
 
     run(Norms(), model, "out/norms", StudySettings(model="attn-only-2l", data=StudyData.of(DataSpec("text"))))
 
