@@ -6,6 +6,8 @@
     DIR/results.parquet, results.csv              every part, one tidy table
     DIR/errors.json                               every error file, one list
     DIR/timing.json                               wall time of each sweep invocation
+    DIR/fingerprints/<run>/<ckpt>.json            the checkpoint's weights' hash and sketch (`atlas.fingerprints`)
+    DIR/fingerprints.csv                          every fingerprint's hash, one table
     DIR/progress.json                             whether the sweep completed, what it planned per run, and the
                                                   rows of the merged table (written after both files of it)
     DIR/.interp-manifest.json                     every path interp wrote here (`OutputFolder`)
@@ -55,7 +57,7 @@ MANIFEST = ".interp-manifest.json"
 LOCK = ".interp-lock"
 PROGRESS = "progress.json"
 SWEEP_FILES = ("settings.json", "results.parquet", "results.csv", "errors.json", "timing.json", "report.html",
-               "report.md", PROGRESS)
+               "report.md", PROGRESS, "fingerprints.csv")
 # The keys every settings.json interp has written holds: how a sweep folder from before manifests is recognised.
 SETTINGS_KEYS = frozenset({"analyses", "data", "expensive_on", "params", "runs"})
 
@@ -188,6 +190,7 @@ class OutputFolder:
         self.path = Path(path)
         self.manifest = self.path / MANIFEST
         self._read: tuple[tuple, frozenset] | None = None  # (the manifest's stat, its paths): read once per change
+        self.owner_seen: str | None = None  # what held results here when a study checked the folder (`study`)
 
     # ---- is it ours? ---------------------------------------------------------------------------
     def check(self) -> None:
@@ -230,7 +233,7 @@ class OutputFolder:
         and their folders, and the report's figures (named after the settings' runs)."""
         p, settings = self.path, self._legacy() or {}
         paths = {name for name in SWEEP_FILES if (p / name).is_file()}
-        for part in p.glob("parts/*/*/*.json"):
+        for part in [*p.glob("parts/*/*/*.json"), *p.glob("fingerprints/*/*.json")]:
             rel = part.relative_to(p).as_posix()
             paths.update([rel, *_parents(rel)])
         runs = list(settings.get("runs", {}))
@@ -479,6 +482,18 @@ class ResultStore:
         self.folder.write_text(self._rel(run, checkpoint, analysis, ".error.json"), json.dumps(record, indent=1))
         self.folder.remove(self._rel(run, checkpoint, analysis, ".json"))
 
+    def write_fingerprint(self, run: str, checkpoint: str, step: int | None, fingerprint: dict) -> None:
+        """Keep a checkpoint's weights' fingerprint (`atlas.fingerprints.fingerprint`) in the results."""
+        record = {"run": run, "checkpoint": checkpoint, "step": step, **fingerprint}
+        self.folder.write_text(f"fingerprints/{_slug(run)}/{_slug(checkpoint)}.json", json.dumps(record))
+
+    def fingerprints(self) -> list[dict]:
+        """Every kept fingerprint: [{run, checkpoint, step, weights, sketch}]."""
+        folder = self.out / "fingerprints"
+        if not folder.is_dir():
+            return []
+        return [read_json_file(f, "interp's fingerprint file") for f in sorted(folder.glob("*/*.json"))]
+
     def clear_load_error(self, run: str, checkpoint: str) -> None:
         self.folder.remove(self._rel(run, checkpoint, LOAD, ".error.json"))
 
@@ -542,6 +557,9 @@ class ResultStore:
         table = self.table(finite)
         write_table(self.folder, "results", table, csv=True)
         self.folder.write_text("errors.json", json.dumps(self.errors(stale), indent=1))
+        prints = pd.DataFrame([{k: f[k] for k in ("run", "checkpoint", "step", "weights")} for f in self.fingerprints()],
+                              columns=["run", "checkpoint", "step", "weights"])
+        self.folder.write_text("fingerprints.csv", prints.to_csv(index=False))
         self.write_json(PROGRESS, {**self.read_json(PROGRESS, {}), "complete": complete, "rows": len(table)})
         return table
 

@@ -266,7 +266,9 @@ class ModelConfig:
             problems.append(f"rope_scaling is set but positional={self.positional!r}; it needs positional='rotary'")
         if s.kind not in get_args(RopeKind):
             problems.append(f"rope_scaling.kind={s.kind!r} is not one of {list(get_args(RopeKind))}")
-        if not _finite(s.factor) or not FACTOR_RANGE[0] <= s.factor <= FACTOR_RANGE[1]:
+        if _finite(s.factor) and s.factor <= 0:
+            problems.append(f"rope_scaling.factor must be > 0, got {s.factor!r}")
+        elif not _finite(s.factor) or not FACTOR_RANGE[0] <= s.factor <= FACTOR_RANGE[1]:
             problems.append(f"rope_scaling.factor must be a finite number from {FACTOR_RANGE[0]:g} to {FACTOR_RANGE[1]:g}, "
                             f"got {s.factor!r}")
         elif s.kind in ("dynamic", "yarn", "llama3") and s.factor < 1:

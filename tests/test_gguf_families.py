@@ -474,6 +474,12 @@ def test_a_qwen3_file_with_yarn_gives_the_model_it_was_written_from(tmp_path):
     ({"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 32,
       "rope.scaling.attn_factor": 0.5}, "rope.scaling.attn_factor = 0.5 is not supported"),
     ({"rope.scaling.type": "linear"}, "has no llama.rope.scaling.factor"),
+    # issue 56: factors no model has are one line naming the file, not a model whose every logit is off
+    ({"rope.scaling.type": "yarn", "rope.scaling.factor": 0.5, "rope.scaling.original_context_length": 32},
+     "does not describe a model interp can build: invalid ModelConfig: rope_scaling.factor of yarn stretches the "
+     "context and must be >= 1, got 0.5"),
+    ({"rope.scaling.type": "yarn", "rope.scaling.factor": 3e38, "rope.scaling.original_context_length": 32},
+     r"rope_scaling.factor must be a finite number from 0.0001 to 10000, got 3\.\d+e\+38"),
 ])
 def test_a_scaling_llama_metadata_cannot_say_is_refused(keys, message, tmp_path):
     hf = _hf("LlamaConfig", "LlamaForCausalLM", seed=5, **{**LLAMA3, "rope_parameters": {"rope_theta": 1000.0}})

@@ -15,7 +15,6 @@ import torch
 import interp
 from interp.cli import main as cli
 from interp.errors import CheckpointError, UserError
-from test_gguf_families import LLAMA3, _hf, llama_file
 
 transformers = pytest.importorskip("transformers")
 NAN = float("nan")
@@ -106,16 +105,6 @@ def test_absurd_factors_on_the_command_line_are_refused_before_loading(spelling,
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "rope_scaling" in err, err
     assert not out.exists()
-
-
-@pytest.mark.parametrize("factor, message", [(0.5, "must be >= 1, got 0.5"), (3e38, "from 0.0001 to 10000")])
-def test_a_gguf_yarn_factor_no_model_has_is_one_line(factor, message, tmp_path):
-    hf = _hf("LlamaConfig", "LlamaForCausalLM", seed=5, **{**LLAMA3, "rope_parameters": {"rope_theta": 1000.0}})
-    path = llama_file(tmp_path / "odd.gguf", hf, extra={"rope.scaling.type": "yarn", "rope.scaling.factor": factor,
-                                                         "rope.scaling.original_context_length": 32})
-    with pytest.raises(UserError) as e:
-        interp.load(path)
-    _one_line(e.value, message)
 
 
 # ---- sizes no model has ------------------------------------------------------------------------------------

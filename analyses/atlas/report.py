@@ -31,10 +31,11 @@ from ..document import Section, head_name, md_escape, write_document
 from .registry import ANALYSES, RunView, metrics
 from .registry.induction import phase_change  # noqa: F401 - public here since the report first computed it
 from ..store import PartialResults, ResultStore, _slug, load_results
+from .fingerprints import findings
 from ..data import source_line
 from interp.models.rope.choice import describe
 
-_FIXED_HEAD = (("summary", "Summary"), ("errors", "Errors and skipped checkpoints"))
+_FIXED_HEAD = (("summary", "Summary"), ("errors", "Errors and skipped checkpoints"), ("integrity", "Checkpoint integrity"))
 _HEATMAPS = ("heatmaps", "Head scores at the last checkpoint")
 SECTION_IDS = tuple([i for i, _ in _FIXED_HEAD] + [_HEATMAPS[0]]
                     + [s.id for a in ANALYSES.values() for s in a.across]
@@ -103,7 +104,7 @@ def build_sections(out, log_steps: bool = False) -> tuple[str, list[Section]]:
     views = [run_view(table, run, len(runs) > 1, settings, log_steps, extras) for run in runs]
     single = all(len(settings.get("runs", {}).get(r, {}).get("checkpoints", [])) <= 1 for r in runs) and \
         table.groupby("run")["checkpoint"].nunique().le(1).all()
-    sections = [_summary(settings, table, errors, timing, store, views), _errors(errors)]
+    sections = [_summary(settings, table, errors, timing, store, views), _errors(errors), _integrity(store)]
     heatmaps = Section(*_HEATMAPS)
     ran = [a for a in ANALYSES.values() if a.name in analyses]
     across = [] if single else [(s, Section(s.id, s.title)) for a in ran for s in a.across]
@@ -278,6 +279,23 @@ def _results(out) -> pd.DataFrame:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PartialResults)
         return load_results(out)
+
+
+def _integrity(store: ResultStore) -> Section:
+    """Whether the checkpoints are what their steps say (`fingerprints`): identical weights, steps out of place."""
+    s = Section("integrity", "Checkpoint integrity")
+    prints = store.fingerprints()
+    if not prints:
+        return s.add("No fingerprints: these checkpoints were analysed before interp kept them (a sweep keeps one "
+                     "for each checkpoint it loads).")
+    found = findings(prints)
+    s.add(*(f"**{md_escape(line)}**" for line in found) if found else
+          ["Every checkpoint's weights differ from the others', and none is much nearer a later step than its "
+           "neighbours."])
+    frame = pd.DataFrame([{"run": p["run"], "checkpoint": p["checkpoint"], "step": p["step"],
+                           "weights": p["weights"][:12]} for p in prints])
+    return s.add("Fingerprints (a hash over every tensor's bytes, taken as the sweep loaded the checkpoint; "
+                 "fingerprints.csv):", frame)
 
 
 def _errors(errors: list[dict]) -> Section:

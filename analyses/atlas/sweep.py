@@ -38,6 +38,7 @@ import torch
 
 from .._common import auto_tqdm
 from .executors import ExecutorSettings, make_executor
+from .fingerprints import findings, fingerprint
 from .registry import ANALYSES, Context, as_output, resolve_analyses
 from .report import write_report
 from interp.models.formats import checkpoint  # checkpoint.load_checkpoint looked up at call time: tests monkeypatch it
@@ -129,6 +130,13 @@ class PartEvent:
 
 
 @dataclass(frozen=True)
+class FingerprintEvent:
+    checkpoint: Checkpoint
+    fingerprint: dict  # `fingerprints.fingerprint` of the weights as loaded
+    n_analyses: int = 0  # none of the pending analyses: the progress counts parts and errors
+
+
+@dataclass(frozen=True)
 class ErrorEvent:
     checkpoint: Checkpoint
     analysis: str  # LOAD when the checkpoint did not load: none of its analyses ran
@@ -146,6 +154,7 @@ class SweepResult:
     n_skipped: int
     seconds: float
     report: Path | None = None
+    integrity: list[str] = field(default_factory=list)  # `fingerprints.findings`: identical or misplaced checkpoints
 
 
 # ---- the worker side -------------------------------------------------------------------------
@@ -159,6 +168,7 @@ def run_checkpoint(task: CheckpointTask) -> Iterator[PartEvent | ErrorEvent]:
     except Exception as e:  # noqa: BLE001 - any failure to load is reported, and the sweep goes on
         yield ErrorEvent(ckpt, LOAD, type(e).__name__, str(e), n_analyses=len(task.analyses))
         return
+    yield FingerprintEvent(ckpt, fingerprint(model))
     ctx = Context(model=model, tokens=tokens, data=task.data, checkpoint=ckpt)
     try:
         for name in task.analyses:
@@ -322,6 +332,9 @@ def _run_tasks(store, found, settings, tasks, skipped, executor, start, tqdm, pr
     try:
         for event in ex.run(run_checkpoint, tasks) if ex else ():
             c = event.checkpoint
+            if isinstance(event, FingerprintEvent):
+                store.write_fingerprint(c.run, c.name, c.step, event.fingerprint)
+                continue
             if isinstance(event, PartEvent):
                 store.clear_load_error(c.run, c.name)  # it loaded this time
                 try:
@@ -354,7 +367,8 @@ def _run_tasks(store, found, settings, tasks, skipped, executor, start, tqdm, pr
                                       "seconds": round(seconds, 2), "executor": ex.description if ex else "none",
                                       "tasks_run": n_run, "tasks_skipped": skipped})
         store.write_json("timing.json", timing)
-    return SweepResult(store.out, table, store.errors(), n_run, skipped, seconds)
+    return SweepResult(store.out, table, store.errors(), n_run, skipped, seconds,
+                       integrity=findings(store.fingerprints()))
 
 
 def summary(result: SweepResult, runs: Sequence[Run]) -> str:
@@ -368,6 +382,7 @@ def summary(result: SweepResult, runs: Sequence[Run]) -> str:
         lines.append(f"  {len(result.errors)} error(s) (skipped; details in {result.out / 'errors.json'}):")
         for e in result.errors:
             lines.append(f"    {e['run']}/{e['checkpoint']} {e['analysis']}: {e['error']}: {e['message'].splitlines()[0][:200]}")
+    lines += [f"  checkpoint integrity: {line}" for line in result.integrity]
     return "\n".join(lines)
 
 
