@@ -58,8 +58,11 @@ def _repeat_kv(x: Tensor, heads: int) -> Tensor:
 
 
 def _explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, *, scaling: float,
-              softcap: float | None, sinks: Tensor | None, scores_hook=None, pattern_hook=None) -> Tensor:
+              softcap: float | None, sinks: Tensor | None, scores_hook=None, pattern_hook=None,
+              dropout: float = 0.0) -> Tensor:
     """softmax(cap(q k^T * scaling) masked [, sink]) v in float32 -> [batch, head, q, d] (v's dtype).
+    `dropout`: the probability transformers passes in training mode (0 otherwise), applied to the pattern
+    after `hook_pattern` sees it, as transformers' eager attention applies it after the softmax.
 
     `mask`: transformers' bool mask (True: attend) or an additive float one; None with `causal`: the
     queries are the last q of the k keys. A sink logit per head (gpt-oss) joins each row's softmax and is
@@ -84,7 +87,10 @@ def _explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool
     pattern = torch.nan_to_num(pattern, nan=0.0)
     if pattern_hook is not None:
         pattern = pattern_hook(pattern)
-    return torch.matmul(pattern.to(v.dtype), _repeat_kv(v, heads))
+    pattern = pattern.to(v.dtype)
+    if dropout:
+        pattern = torch.nn.functional.dropout(pattern, p=dropout, training=True)
+    return torch.matmul(pattern, _repeat_kv(v, heads))
 
 
 class WrappedAttention(nn.Module):
@@ -151,8 +157,11 @@ class WrappedAttention(nn.Module):
         q = _heads_last(q, self.hook_q)
         k = _heads_last(k, self.hook_k)
         v = _heads_last(v, self.hook_v)
-        if self.instrumented_now():
-            z = _explicit(q, k, v, mask, causal, scaling=scaling, softcap=softcap, sinks=sinks,
+        # transformers passes the module's dropout in training mode, 0.0 otherwise; every path applies it
+        dropout = float(dropout or 0.0) if module.training else 0.0
+        if self.instrumented_now() or dropout and (softcap is not None or sinks is not None):
+            # one block: the dropout mask is drawn over the whole pattern, as transformers' eager draws it
+            z = _explicit(q, k, v, mask, causal, scaling=scaling, softcap=softcap, sinks=sinks, dropout=dropout,
                           scores_hook=self.hook_attn_scores if self.hook_attn_scores.active else None,
                           pattern_hook=self.hook_pattern if self.hook_pattern.active else None)
         elif softcap is None and sinks is None:
