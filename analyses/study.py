@@ -265,20 +265,39 @@ def folder_owner(folder: OutputFolder) -> str | None:
 
 def check_folder(study: Study, out, *, force: bool = False) -> OutputFolder:
     """The output folder, refused in one line before any work: a file, unwritable, someone else's
-    (`OutputFolder.check`), or holding another study's or a sweep's results without `force`."""
+    (`OutputFolder.check`), holding another study's or a sweep's results without `force`, or holding a
+    file interp did not write under a name the study writes (refused now, not after the work). The owner
+    seen here is remembered: `_write` checks it again under the folder's lock."""
     folder = OutputFolder(out)
     folder.check()
     owner = folder_owner(folder)
     if owner and owner != study.name and not force:
-        what = "a sweep's results" if owner == "sweep" else f"the results of the {owner} study"
-        raise OutputError(f"{folder.path} holds {what}: pick another --out folder, or pass --force to discard "
-                          "what interp wrote there")
+        raise OutputError(f"{folder.path} holds {_whose(owner)}: pick another --out folder, or pass --force to "
+                          "discard what interp wrote there")
+    folder.refuse_others(*_study_files(study.tables))
+    folder.owner_seen = owner
     return folder
+
+
+def _whose(owner: str) -> str:
+    return "a sweep's results" if owner == "sweep" else f"the results of the {owner} study"
+
+
+def _study_files(tables) -> list[str]:
+    """The fixed names a study writes (its figures are named by the report as it writes them)."""
+    return ["settings.json", "report.md", "report.html",
+            *(f"{t.name}.{ext}" for t in tables for ext in ("parquet", "csv"))]
 
 
 def _write(folder: OutputFolder, frames: list[tuple[Table, pd.DataFrame]], record: dict, title: str,
            sections: list[Section]) -> Path:
     with folder.writing():
+        # again, under the lock: a study started beside this one into the same folder may have written since
+        owner, study = folder_owner(folder), record.get("study")
+        if owner and owner not in (study, folder.owner_seen):
+            raise OutputError(f"{folder.path} now holds {_whose(owner)}, written there while this {study} study ran: "
+                              "nothing of this run was written and those results stay; rerun with another --out folder")
+        folder.refuse_others(*_study_files([t for t, _ in frames]))
         if folder.paths():
             folder.discard()  # the same study's earlier results (or, with force, another's): replaced whole
         for table, frame in frames:

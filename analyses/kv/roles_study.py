@@ -67,7 +67,7 @@ SELECT_LENGTHS = (1024,)  # prompt lengths of `interp kv select` (fitted to a sh
 # The streaming-loss ranking reads the perplexity text's first LOSS_TOKENS tokens (892 predicted past sinks 4 +
 # window 128): `loss_tokens` in settings.json. It is what the ranking's heads depend on: on SmolLM2-135M the
 # same command with the whole 2,048-token text (as before 2026-11-25 17:26, when this cap came in for speed)
-# keeps a different half of the KV heads, 5 of 8 pass keys at 50% instead of 0 of 8 (README, head roles).
+# keeps a different half of the KV heads, 5 of 8 pass keys at 50% instead of 0 of 8 (docs/kv_cache.md, head roles).
 LOSS_TOKENS = 1024
 
 

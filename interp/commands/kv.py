@@ -95,7 +95,7 @@ def add_select(p) -> None:
                         "so, and the gates then depend on the machine's speed")
     g.add_argument("--loss-tokens", type=int, default=LOSS_TOKENS,
                    help=f"the streaming-loss ranking reads the perplexity text's first this many tokens (default "
-                        f"{LOSS_TOKENS}; more text, other heads: README, head roles)")
+                        f"{LOSS_TOKENS}; more text, other heads: docs/kv_cache.md, head roles)")
     checks.add_prompt_options(p, "1024")
     checks.add_text_options(p, 2048, "the perplexity text")
 
