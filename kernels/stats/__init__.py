@@ -42,6 +42,28 @@ All compute in float32 whatever the input dtype, and match statistics computed f
 materialised float64 pattern (`kernels/stats/reference.py`) to float32 round-off
 (`tests/test_attention_stats.py`). A new separable statistic is one file
 (`kernels/stats/separable.py`: a name and its key column, registered; `tests/test_stat_plugin.py`).
+
+Positions and masks. Queries are the *last* ``n_q`` positions of the key sequence (decoding
+from a KV cache): query ``i`` sits at absolute position ``p = n_k - n_q + i``; key ``j`` at
+``j``. Key ``j`` is visible to the query at ``p`` iff all of::
+
+    (not causal or j <= p)  and  (window is None or p - j < window)
+                            and  (key_padding_mask is None or key_padding_mask[b, j])
+
+For ``n_q = 3``, ``n_k = 6`` (x visible, . masked)::
+
+                      causal              causal, window=3
+       key j:     0 1 2 3 4 5           0 1 2 3 4 5
+    i=0 (p=3)     x x x x . .           . x x x . .
+    i=1 (p=4)     x x x x x .           . . x x x .
+    i=2 (p=5)     x x x x x x           . . . x x x
+
+i.e. the causal diagonal sits at the *bottom right* (as flash-attention's ``causal=True``
+with ``seqlen_q < seqlen_k``), not at the top left.
+
+A query with no visible key (e.g. a left-padding position, which under a causal mask sees
+only padding) gets NaN in every statistic; so does ``duplicate``/``induction`` when
+``tokens`` is None.
 """
 
 from __future__ import annotations
@@ -118,26 +140,9 @@ def attention_stats(
     Returns:
         :class:`AttentionStats`, float32 ``[batch, heads, n_q]`` per statistic, on q's device.
 
-    Positions and masks. Queries are the *last* ``n_q`` positions of the key sequence (decoding
-    from a KV cache): query ``i`` sits at absolute position ``p = n_k - n_q + i``; key ``j`` at
-    ``j``. Key ``j`` is visible to the query at ``p`` iff all of::
-
-        (not causal or j <= p)  and  (window is None or p - j < window)
-                                and  (key_padding_mask is None or key_padding_mask[b, j])
-
-    For ``n_q = 3``, ``n_k = 6`` (x visible, . masked)::
-
-                          causal              causal, window=3
-           key j:     0 1 2 3 4 5           0 1 2 3 4 5
-        i=0 (p=3)     x x x x . .           . x x x . .
-        i=1 (p=4)     x x x x x .           . . x x x .
-        i=2 (p=5)     x x x x x x           . . . x x x
-
-    i.e. the causal diagonal sits at the *bottom right* (as flash-attention's ``causal=True``
-    with ``seqlen_q < seqlen_k``), not at the top left.
-
-    A query with no visible key (e.g. a left-padding position, which under a causal mask sees
-    only padding) gets NaN in every statistic; so does ``duplicate``/``induction`` when
+    Positions and masks: queries are the *last* ``n_q`` keys, the causal diagonal at the bottom right (the
+    module docstring draws it). A query with no visible key (e.g. a left-padding position, which under a
+    causal mask sees only padding) gets NaN in every statistic; so does ``duplicate``/``induction`` when
     ``tokens`` is None.
 
     Raises:
