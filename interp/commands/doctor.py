@@ -171,10 +171,10 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 def _stats(backend: str, pb: dict) -> dict:
-    from interp.kernels import attention_stats
+    from interp.kernels import Scoring, attention_stats
 
-    return attention_stats(pb["q"], pb["k"], pb["tokens"], key_padding_mask=pb["key_padding_mask"],
-                           window=pb["window"], backend=backend).to_dict()
+    return attention_stats(pb["q"], pb["k"], pb["tokens"], Scoring(window=pb["window"]),
+                           key_padding_mask=pb["key_padding_mask"], backend=backend).to_dict()
 
 
 def _checks(device, n: int):
@@ -183,11 +183,12 @@ def _checks(device, n: int):
 
     import torch
 
+    from interp.kernels import Scoring
     from interp.kernels.stats.reference import reference_stats
 
     f32 = problem(n, device, torch.float32)
-    ref = reference_stats(f32["q"], f32["k"], f32["tokens"], key_padding_mask=f32["key_padding_mask"],
-                          window=f32["window"])
+    ref = reference_stats(f32["q"], f32["k"], f32["tokens"], Scoring(window=f32["window"]),
+                          key_padding_mask=f32["key_padding_mask"])
     torch_stats = _stats("torch", f32)
     yield "torch kernel vs float64 materialised pattern (float32)", max_diff(torch_stats, ref), TOL["float32"]
     yield "fused route vs float64 materialised pattern (float32)", max_diff(_stats("fused", f32), ref), TOL["float32"]

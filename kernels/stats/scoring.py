@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +49,8 @@ class Scoring:
     def fold(cls, scoring: "Scoring | None" = None, **old) -> "Scoring":
         """`scoring` (None: the default) with the geometry keywords of the old call style (``scale=``,
         ``window=``, ``alibi_slopes=``, ``softcap=``, ``sink_logits=``, ``causal=``; kept for one release)
-        put over it. Any other keyword is a TypeError, as a misspelt argument would be."""
+        put over it, with a DeprecationWarning. Any other keyword is a TypeError, as a misspelt argument
+        would be."""
         if scoring is None:
             scoring = cls()
         if not isinstance(scoring, cls):
@@ -57,7 +59,12 @@ class Scoring:
         if unknown:
             raise TypeError(f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}; the layer's geometry "
                             f"is one of {', '.join(sorted(_FIELDS))} (or scoring=Scoring(...))")
-        return dataclasses.replace(scoring, **old) if old else scoring
+        if not old:
+            return scoring
+        warnings.warn(f"{', '.join(f'{name}=' for name in old)}: pass the layer's geometry as one Scoring "
+                      f"(scoring=Scoring({', '.join(f'{name}=...' for name in old)}), or a layer's attn.scoring); "
+                      "the separate keywords go in the next release", DeprecationWarning, stacklevel=3)
+        return dataclasses.replace(scoring, **old)
 
     def checked(self, q: Tensor) -> "Scoring":
         """Checked against queries ``q [batch, heads, n_q, d]`` and made ready for the kernels: the scale
