@@ -1,4 +1,4 @@
-"""Exact per-head attention statistics in O(n) memory, never the pattern: the entry point and the tiled kernels.
+"""Exact per-head attention statistics in O(n) memory, never the pattern: the package, and its entry point.
 
 Detecting head types needs a handful of numbers per query, not the ``n_q x n_k`` pattern
 (``p`` is the query's absolute position, ``j`` the key's; see :func:`attention_stats`):

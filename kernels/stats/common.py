@@ -2,7 +2,8 @@
 exponentials, the validation of their arguments and the result type.
 
 The routes (`kernels/stats/fused.py`, `kernels/stats/tiles.py`, `kernels/stats/triton_kernel.py`) import
-this module and never each other's entry points; the entry point (`kernels/stats/__init__.py`) imports
+this module (and share pieces one way: the fused route's row-max pass reads the tiles' masked scores, the
+Triton kernel the fused route's pairwise masses); the entry point (`kernels/stats/__init__.py`) imports
 the Triton kernel only when asked for it (Triton is optional).
 """
 
