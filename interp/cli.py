@@ -73,6 +73,12 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, (UserError, FileNotFoundError, NotImplementedError)):
             print(f"error: {e}", file=sys.stderr)
             return 2
+        if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":  # torch.cuda's is a RuntimeError
+            where = "the GPU" if type(e).__name__ == "OutOfMemoryError" else "this machine"
+            print(f"error: out of memory on {where} ({type(e).__name__}); nothing more was written: run it with less "
+                  "(fewer prompts or sequences, shorter ones, a smaller --batch-size) or where there is more memory",
+                  file=sys.stderr)
+            return 2
         raise
 
 

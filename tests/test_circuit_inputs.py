@@ -55,3 +55,41 @@ def test_a_task_file_nested_too_deeply_or_not_utf8_is_one_line(tmp_path, capsys)
     for f in (deep, latin):
         assert cli(["circuit", "attn-only-2l", "--task", str(f), "--out", str(tmp_path / "out")]) == 2
         assert f.name in _one_line(capsys)
+
+
+# ---- memory (issue 56, D4): 100,000 pairs reached 14 GB, and under a cap a raw MemoryError traceback ----------
+def test_prompts_that_would_not_fit_are_refused_with_the_most_that_do(monkeypatch):
+    from interp.analyses.circuits import study as circuit_study
+    from interp.analyses.circuits.tasks import induction_task
+    from interp.models.memory import FIXED_BYTES, GiB
+
+    model = interp.load("attn-only-2l")
+    task = induction_task(model, 64)
+    available = FIXED_BYTES + GiB // 2  # room for about a thousand prompts of attn-only-2l's induction
+    with pytest.raises(ValueError) as e:
+        circuit_study.check_memory(model, induction_task(model, 5_000), 16, available=available)
+    said = str(e.value)
+    assert said.startswith("--prompts 5000: about ") and "prompts of 41 tokens" in said and "\n" not in said, said
+    most = int(said.rsplit("at most about ", 1)[1].split(" ")[0].replace(",", ""))
+    assert 100 < most < 5_000
+    circuit_study.check_memory(model, induction_task(model, most), 16, available=available)  # that many do fit
+    circuit_study.check_memory(model, task, 16, available=available)
+
+
+def test_the_command_refuses_before_any_run_and_out_of_memory_is_one_line(monkeypatch, tmp_path, capsys):
+    from interp.analyses.circuits import runner, study as circuit_study
+    from interp.models.memory import FIXED_BYTES, GiB
+
+    monkeypatch.setattr(circuit_study, "available_bytes", lambda device: FIXED_BYTES + GiB // 2)
+    monkeypatch.setattr(runner.Runner, "__init__", lambda *a, **k: pytest.fail("a run started"))
+    argv = ["circuit", "attn-only-2l", "--task", "induction", "--no-progress"]
+    assert cli([*argv, "--prompts", "5000", "--out", str(tmp_path / "a")]) == 2
+    assert "at most about" in _one_line(capsys)
+    assert not (tmp_path / "a").exists()
+
+    def exhausted(*a, **k):
+        raise MemoryError
+
+    monkeypatch.setattr(runner.Runner, "__init__", exhausted)
+    assert cli([*argv, "--prompts", "8", "--out", str(tmp_path / "b")]) == 2
+    assert "out of memory on this machine" in _one_line(capsys)

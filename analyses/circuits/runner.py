@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from interp.models.device import to_host
+from interp.models.memory import per_token_bytes
 
 from .._common import frozen_params, progress
 from .graph import FRACTIONS, IG_ON, Graph, Task, select
@@ -124,6 +125,17 @@ def _final(model, resid: Tensor, task: Task, answers: Tensor, start: int) -> Ten
     x = resid[rows.to(resid.device), pos.to(resid.device)][:, None]
     logits = model(x, "logits", start_at_layer=model.cfg.n_layers)[:, 0]
     return task.metric(logits.float(), answers)
+
+
+def cache_bytes(cfg, graph: Graph, n_prompts: int, positions: int, batch_size: int, element_size: int = 4) -> int:
+    """Peak bytes of a `Runner` beyond the model: what it caches for every prompt, clean and corrupted (each
+    sender's value and each block's input at every position: 2 (senders + layers + 1) x positions x d_model
+    values), plus one chunk's working set (a forward's activations, and the receivers' inputs and gradients
+    that attribution holds). It grows with the prompts, which is what `interp circuit` checks before it runs."""
+    cached = 2 * (len(graph.senders) + graph.n_layers + 1) * positions * cfg.d_model * element_size
+    working = batch_size * positions * (per_token_bytes(cfg) + 2 * (len(graph.senders) + len(graph.receivers))
+                                        * cfg.d_model * 4)
+    return n_prompts * cached + working
 
 
 class Runner:

@@ -22,11 +22,12 @@ import pandas as pd
 import torch
 
 from interp.models.device import to_numpy
+from interp.models.memory import FIXED_BYTES, GiB, available_bytes, weight_bytes
 from interp.errors import as_user_errors
 
 from .._common import spearman
 from .graph import FRACTIONS, IG_ON, METHODS, SELECTIONS, Graph, Task, areas, select
-from .runner import Runner, faithfulness_curve
+from .runner import Runner, cache_bytes, faithfulness_curve
 from .tasks import METRICS, TASKS, build_task, read_task_file
 from ..document import Html, Section, number, png
 from ..study import Measured, Study, StudySettings, Table
@@ -95,6 +96,27 @@ class CircuitMeasured(Measured):
     agreement: dict[str, float]
 
 
+def check_memory(model, task: Task, batch_size: int, available: int | None = None) -> None:
+    """Refuse, in one line naming the most prompts that fit, a task whose cached runs (`runner.cache_bytes`)
+    would not fit beside the model on its device; before any run."""
+    available = available_bytes(model.device) if available is None else available
+    if available is None:
+        return
+    cfg, graph = model.cfg, Graph(model.cfg)
+    n, positions = int(task.clean.shape[0]), int(task.clean.shape[1])
+    element = next(model.parameters()).element_size()
+    fixed = FIXED_BYTES + weight_bytes(cfg, element)
+    needed = fixed + cache_bytes(cfg, graph, n, positions, min(batch_size, n), element)
+    if needed <= available:
+        return
+    per_prompt = cache_bytes(cfg, graph, 1, positions, 0, element)
+    most = max(0, (available - fixed - cache_bytes(cfg, graph, 0, positions, batch_size, element)) // per_prompt)
+    where = "this machine's" if torch.device(model.device).type == "cpu" else f"{model.device}'s"
+    raise ValueError(f"--prompts {n}: about {needed / GiB:.1f} GiB needed for the clean and corrupted runs of {n} "
+                     f"prompts of {positions} tokens ({len(graph.senders)} senders cached at every position), more "
+                     f"than {where} {available / GiB:.1f} GiB free; at most about {most:,} prompts fit (--prompts)")
+
+
 class CircuitStudy(Study):
     name, title = "circuit", "Circuit"
     tables = (Table("edges", ("sender", "receiver", "input", "score", "method")),
@@ -130,6 +152,7 @@ class CircuitStudy(Study):
     def measure(self, model, s: CircuitSettings, stage):
         with as_user_errors(ValueError, NotImplementedError):
             task = stage("task", lambda: build_task(model, s.task, n_prompts=s.prompts, seed=s.seed, metric=s.metric))
+            check_memory(model, task, s.batch_size)
             runner = stage("clean and corrupted", lambda: Runner(model, task, batch_size=s.batch_size,
                                                                  show_progress=s.progress))
         g = runner.graph
