@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ._common import kv_group, token_input, valid_mask
+from .heads import layer_pass
 from interp.models.stats import attention_logsumexp, attention_weights_at, layer_scoring
 
 
@@ -36,8 +37,6 @@ def attention_sinks(
     value_norm_others (mean ||v_j|| over the real keys j >= n_sink), value_norm_ratio, and the
     settings n_sink, epsilon, n_sequences, seq_len. `.attrs["sink_rate"]` is the Sink metric for key
     0 (share of all heads with alpha_0 > epsilon); `sink_rate(df)` gives it per layer and key."""
-    from .heads import layer_pass
-
     stream = SinkStream(model, tokens, n_sink, epsilon, attention_mask=attention_mask)
     layer_pass(model, stream.tokens, [stream], valid=stream.valid, attention_mask=stream.attention_mask)
     return stream.frame()

@@ -31,16 +31,15 @@ from interp.kernels import AttentionStats, Scoring, attention_stats
 from interp.kernels.attention import soft_cap
 from interp.kernels.visibility import visible
 
-from .attention import scoring_of
 from .device import to_numpy
 
 LayerFn = Callable[[int, Tensor, Tensor, Tensor], None]
 
 
 def layer_scoring(model, layer: int) -> Scoring:
-    """Layer `layer`'s `Scoring` (`attn.scoring` of a native layer; the same, read from the attributes, of
-    a wrapped one): what every statistics call of the layer takes."""
-    return scoring_of(model.blocks[layer].attn)
+    """Layer `layer`'s `Scoring` (`attn.scoring`, native or wrapped): what every statistics call of the
+    layer takes."""
+    return model.blocks[layer].attn.scoring
 
 
 @torch.no_grad()

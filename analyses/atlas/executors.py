@@ -74,7 +74,7 @@ _events: "mp.Queue | None" = None  # set in each worker process by _init_worker
 def _init_worker(events, threads: int) -> None:
     global _events
     _events = events
-    import torch
+    import torch  # in the worker process only: the driver's `--help` and planning never pay for it
 
     torch.set_num_threads(threads)  # N workers share the cores instead of each claiming all of them
 

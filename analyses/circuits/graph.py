@@ -4,6 +4,7 @@ the logits, dangling edges pruned) with the area under their faithfulness curve.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -161,7 +162,6 @@ def top_edges(graph: Graph, scores: Tensor, n: int) -> Tensor:
 def greedy_edges(graph: Graph, scores: Tensor, n: int) -> Tensor:
     """bool [S, R]: grown from the logits (Hanna et al. 2024): at each step the edge of largest |score|
     among those into a node already in the circuit joins it, with its sender."""
-    import heapq
 
     edges_of = {r: graph.allowed[:, r].nonzero().flatten().tolist() for r in range(len(graph.receivers))}
     keep = torch.zeros_like(graph.allowed)

@@ -30,6 +30,7 @@ from .graph import FRACTIONS, IG_ON, METHODS, SELECTIONS, Graph, Task, areas, se
 from .runner import Runner, cache_bytes, faithfulness_curve
 from .tasks import METRICS, TASKS, build_task, read_task_file
 from ..document import Html, Section, number, png
+from ..heads import induction_scores
 from ..study import Measured, Study, StudySettings, Table
 
 # exact edge patching is one forward per edge: past this many edges it is refused (with the way round)
@@ -233,7 +234,6 @@ def _node_frame(g: Graph, scores, method: str, circuit) -> pd.DataFrame:
 def _roles(model) -> dict:
     """The atlas's induction and duplicate-token heads: the top `ROLE_TOP` by Olsson et al.'s scores on
     repeated random tokens (`heads.induction_scores`)."""
-    from ..heads import induction_scores
 
     frame = induction_scores(model, seq_len=50, batch_size=8)
     out = {}
@@ -358,7 +358,7 @@ def _top(frame: pd.DataFrame, n: int) -> pd.DataFrame:
 
 
 def _curve_section(curve: pd.DataFrame) -> Section:
-    import matplotlib
+    import matplotlib  # start-up time: the command's --help and checks run without it
 
     matplotlib.use("Agg")
     from matplotlib.figure import Figure

@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from interp.kernels.attention import Needs, choose
 
+from ..attention import scoring_of
 from ..base import native_only
 from ..hooks import HookPoint
 
@@ -127,6 +128,8 @@ class WrappedAttention(nn.Module):
     def softcap(self) -> float | None:
         cap = getattr(self._module, "attn_logit_softcapping", None)
         return cap or getattr(getattr(self._module, "config", None), "attn_logit_softcapping", None) or None
+
+    scoring = property(scoring_of, doc="The layer's `Scoring` for the statistics kernels, as a native layer's.")
 
     @property
     def sinks(self) -> Tensor | None:

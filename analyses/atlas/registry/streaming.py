@@ -5,6 +5,7 @@ positions inside the rolling cache as published (rotary models; others keep orig
 from __future__ import annotations
 
 import dataclasses
+import math
 from types import MappingProxyType
 
 import pandas as pd
@@ -62,7 +63,6 @@ def section(v: RunView) -> list:
     rows = v.last[v.last["metric"].str.startswith("streaming_loss/")]
     if rows.empty:
         return [f"{v.prefix}No StreamingLLM results (see Errors)."]
-    import math
 
     # a loss past ~709 overflows exp: its perplexity is inf, which the table leaves blank (never "inf")
     table = pd.DataFrame([dict(zip(("setting", "window"), _parse(m)[:2]), loss=val,
