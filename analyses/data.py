@@ -274,8 +274,11 @@ def read_token_file(path) -> Tensor:
     try:
         raw = np.load(path) if path.endswith(".npy") else torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file gets the same one-line answer
-        raise ValueError(f"cannot read token ids from {path} ({type(e).__name__}: {e}); save a tensor of token ids "
-                         "with torch.save (.pt) or numpy.save (.npy)") from None
+        # never torch's own advice: it suggests weights_only=False, which runs whatever the file's pickle says
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        why = "" if not first or "weights_only" in str(e) else f": {first[:200]}"
+        raise ValueError(f"cannot read token ids from {path} ({type(e).__name__}{why}); it is not a tensor saved with "
+                         "torch.save (.pt) or numpy.save (.npy): save the token ids that way") from None
     raw = torch.as_tensor(raw)
     if raw.is_floating_point() or raw.is_complex() or raw.dtype == torch.bool:
         raise ValueError(f"{path} holds {raw.dtype} values; token ids must be integers (e.g. int64)")

@@ -143,3 +143,22 @@ def test_a_wrapped_config_with_sizes_no_model_has_is_one_line_and_quick(edit, me
         interp.load(bad)
     assert time.perf_counter() - start < 20  # 20,000 layers were built on the meta device first: over 100 s
     _one_line(e.value, str(bad / "config.json"), message)
+
+
+# ---- code in the folder, in any shape ---------------------------------------------------------------------------
+@pytest.mark.parametrize("auto_map, named", [
+    (["modeling_evil.EvilForCausalLM"], "modeling_evil.EvilForCausalLM"),
+    ("modeling_evil.EvilForCausalLM", "'modeling_evil.EvilForCausalLM'"),
+], ids=["list", "string"])
+@pytest.mark.parametrize("where", ["config.json", "tokenizer_config.json"])
+def test_an_auto_map_that_is_a_list_or_a_string_is_refused_in_one_line(auto_map, named, where, llama_folder,
+                                                                        tmp_path, no_weights):
+    """Was a traceback (a dict was expected); an `auto_map` in any shape names code, and code never runs."""
+    from interp.errors import OwnCodeRefused
+
+    bad = _with_config(llama_folder, tmp_path, lambda c: c.update(auto_map=auto_map) if where == "config.json" else None)
+    if where == "tokenizer_config.json":
+        (bad / where).write_text(json.dumps({"auto_map": auto_map}))
+    with pytest.raises(OwnCodeRefused) as e:
+        interp.load(bad)
+    _one_line(e.value, f"{bad / where} maps {named} to code in the checkpoint folder (auto_map)")

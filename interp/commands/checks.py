@@ -89,6 +89,18 @@ def text_data(args, seq_len: int, *, rows: int | None = None):
     return StudyData.of(spec, default_length=args.seq_len is None)
 
 
+def data_kind(args, path: str) -> str:
+    """The data kind of --data (auto, text, corpus) with --text-file: the text when one is given, refused in
+    one line beside --data corpus (which reads the zoo's corpus, not the file), else `resolve_kind`'s choice
+    for the model at `path`."""
+    from interp.analyses.data import resolve_kind  # start-up time: imports torch
+
+    if args.text_file and args.data == "corpus":
+        raise ValueError(f"--data corpus reads the zoo's held-out corpus and --text-file {args.text_file} is other "
+                         "text: give one of them (--data text, or auto, reads the file)")
+    return "text" if args.text_file else resolve_kind(args.data, [path])
+
+
 def prompt_settings(args) -> dict:
     """The `RetrievalSettings` fields of the prompt options."""
     return dict(lengths=None if args.lengths is None else tuple(numbers(args.lengths, int, "--lengths")),

@@ -72,7 +72,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from interp.analyses.extrapolation.study import ExtrapolateSettings, ExtrapolateStudy  # start-up time: torch
     from interp.analyses.study import StudyData
-    from interp.analyses.data import DataSpec, resolve_kind
+    from interp.analyses.data import DataSpec
     from interp.errors import as_user_errors
     from interp.models.runs.names import resolve_run
 
@@ -93,7 +93,7 @@ def run(args) -> int:
         if is_wrapped(str(path)):  # per-head RoPE is interp's own transformer's
             raise ValueError(f"interp extrapolate rescales RoPE head by head, which only interp's own transformer does, "
                              f"and {args.model} is a model that transformers runs (wrapped)")
-        kind = "text" if args.text_file else resolve_kind(args.data, [str(path)])
+        kind = checks.data_kind(args, str(path))
         spec = DataSpec(kind="text" if kind == "repeated_random" else kind, n_seqs=args.n_seqs,
                         seq_len=max(4, max(lengths or (4,))), path=args.text_file)
         return ExtrapolateSettings(**checks.common(args), data=StudyData.of(spec), lengths=lengths, scalings=scalings,

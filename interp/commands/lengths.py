@@ -42,7 +42,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from interp.analyses.extrapolation.lengths import LengthSettings, LengthStudy  # start-up time: torch
     from interp.analyses.study import StudyData
-    from interp.analyses.data import DataSpec, resolve_kind
+    from interp.analyses.data import DataSpec
     from interp.errors import as_user_errors
     from interp.models.runs.names import resolve_run
 
@@ -53,7 +53,7 @@ def run(args) -> int:
     args.model = run_.name  # the report's name: the run's, not its last checkpoint's folder
 
     def settings():
-        kind = "text" if args.text_file else resolve_kind(args.data, [path])  # checked by LengthStudy.check
+        kind = checks.data_kind(args, path)  # checked by LengthStudy.check
         spec = DataSpec(kind=kind, n_seqs=args.n_seqs, seq_len=max(max(lengths), 4), seed=args.seed,
                         path=str(args.text_file) if args.text_file else None)
         return LengthSettings(**checks.common(args), data=StudyData.of(spec), lengths=lengths,

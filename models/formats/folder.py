@@ -10,9 +10,16 @@ from interp.errors import OwnCodeRefused
 from .tokenizer import load_tokenizer
 
 
-def _auto_map(raw) -> dict:
+def _auto_map(raw) -> list[str]:
+    """What an `auto_map` maps to the folder's code: its keys (a dict, as transformers writes it), or, in any
+    other shape (a list, a string: transformers would trip over it, or read it as a class path), the value
+    itself. Any non-empty `auto_map` is code, refused."""
     value = raw.get("auto_map") if isinstance(raw, dict) else None
-    return value if isinstance(value, dict) and value else {}
+    if not value:
+        return []
+    if isinstance(value, dict):
+        return sorted(str(k) for k in value)
+    return [str(v) for v in value] if isinstance(value, (list, tuple)) else [repr(value)]
 
 
 def refuse_own_code(path: Path, config: dict, *, tokenizer_given: bool) -> None:
@@ -24,7 +31,7 @@ def refuse_own_code(path: Path, config: dict, *, tokenizer_given: bool) -> None:
     mapped = _auto_map(config)
     if mapped:
         raise OwnCodeRefused(
-            f"{path / 'config.json'} maps {', '.join(sorted(mapped))} to code in the checkpoint folder (auto_map); "
+            f"{path / 'config.json'} maps {', '.join(mapped)} to code in the checkpoint folder (auto_map); "
             "interp never runs a checkpoint's code. If you trust it, read that code, load the model yourself "
             "(transformers' AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)) and convert it "
             "with interp.from_hf(hf_model)")
@@ -32,12 +39,12 @@ def refuse_own_code(path: Path, config: dict, *, tokenizer_given: bool) -> None:
         return
     file = path / "tokenizer_config.json"
     try:
-        mapped = _auto_map(json.loads(file.read_text())) if file.is_file() else {}
+        mapped = _auto_map(json.loads(file.read_text())) if file.is_file() else []
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        mapped = {}  # an unreadable tokenizer config loads no tokenizer (local_tokenizer), and runs nothing
+        mapped = []  # an unreadable tokenizer config loads no tokenizer (local_tokenizer), and runs nothing
     if mapped:
         raise OwnCodeRefused(
-            f"{file} maps {', '.join(sorted(mapped))} to code in the checkpoint folder (auto_map); interp never "
+            f"{file} maps {', '.join(mapped)} to code in the checkpoint folder (auto_map); interp never "
             "runs a checkpoint's code. If you trust it, read that code, load the tokenizer yourself "
             "(AutoTokenizer.from_pretrained(folder, trust_remote_code=True)) and pass it: "
             "interp.load(folder, tokenizer=tok)")
