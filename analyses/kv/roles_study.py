@@ -175,19 +175,14 @@ class RolesStudy(Study):
         if s.gate_seconds is not None:
             check_real("--gate-seconds", s.gate_seconds, minimum=0.0, strict=True)
         s, notes = check_retrieval(cfg, s, SELECT_LENGTHS)
-        check_int("--window", s.window, minimum=1)
-        reads = max(cfg.n_ctx, *s.lengths)  # the longest the study reads (past n_ctx only when asked)
-        if s.sinks + s.window >= reads:  # before --loss-tokens, which a too-long window would be blamed on
-            raise ValueError(f"--window {s.window}: with {s.sinks} sink tokens the streaming cache keeps "
-                             f"{s.sinks + s.window:,} tokens, all of the {reads:,} this study reads, so it evicts "
-                             f"nothing: choose a --window below {reads - s.sinks:,}")
-        if "loss" in s.selections:
-            check_int("--loss-tokens", s.loss_tokens, minimum=s.sinks + s.window + 2,
-                      hint=f"the loss ranking scores the tokens past sinks + window = {s.sinks + s.window}")
         check_selection(s.selections, s.fractions, cfg.n_layers * cfg.kv_heads)
         stream = PolicyRun("streaming", Streaming(s.sinks, s.window))
         for max_len in (min(s.lengths) + s.max_new_tokens, s.data.length):
             stream.grid_for(cfg, max_len)
+        # after the window's own check, so a window too long is blamed on --window, not on --loss-tokens
+        if "loss" in s.selections:
+            check_int("--loss-tokens", s.loss_tokens, minimum=s.sinks + s.window + 2,
+                      hint=f"the loss ranking scores the tokens past sinks + window = {s.sinks + s.window}")
         if s.equal_bytes:  # SnapKV at the selections' bytes: its budget must fit the perplexity text too
             need = max(equal_bytes_budget(f, n, s.sinks, s.window) for f in s.fractions for n in s.lengths)
             if need > s.data.length:
