@@ -43,7 +43,8 @@ def fingerprint(model) -> dict:
         if flat.numel():
             h.update(to_numpy(flat.view(torch.uint8)).tobytes())  # one tensor on the host at a time
         if flat.is_floating_point() and flat.numel():
-            index = torch.linspace(0, flat.numel() - 1, steps=min(per, flat.numel()), device=flat.device).long()
+            k = min(per, flat.numel())  # evenly spaced, in integers: float32 cannot name every index of a big tensor
+            index = torch.arange(k, device=flat.device, dtype=torch.int64) * (flat.numel() - 1) // max(k - 1, 1)
             sketch += to_numpy(flat[index], np.float64).tolist()
     return {"weights": h.hexdigest(), "sketch": sketch}
 

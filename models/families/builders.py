@@ -157,7 +157,11 @@ def linears(get: TensorGetter, o: str, p: str, names: Mapping[str, str], *, bias
     for ours, theirs in names.items():
         module, leaf = ours.rsplit(".", 1)
         w = get(f"{p}{theirs}.weight")
-        sd[f"{o}{module}.W_{'O_flat' if leaf == 'O' else leaf}"] = t(w) if transpose else w
+        if transpose and module == "mlp" and leaf in ("in", "gate"):
+            w = w.T  # a view: our W_in / W_gate are stored out-major ([out, in], as the file), so no copy
+        elif transpose:
+            w = t(w)
+        sd[f"{o}{module}.W_{'O_flat' if leaf == 'O' else leaf}"] = w
         if bias:
             sd[f"{o}{module}.b_{leaf}"] = get(f"{p}{theirs}.bias")
     return sd
@@ -176,7 +180,8 @@ def grouped_qkv(x: Tensor, n_heads: int, n_kv: int, d_head: int) -> Tensor:
     [q, k, v] when every head has its own key and value: GPT-NeoX, BLOOM, Falcon) in our order [q | k | v]:
     a weight [rows, d_model] or a bias [rows]."""
     g = n_heads // n_kv
-    w = x.reshape(n_kv, g + 2, d_head, -1)
+    w = x.reshape(n_kv, g + 2, d_head, *x.shape[1:])  # a tensor of any other row count fails here, named
+    w = w if x.dim() > 1 else w[..., None]
     rows = torch.cat([w[:, :g].reshape(n_heads * d_head, -1), w[:, g].reshape(n_kv * d_head, -1),
                       w[:, g + 1].reshape(n_kv * d_head, -1)])
     return rows.reshape(-1) if x.dim() == 1 else rows
