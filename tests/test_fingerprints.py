@@ -75,3 +75,14 @@ def _prints(out):
     from interp.analyses.store import ResultStore
 
     return ResultStore(out).fingerprints()
+
+
+def test_a_tensor_past_float32s_whole_numbers_is_sampled_inside_it():
+    """SmolLM2's embedding (28,311,552 values): a float32 linspace of its indices ended one past the end."""
+    class Big(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.arange(2**24 + 3, dtype=torch.float32))
+
+    sketch = fingerprint(Big())["sketch"]
+    assert len(sketch) == 2048 and sketch[0] == 0 and sketch[-1] == 2**24 + 2
