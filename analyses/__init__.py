@@ -1,6 +1,10 @@
-"""Analyzers: head detection, induction, attention sinks, ablation, importance, pruning, composition.
+"""Analyses, one room per study: atlas/ (every head's scores over a run's checkpoints: the sweep, its
+analyses, the report), circuits/, extrapolation/ (scores by length, past the trained context), kv/ (the
+cache head by head). Here, what the rooms share: the Study shape (study.py), the output folder and its
+tables (store.py), the data (data.py), documents and plots, and the analyzers: head detection,
+induction, attention sinks, ablation, importance, pruning, composition.
 
-Each takes a model and data and returns a tidy `pandas.DataFrame` (one row per layer/head/metric,
+Each analyzer takes a model and data and returns a tidy `pandas.DataFrame` (one row per layer/head/metric,
 plus the settings that produced it); `plot_head_scores`, `plot_curve` and `plot_composition` draw
 them. Published definitions are cited in each module's docstring.
 """
