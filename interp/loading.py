@@ -38,7 +38,7 @@ from interp.models.runs.names import (  # noqa: F401 - name resolution is the mo
     revisions_run,
 )
 
-def load(name_or_path, *, revision: str | None = None, dtype: torch.dtype = torch.float32,
+def load(name_or_path, *, revision: str | None = None, dtype: torch.dtype | str | None = None,
          device: torch.device | str | None = None, tokenizer=None, default_prepend_bos: bool | None = None,
          fold_ln: bool = False, center_writing_weights: bool = False, center_unembed: bool = False,
          fold_value_biases: bool = False, refactor_factored_attn_matrices: bool = False,
@@ -53,6 +53,11 @@ def load(name_or_path, *, revision: str | None = None, dtype: torch.dtype = torc
        `step1000`, or a commit hash; default main).
 
     Anything else raises `ModelNotFound` saying what was tried, with the closest name.
+
+    dtype: a torch dtype; "auto", the checkpoint's own (as transformers 5's default); None (the default),
+    the checkpoint's own on CUDA and float32 on the CPU (exact numbers, TransformerLens's; bf16 matrix
+    products are slow on CPUs without AMX). Weights that would not fit the device's free memory in it are
+    refused in one line naming a dtype that fits, before any weight is read.
 
     default_prepend_bos: override whether text gets BOS first (default: the saved config's, else
     TransformerLens's rule, BOS when the tokenizer has one). fold_ln, center_writing_weights,

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from interp.errors import UserError
+
 FIXED_BYTES = 3 * 2**29  # 1.5 GiB
 GiB = 2**30
 
@@ -101,3 +103,33 @@ def check_fits(cfg, batch: int, length: int, device="cpu", *, what: str = "--seq
                          f"tokens, more than {where} {available / GiB:.1f} GiB free; the longest that fits is about "
                          f"{longest:,} tokens (or use fewer sequences)")
     return fit
+
+
+class WeightsDoNotFit(UserError, MemoryError):
+    """A load refused before any weight is read: the weights in the requested dtype would not fit."""
+
+
+# What a refusal offers instead, narrowest last: the sizes a checkpoint can be loaded in.
+_SMALLER = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_weights_fit(cfg, dtype: torch.dtype, device=None, *, source: str, available: int | None = None) -> None:
+    """Refuse (`WeightsDoNotFit`, one line) a load whose weights alone, `cfg.n_params()` in `dtype`, exceed
+    what `device` has free (`available_bytes`), naming a smaller dtype that would fit, with its size. Made
+    from the config before any weight is read; a ceiling-free estimate (activations come on top), so a
+    load it allows can still run short, but one it refuses could not have fitted. Nothing is refused
+    when the free memory cannot be read."""
+    device = torch.device(device or "cpu")
+    available = available_bytes(device) if available is None else available
+    needed = weight_bytes(cfg, dtype.itemsize)
+    if available is None or needed <= available:
+        return
+    where = "this machine's" if device.type == "cpu" else f"{device}'s"
+    fits = [d for d in _SMALLER if d.itemsize < dtype.itemsize and weight_bytes(cfg, d.itemsize) <= available]
+    n = cfg.n_params()
+    instead = (f"in {str(fits[0]).removeprefix('torch.')} they take {weight_bytes(cfg, fits[0].itemsize) / GiB:.1f} GiB, "
+               f"which fits (dtype=torch.{str(fits[0]).removeprefix('torch.')})" if fits else
+               f"no dtype interp loads in fits ({weight_bytes(cfg, 2) / GiB:.1f} GiB in bfloat16): use a machine or "
+               "device with more memory")
+    raise WeightsDoNotFit(f"{source}: its {n / 1e9:.2f}B weights in {str(dtype).removeprefix('torch.')} need about "
+                          f"{needed / GiB:.1f} GiB, more than {where} {available / GiB:.1f} GiB free; {instead}")

@@ -8,13 +8,16 @@ Nothing here builds a model, so the model itself can import `save_model` (`model
 
 from __future__ import annotations
 
+import ctypes
 import json
+import math
+import mmap
 import os
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -50,16 +53,14 @@ def save_model(model: "HookedTransformer", path, dtype: torch.dtype | None = Non
 
 
 def read_state_dict(path: Path) -> dict[str, Tensor]:
-    """All tensors of a checkpoint directory, with errors that name the file."""
+    """All tensors of a checkpoint directory, with errors that name the file. Safetensors files are
+    memory-mapped (`mapped_safetensors`): each tensor is a view of the file's bytes, read from disk when
+    first touched and never copied here, so reading costs no memory until a conversion needs a copy."""
     single, index, pt = path / "model.safetensors", path / "model.safetensors.index.json", path / "pytorch_model.bin"
     if single.exists():
-        return _read_safetensors(single)
+        return mapped_safetensors(single)
     if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        out: dict[str, Tensor] = {}
-        for f in files:
-            out.update(_read_safetensors(path / f))
-        return out
+        return _read_sharded(index)
     if pt.exists():
         try:
             return torch.load(pt, map_location="cpu", weights_only=True)
@@ -68,23 +69,133 @@ def read_state_dict(path: Path) -> dict[str, Tensor]:
     raise CheckpointError(f"{path} has no model.safetensors (nor a sharded index or pytorch_model.bin)")
 
 
-def _read_safetensors(file: Path) -> dict[str, Tensor]:
-    from safetensors import safe_open
-
+def _read_sharded(index: Path) -> dict[str, Tensor]:
+    """The tensors a `model.safetensors.index.json` names, each from the shard it names: a missing shard,
+    or a tensor the index puts in a shard that does not hold it, is one line naming the file."""
     try:
-        with safe_open(str(file), framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # noqa: BLE001 - safetensors raises several types; name the file
-        raise CheckpointError(
-            f"could not read {file} ({type(e).__name__}: {e}); the file is truncated or corrupt: re-save or re-download it"
-        ) from e
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index} is not a safetensors index ({type(e).__name__}: {e})") from None
+    out: dict[str, Tensor] = {}
+    for f in sorted(set(weight_map.values())):
+        shard = index.parent / str(f)
+        if not shard.is_file():
+            raise CheckpointError(f"{index} names the shard {f}, which is not in {index.parent}: the download is incomplete")
+        out.update(mapped_safetensors(shard))
+    absent = sorted(k for k, f in weight_map.items() if k not in out)
+    if absent:
+        raise CheckpointError(f"{index} puts tensor {absent[0]!r} in {weight_map[absent[0]]}, which does not hold it"
+                              f"{f' (+{len(absent) - 1} more)' if len(absent) > 1 else ''}: the index and the shards "
+                              "do not belong together")
+    return out
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def safetensors_header(file: Path) -> tuple[dict, int]:
+    """(the header's tensor entries, the byte offset where the data starts) of a safetensors file, checked
+    against the file's size so that no tensor reaches past its end; CheckpointError naming the file."""
+    bad = f"{file} is truncated or corrupt: re-save or re-download it"
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 2 or 8 + n > size:
+                raise CheckpointError(f"could not read {file} (its header is {'missing' if n < 0 else 'cut off'}); {bad}")
+            header = json.loads(fh.read(n))
+    except OSError as e:
+        raise CheckpointError(f"could not read {file} ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"could not read {file} (its header is not JSON: {e}); {bad}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"could not read {file} (its header is not an object); {bad}")
+    header.pop("__metadata__", None)
+    start = 8 + n
+    for name, e in header.items():
+        try:
+            dtype = _DTYPES[e["dtype"]]
+            shape = [int(d) for d in e["shape"]]
+            begin, end = (int(x) for x in e["data_offsets"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"could not read {file} (tensor {name!r}: {type(err).__name__} {err}); {bad}") from None
+        numel = math.prod(shape)
+        if min(shape, default=1) < 0 or not 0 <= begin <= end or end - begin != numel * dtype.itemsize or start + end > size:
+            raise CheckpointError(f"could not read {file} (tensor {name!r} does not fit in the file); {bad}")
+        e["torch_dtype"], e["shape"], e["data_offsets"] = dtype, shape, (begin, end)
+    return header, start
+
+
+def mapped_safetensors(file: Path) -> dict[str, Tensor]:
+    """Every tensor of a safetensors file as a view of the file, memory-mapped copy-on-write: pages are read
+    from disk when touched and stay file-backed (RssFile, reclaimable), never anonymous memory, until
+    something writes to them (then that page alone is copied; the file never changes). A tensor whose
+    offset is not aligned to its element size is copied (safetensors does not promise alignment)."""
+    header, start = safetensors_header(file)
+    mapped = None
+    if any(e["data_offsets"][1] > e["data_offsets"][0] for e in header.values()):
+        try:
+            with open(file, "rb") as fh:
+                mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"could not read {file} ({e})") from None
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        for name, e in header.items():
+            dtype, shape, (begin, end) = e["torch_dtype"], e["shape"], e["data_offsets"]
+            if end == begin:
+                out[name] = torch.empty(shape, dtype=dtype)
+                continue
+            t = torch.frombuffer(mapped, dtype=torch.uint8, count=end - begin, offset=start + begin)
+            if (start + begin) % dtype.itemsize:
+                t = t.clone()
+            else:
+                _MAPPED.add(t.untyped_storage().data_ptr())
+            out[name] = t.view(dtype).reshape(shape)
+    return out
+
+
+_MAPPED: set[int] = set()  # the storages `mapped_safetensors` made over a file's mapping (their addresses)
+_PAGE = mmap.PAGESIZE
+
+
+def release_pages(tensors) -> None:
+    """Hand the resident pages of memory-mapped tensors (`mapped_safetensors`'s) back to the kernel
+    (madvise MADV_DONTNEED, Linux): the next read faults them in again from the page cache, so only what
+    a load is touching now stays resident. Only for tensors nothing has written to (a private mapping's
+    written page would be lost): a load calls it on what it has only read. Others are left alone."""
+    if not _MAPPED or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    for t in tensors:
+        storage = t.untyped_storage()
+        start = storage.data_ptr()
+        if start not in _MAPPED:
+            continue
+        first, end = -(-start // _PAGE) * _PAGE, (start + storage.nbytes()) // _PAGE * _PAGE
+        if end > first:
+            _madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), mmap.MADV_DONTNEED)
+
+
+def _madvise(*args):
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return _libc.madvise(*args)
+
+
+_libc = None
 
 
 def header_shapes(file: Path) -> dict[str, tuple[int, ...]] | None:
     """{tensor name: shape} from a safetensors file's header, without reading any tensor; None when the
     header cannot be read (`read_state_dict` then reports the file)."""
     try:
-        with safe_open(str(file), framework="pt") as f:
-            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    except Exception:  # noqa: BLE001 - an unreadable file is reported by read_state_dict, with its name
+        return {k: tuple(e["shape"]) for k, e in safetensors_header(file)[0].items()}
+    except CheckpointError:  # an unreadable file is reported by read_state_dict, with its name
         return None

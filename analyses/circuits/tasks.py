@@ -62,6 +62,7 @@ def token_metric(kind: str, answers: Sequence[Sequence[int]], wrongs: Sequence[S
     w_ids, w_on = _padded(wrongs) if wrongs is not None and all(wrongs) else (None, None)
 
     def metric(logits: Tensor, index: Tensor) -> Tensor:
+        logits = logits.float()  # scores in float32 whatever the weights' dtype (bf16 models)
         index = index.to(a_ids.device)
         ai, ao = a_ids[index].to(logits.device), a_on[index].to(logits.device)
         if kind == "logit-diff":

@@ -24,10 +24,11 @@ from . import ours as format_ours
 from . import gguf
 from .build import build_model, check_finite, convert_weights
 from ..rope import choice as rope_choice
+from .. import memory
 from ..config import ModelConfig, RopeScaling
 from interp.errors import CheckpointError, OwnCodeRefused
 from .folder import local_tokenizer, refuse_own_code
-from ..tensor_files import FORMAT_VERSION, read_state_dict, save_model
+from ..tensor_files import FORMAT_VERSION, read_state_dict, safetensors_header, save_model
 from ..base import HookedModel, rope_refusal
 
 __all__ = ["CheckpointError", "FORMAT_VERSION", "OwnCodeRefused", "build_model", "check_finite", "convert_weights",
@@ -58,15 +59,23 @@ def _format_of(path, *, tokenizer_given: bool):
     return (format_ours if format_ours.claims(raw) else format_hf), path, raw
 
 
-def load_checkpoint(path, *, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+def load_checkpoint(path, *, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
                     tokenizer=None, rope_scaling=None) -> HookedModel:
     """A model from a local checkpoint directory (or a file inside it): our format, or a Hugging Face
     checkpoint converted by its family (by config.json's `model_type`), without `transformers`;
     or a llama-architecture `.gguf` file (`interp.models.formats.gguf`). `rope_scaling` (any spelling of
     `rope_choice`; None: the checkpoint's own) replaces the checkpoint's rotary scaling, checked against
-    its config before a weight is read (`rope_scaling_for`)."""
+    its config before a weight is read (`rope_scaling_for`). `dtype`: see `resolve_dtype`; the weights in
+    it must fit in the device's free memory (`memory.check_weights_fit`, from the config, before any weight
+    is read)."""
     fmt, path, raw = _format_of(path, tokenizer_given=tokenizer is not None)
     scaling = None if rope_scaling is None else _rope_scaling(fmt, path, raw, rope_scaling)
+    dtype = resolve_dtype(dtype, device, fmt, path, raw)
+    if fmt is not format_hf or format_hf.native(raw):  # a wrapped config's size is transformers' to build
+        cfg = fmt.config(path, raw)
+        if fmt is format_ours:
+            format_ours.check_header(path, cfg)
+        memory.check_weights_fit(cfg, dtype, device, source=str(path))
     model = fmt.load(path, raw, dtype=dtype, device=device, tokenizer=tokenizer)
     return model if rope_scaling is None else model.rescale_rope_(scaling)
 
@@ -96,3 +105,43 @@ def read_config(path) -> ModelConfig:
     """The ModelConfig of a checkpoint (folder, file inside one, or .gguf) without reading its weights."""
     fmt, path, raw = _format_of(path, tokenizer_given=False)
     return fmt.config(path, raw)
+
+
+def resolve_dtype(dtype, device, fmt, path, raw) -> torch.dtype:
+    """The dtype a load gives the weights: `dtype` itself when it is a torch dtype; "auto", the checkpoint's
+    own (`checkpoint_dtype`); None (the default), the checkpoint's own on an accelerator, and float32 on the
+    CPU: exact numbers, TransformerLens's default, and CPUs without bf16 matrix units (AMX) multiply bf16
+    several times slower than float32 (docs/models.md, "Big models")."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None and torch.device(device or "cpu").type == "cpu":
+        return torch.float32
+    if dtype is None or dtype == "auto":
+        return checkpoint_dtype(fmt, path, raw)
+    raise CheckpointError(f"dtype {dtype!r} is not a torch dtype, 'auto' or None")
+
+
+def checkpoint_dtype(fmt, path, raw) -> torch.dtype:
+    """The floating dtype a checkpoint stores most of its weights in, from the safetensors headers (no
+    weight read), else config.json's `dtype` / `torch_dtype`; float32 for a GGUF file (dequantized) and
+    for a folder that says nothing."""
+    if fmt is gguf:
+        return torch.float32
+    index = path / "model.safetensors.index.json"
+    files = [path / "model.safetensors"]
+    if index.exists() and not files[0].exists():
+        try:
+            files = [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            files = []
+    count: dict[torch.dtype, int] = {}
+    for f in files:
+        if f.is_file():
+            for e in safetensors_header(f)[0].values():
+                if e["torch_dtype"].is_floating_point:
+                    count[e["torch_dtype"]] = count.get(e["torch_dtype"], 0) + e["data_offsets"][1] - e["data_offsets"][0]
+    if count:
+        return max(count, key=count.get)
+    named = (raw or {}).get("dtype") or (raw or {}).get("torch_dtype")
+    found = getattr(torch, named, None) if isinstance(named, str) else None
+    return found if isinstance(found, torch.dtype) and found.is_floating_point else torch.float32

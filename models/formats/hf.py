@@ -14,7 +14,7 @@ from ..config import ModelConfig
 from interp.errors import CheckpointError
 from ..families import FAMILIES, get_family
 from .folder import local_tokenizer
-from ..tensor_files import read_state_dict
+from ..tensor_files import read_state_dict, release_pages
 from ..transformer import HookedTransformer
 from .. import wrapped
 
@@ -123,7 +123,10 @@ def load(path: Path, raw: dict, *, dtype, device, tokenizer) -> HookedTransforme
                                     tokenizer=tokenizer if tokenizer is not None else local_tokenizer(path))
     family = get_family(raw.get("model_type"))
     cfg = config(path, raw)
-    sd = convert_weights(family, cfg, read_state_dict(path), str(path))
-    model = build_model(cfg, sd, str(path), dtype, device)
+    raw_tensors = read_state_dict(path)
+    sd = convert_weights(family, cfg, raw_tensors, str(path))
+    release_pages(raw_tensors.values())  # what the conversion copied from is read; the views fault back in
+    del raw_tensors
+    model = build_model(cfg, sd, str(path), dtype, device, fresh=True)
     model.tokenizer = tokenizer if tokenizer is not None else local_tokenizer(path)
     return model

@@ -22,12 +22,19 @@ def config(path: Path, raw: dict) -> ModelConfig:
     return ModelConfig.from_dict(raw["config"])
 
 
-def load(path: Path, raw: dict, *, dtype, device, tokenizer) -> HookedTransformer:
-    cfg = config(path, raw)
+def check_header(path: Path, cfg: ModelConfig) -> None:
+    """The header's shapes against `cfg`, before anything is built or estimated from it (a config that lies
+    about its size is refused as a lie, not as too big)."""
     weights = path / "model.safetensors"
     shapes = header_shapes(weights) if weights.is_file() else None
     if shapes is not None:
         check_shapes(cfg, shapes, str(weights))
-    model = build_model(cfg, read_state_dict(path), str(weights), dtype, device)
+
+
+def load(path: Path, raw: dict, *, dtype, device, tokenizer) -> HookedTransformer:
+    cfg = config(path, raw)
+    weights = path / "model.safetensors"
+    check_header(path, cfg)
+    model = build_model(cfg, read_state_dict(path), str(weights), dtype, device, fresh=True)
     model.tokenizer = tokenizer if tokenizer is not None else local_tokenizer(path)
     return model
