@@ -12,6 +12,7 @@ Both use the same frequencies; only which dimension holds which frequency differ
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -133,20 +134,26 @@ class Rotary(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        inv, factor = rope_frequencies(cfg)
-        rows, self.attention_factors = [inv], [factor]
-        if cfg.rotary_base_local is not None:
-            rows.append(_inv_freq(cfg.rotary_base_local, cfg.rot_dim))
-            self.attention_factors.append(1.0)
-        # longrope: the long factors' frequencies, a last row, taken instead of table 0's (the short
-        # ones) by calls whose longest position passes original_max_position (`long_after`).
-        self.long_row, self.long_after = None, None
-        if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "longrope":
-            self.long_row, self.long_after = len(rows), cfg.rope_scaling.original_max_position
-            rows.append(rope_frequencies(cfg, self.long_after + 1)[0])
-        # One buffer for every table, so a loader that rebuilds `inv_freq` from a fresh `Rotary(cfg)`
-        # (a model built on the meta device) rebuilds them all.
-        self.register_buffer("inv_freq", torch.stack(rows), persistent=False)
+        # On the meta device (a model built to receive a checkpoint's weights) the frequencies are computed
+        # on the CPU and only their shape kept: torch's meta kernels for arange and pow import torch._dynamo
+        # (1.5 s, a third of loading a 1B checkpoint), and the loader rebuilds this buffer anyway.
+        meta = torch.get_default_device().type == "meta"
+        with torch.device("cpu") if meta else contextlib.nullcontext():
+            inv, factor = rope_frequencies(cfg)
+            rows, self.attention_factors = [inv], [factor]
+            if cfg.rotary_base_local is not None:
+                rows.append(_inv_freq(cfg.rotary_base_local, cfg.rot_dim))
+                self.attention_factors.append(1.0)
+            # longrope: the long factors' frequencies, a last row, taken instead of table 0's (the short
+            # ones) by calls whose longest position passes original_max_position (`long_after`).
+            self.long_row, self.long_after = None, None
+            if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "longrope":
+                self.long_row, self.long_after = len(rows), cfg.rope_scaling.original_max_position
+                rows.append(rope_frequencies(cfg, self.long_after + 1)[0])
+            # One buffer for every table, so a loader that rebuilds `inv_freq` from a fresh `Rotary(cfg)`
+            # (a model built on the meta device) rebuilds them all.
+        inv_freq = torch.stack(rows)
+        self.register_buffer("inv_freq", inv_freq.to("meta") if meta else inv_freq, persistent=False)
         self.table_of_layer = tuple(int(cfg.local_rope(l)) for l in range(cfg.n_layers))
         self.dynamic = cfg.rope_scaling is not None and cfg.rope_scaling.kind == "dynamic"
         # Where each frequency sits in cos / sin: twice in a row (adjacent pairs) or in both halves.

@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import torch
 
 from . import (ablation, atlas, caching, forward, generation, gpu, head_scan, kv_cache, kv_policies, long_context, patching,
-               real_model, stats_kernel, window_bands, wrapped)
+               real_model, scale, stats_kernel, window_bands, wrapped)
 from interp.errors import check_threads
 
 from .report import Options, Section, load_average, render
@@ -35,6 +35,7 @@ SECTIONS: dict[str, Callable[[Options], Section]] = {
     "patching": patching.section,
     "real_model": real_model.section,
     "gemma3": real_model.gemma3_section,
+    "scale": scale.section,
     "head_scan": head_scan.section,
     "kv_cache": kv_cache.section,
     "kv_policies": kv_policies.section,

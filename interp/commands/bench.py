@@ -14,6 +14,7 @@ EPILOG = """sections (in page order):
   patching      TransformerLens's patching sweep on our model vs on its bridge
   real_model    SmolLM2-135M from GGUF: load time and peak memory, forward vs transformers
   gemma3        Gemma 3 270M from GGUF: the same
+  scale         a 1.2B bf16 checkpoint (Llama-3.2-1B shape): load time and memory, interp vs transformers, bf16 and fp32
   head_scan     head-type scores: the streaming kernel vs materialised patterns, by sequence length
   kv_cache      quantized KV caches (int8, fp8, int4): bytes per token vs theory, decode time vs fp32
   kv_policies   per-head cache policies (KIVI, streaming, H2O, SnapKV) at 2k / 4k: decode time vs full, bytes
