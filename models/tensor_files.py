@@ -14,6 +14,7 @@ import math
 import mmap
 import os
 import warnings
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -144,6 +145,7 @@ def mapped_safetensors(file: Path) -> dict[str, Tensor]:
                 mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
         except (OSError, ValueError) as e:
             raise CheckpointError(f"could not read {file} ({e})") from None
+        _track(mapped)
     out = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
@@ -155,13 +157,26 @@ def mapped_safetensors(file: Path) -> dict[str, Tensor]:
             t = torch.frombuffer(mapped, dtype=torch.uint8, count=end - begin, offset=start + begin)
             if (start + begin) % dtype.itemsize:
                 t = t.clone()
-            else:
-                _MAPPED.add(t.untyped_storage().data_ptr())
             out[name] = t.view(dtype).reshape(shape)
     return out
 
 
-_MAPPED: set[int] = set()  # the storages `mapped_safetensors` made over a file's mapping (their addresses)
+# The mappings `mapped_safetensors` made that are still alive: (the mmap, its address, its length). Held
+# weakly: a mapping goes when the last tensor over it does, and its addresses may then be reused by
+# anonymous memory, which `release_pages` must never touch (MADV_DONTNEED would zero it).
+_LIVE: list[tuple[weakref.ref, int, int]] = []
+
+
+def _track(mapped: mmap.mmap) -> None:
+    view = ctypes.c_char.from_buffer(mapped)  # only to read the address; released at once (the mmap may close)
+    address = ctypes.addressof(view)
+    del view
+    _LIVE[:] = [e for e in _LIVE if e[0]() is not None]
+    _LIVE.append((weakref.ref(mapped), address, len(mapped)))
+
+
+def _in_live_mapping(start: int, nbytes: int) -> bool:
+    return any(ref() is not None and base <= start and start + nbytes <= base + length for ref, base, length in _LIVE)
 _PAGE = mmap.PAGESIZE
 
 
@@ -170,12 +185,12 @@ def release_pages(tensors) -> None:
     (madvise MADV_DONTNEED, Linux): the next read faults them in again from the page cache, so only what
     a load is touching now stays resident. Only for tensors nothing has written to (a private mapping's
     written page would be lost): a load calls it on what it has only read. Others are left alone."""
-    if not _MAPPED or not hasattr(mmap, "MADV_DONTNEED"):
+    if not _LIVE or not hasattr(mmap, "MADV_DONTNEED"):
         return
     for t in tensors:
         storage = t.untyped_storage()
         start = storage.data_ptr()
-        if start not in _MAPPED:
+        if not _in_live_mapping(start, storage.nbytes()):  # anonymous memory: never (it would be zeroed)
             continue
         first, end = -(-start // _PAGE) * _PAGE, (start + storage.nbytes()) // _PAGE * _PAGE
         if end > first:

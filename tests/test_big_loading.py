@@ -41,7 +41,8 @@ def _old_path(folder, dtype):
 
 
 def _file_backed(t: torch.Tensor) -> bool:
-    return t.untyped_storage().data_ptr() in tensor_files._MAPPED
+    storage = t.untyped_storage()
+    return tensor_files._in_live_mapping(storage.data_ptr(), storage.nbytes())
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -183,3 +184,24 @@ def test_smollm2s_headline_heads_are_the_same_in_bf16_and_float32():
     assert (sinks32.alpha - sinks16.alpha).abs().max() < 0.03
     clear = (sinks32.alpha - 0.3).abs() > 0.02
     assert (sinks32.is_sink[clear] == sinks16.is_sink[clear]).all()
+
+
+def test_a_mapping_that_is_gone_is_never_released_again(tmp_path):
+    """Once the last tensor over a file's mapping is freed, its addresses may be reused by anonymous memory;
+    `release_pages` (MADV_DONTNEED) would zero that memory, so a freed mapping is no longer one it touches."""
+    import gc
+
+    folder = tmp_path / "m"
+    interp.save_model(interp.HookedTransformer(interp.ModelConfig(n_layers=1, d_model=16, n_heads=2, d_vocab=11,
+                                                                  n_ctx=8), seed=0), folder)
+    mapped = tensor_files.mapped_safetensors(folder / "model.safetensors")
+    t = next(v for v in mapped.values() if v.numel() > 64)
+    storage = t.untyped_storage()
+    where = (storage.data_ptr(), storage.nbytes())
+    assert tensor_files._in_live_mapping(*where)
+    del mapped, t, storage
+    gc.collect()
+    assert not tensor_files._in_live_mapping(*where)
+    anonymous = torch.arange(4096, dtype=torch.float32)
+    tensor_files.release_pages([anonymous])
+    assert torch.equal(anonymous, torch.arange(4096, dtype=torch.float32))
