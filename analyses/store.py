@@ -577,7 +577,8 @@ class ResultStore:
         runs = (self.read_json("settings.json") or {}).get("runs", {})
         planned = progress.get("planned") or {}
         have: dict[tuple[str, str], set] = {}
-        for r in [*self.part_records(), *self.errors()]:
+        finite, stale = self._all_parts()  # one read of the parts for both
+        for r in [*finite, *self.errors(stale)]:
             have.setdefault((r["run"], r["checkpoint"]), set()).add(r["analysis"])
         checkpoints = [(run, c) for run, info in runs.items() for c in info.get("checkpoints", [])]
         done = sum(1 for run, c in checkpoints

@@ -18,7 +18,6 @@ fingerprints.csv), named in the sweep's last lines and in the report's "Checkpoi
 from __future__ import annotations
 
 import hashlib
-import math
 
 import numpy as np
 import torch
@@ -49,10 +48,10 @@ def fingerprint(model) -> dict:
     return {"weights": h.hexdigest(), "sketch": sketch}
 
 
-def _distance(a: list[float], b: list[float]) -> float | None:
-    if len(a) != len(b) or not a:
+def _distance(a, b) -> float | None:
+    if len(a) != len(b) or not len(a):
         return None  # other shapes: not comparable
-    return math.sqrt(sum((x - y) ** 2 for x, y in zip(a, b)))
+    return float(np.linalg.norm(np.asarray(a, np.float64) - np.asarray(b, np.float64)))
 
 
 def identical(prints: list[dict]) -> list[list[dict]]:
