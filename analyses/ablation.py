@@ -198,6 +198,11 @@ class AblationRunner:
         if self.whole:
             return self._run_whole(layer, heads_of_copy)
         model, b, c = self.model, self.tokens.shape[0], len(heads_of_copy)
+        with model.holding(layer):  # an offloaded model's block: its W_O and the rest of the block are read here
+            return self._resume(layer, heads_of_copy, b, c)
+
+    def _resume(self, layer: int, heads_of_copy: list[list[int]], b: int, c: int) -> list[float]:
+        model = self.model
         attn = model.blocks[layer].attn
         W_O = attn.W_O  # [head, d_head, d_model]
         z, new = self.z[layer], self.values[layer].to(self.z[layer].dtype)

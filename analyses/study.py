@@ -182,11 +182,13 @@ class StudySettings:
     model     the name the report and settings.json give the model
     data      the tokens it reads (`StudyData`; None for a study that reads none)
     device    where the command loads the model (memory is checked there before loading)
+    offload   None, "disk" or "cpu": the model loaded layer by layer (`interp.models.offload`)
     progress  progress bars: None on a terminal only, False never"""
 
     model: str = "model"
     data: StudyData | None = None
     device: str | None = None
+    offload: str | None = None
     progress: bool | None = None
 
 

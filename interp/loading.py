@@ -23,6 +23,7 @@ from interp.models.formats.checkpoint import (  # noqa: F401 - FORMAT_VERSION, C
     save_model,
 )
 from interp.models.families import FAMILIES, get_family
+from interp.models.offload import OffloadRefused, check_offload
 from interp.models.base import HookedModel, rope_refusal
 from interp.models.wrapped import WrappedModel, check_wrappable
 from interp.models.processing import check_processing
@@ -42,7 +43,7 @@ def load(name_or_path, *, revision: str | None = None, dtype: torch.dtype | str 
          device: torch.device | str | None = None, tokenizer=None, default_prepend_bos: bool | None = None,
          fold_ln: bool = False, center_writing_weights: bool = False, center_unembed: bool = False,
          fold_value_biases: bool = False, refactor_factored_attn_matrices: bool = False,
-         rope_scaling=None) -> HookedModel:
+         rope_scaling=None, offload: str | None = None) -> HookedModel:
     """Load a model, resolving `name_or_path` in this order:
 
     1. a local path: a checkpoint folder (ours or Hugging Face's, or a file inside one) or a `.gguf` file;
@@ -75,9 +76,25 @@ def load(name_or_path, *, revision: str | None = None, dtype: torch.dtype | str 
     `model.runtime.rope_chosen` says it was chosen. A type interp does not compute, a factor <= 0 (< 1 for
     dynamic, yarn, llama3, longrope), a model without rotary positions, or one transformers runs (wrapped:
     set rope_parameters in its config.json instead) is refused in one line (`UserError`) before any weight
-    is read (`interp.models.rope.choice`)."""
+    is read (`interp.models.rope.choice`).
+
+    offload: None (the default: every weight on the device), "disk" or "cpu": layer by layer past memory
+    (`interp.models.offload`). The weights stay in the checkpoint's memory-mapped files ("disk") or in host
+    memory ("cpu"), and each block is brought to `device`, in `dtype`, for the whole batch when it runs, then
+    released: forward, hooks, `run_with_cache`, the statistics, the atlas, ablations, KV-cache prefill and
+    circuit patching run so, with the same numbers as the model held whole. A backward pass, weight
+    processing, `save` and `.to()` are refused in one line; `with model.holding(layer):` holds a block for
+    code that reads its weights directly. Native models only."""
+    check_offload(offload)
+    processing = dict(fold_ln=fold_ln, center_writing_weights=center_writing_weights, center_unembed=center_unembed,
+                      fold_value_biases=fold_value_biases, refactor_factored_attn_matrices=refactor_factored_attn_matrices)
+    if offload is not None and any(processing.values()):
+        raise OffloadRefused(f"weight processing ({', '.join(k for k, v in processing.items() if v)}) rewrites every "
+                             f"weight in memory and offload={offload!r} keeps them in the checkpoint's files: give one "
+                             "of the two")
     path = resolve(name_or_path, revision=revision)
-    model = load_checkpoint(path, dtype=dtype, device=device, tokenizer=tokenizer, rope_scaling=rope_scaling)
+    model = load_checkpoint(path, dtype=dtype, device=device, tokenizer=tokenizer, rope_scaling=rope_scaling,
+                            offload=offload)
     name = str(name_or_path) if revision is None else f"{name_or_path}@{revision}"
     return _conventions(model, name, default_prepend_bos, fold_ln=fold_ln, center_writing_weights=center_writing_weights,
                         center_unembed=center_unembed, fold_value_biases=fold_value_biases,

@@ -102,6 +102,7 @@ class HookedModel(TextMixin, HookedRootModule):
     `dtype` and `generate`."""
 
     native: bool  # interp's own implementation (True), or transformers' model with our hooks (False)
+    offload = None  # `interp.models.offload.Offload` when the weights stay off the device (load(offload=))
     _core: str  # a submodule that exists once the model is built (`_refresh_view` waits for it)
 
     def __init__(self, *, tokenizer=None) -> None:
@@ -124,6 +125,14 @@ class HookedModel(TextMixin, HookedRootModule):
             if isinstance(prop, property):
                 prop.fget(self)
             raise
+
+    def holding(self, *layers):
+        """Hold the blocks `layers` (ints, or unit names: "unembed") on the device for the `with` block: for code
+        that reads an offloaded model's weights outside its forward (`model.blocks[3].attn.W_O`). On a model
+        held whole (not offloaded) it does nothing."""
+        if self.offload is None:
+            return contextlib.nullcontext()
+        return self.offload.holding(*(f"blocks.{l}" if isinstance(l, int) else l for l in layers))
 
     def require_native(self, what: str) -> None:
         """Raise `native_only(what)` unless this is interp's own transformer."""

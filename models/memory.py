@@ -41,9 +41,14 @@ def weight_bytes(cfg, element_size: int = 4) -> int:
     return cfg.n_params() * element_size
 
 
-def estimate_bytes(cfg, batch: int, length: int, element_size: int = 4) -> int:
+def held_weight_bytes(cfg, element_size: int = 4, offload: str | None = None) -> int:
+    """Bytes of weights the compute device holds at once: all of them, or offloaded the largest block."""
+    return weight_bytes(cfg, element_size) if offload is None else largest_unit_bytes(cfg, element_size)
+
+
+def estimate_bytes(cfg, batch: int, length: int, element_size: int = 4, offload: str | None = None) -> int:
     """Peak bytes of one forward with the long-context analyses over `batch` sequences of `length`."""
-    return FIXED_BYTES + weight_bytes(cfg, element_size) + batch * length * per_token_bytes(cfg)
+    return FIXED_BYTES + held_weight_bytes(cfg, element_size, offload) + batch * length * per_token_bytes(cfg)
 
 
 def meminfo(field: str) -> int | None:
@@ -87,18 +92,24 @@ class Fit:
 
 
 def check_fits(cfg, batch: int, length: int, device="cpu", *, what: str = "--seq-len", available: int | None = None,
-               element_size: int = 4) -> Fit:
+               element_size: int = 4, offload: str | None = None) -> Fit:
     """Raise ValueError (one line: the estimate, what is free, the longest length that fits) when a
     forward over `batch` x `length` tokens would not fit on `device`; return the `Fit` otherwise."""
     available = available_bytes(device) if available is None else available
-    needed = estimate_bytes(cfg, batch, length, element_size)
+    needed = estimate_bytes(cfg, batch, length, element_size, offload)
     longest = None
     if available is not None:
-        room = available - FIXED_BYTES - weight_bytes(cfg, element_size)
+        room = available - FIXED_BYTES - held_weight_bytes(cfg, element_size, offload)
         longest = max(0, room // (batch * per_token_bytes(cfg)))
     fit = Fit(needed, available, longest)
     if not fit.fits:
         where = "this machine's" if torch.device(device).type == "cpu" else f"{device}'s"
+        weights = held_weight_bytes(cfg, element_size, offload)
+        if offload is None and FIXED_BYTES + weights > available:  # no length fits: the weights are the problem
+            raise ValueError(f"{what} {length}: the weights alone need about {weights / GiB:.1f} GiB "
+                             f"({cfg.n_params() / 1e9:.2f}B in {element_size}-byte numbers), more than {where} "
+                             f"{available / GiB:.1f} GiB free; --offload disk (offload=\"disk\") holds one block of "
+                             f"{largest_unit_bytes(cfg, element_size) / GiB:.1f} GiB at a time")
         raise ValueError(f"{what} {length}: about {needed / GiB:.1f} GiB needed for {batch} sequence(s) of {length} "
                          f"tokens, more than {where} {available / GiB:.1f} GiB free; the longest that fits is about "
                          f"{longest:,} tokens (or use fewer sequences)")
@@ -113,13 +124,34 @@ class WeightsDoNotFit(UserError, MemoryError):
 _SMALLER = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def check_weights_fit(cfg, dtype: torch.dtype, device=None, *, source: str, available: int | None = None) -> None:
+def largest_unit_bytes(cfg, element_size: int) -> int:
+    """Bytes of the largest piece an offloaded model holds at once (`interp.models.offload`): one block, or
+    the embedding or unembedding matrix (d_vocab x d_model), whichever is bigger."""
+    matrix = cfg.d_vocab * cfg.d_model
+    blocks = max(0, cfg.n_params() - matrix * (1 if cfg.tie_embeddings else 2))
+    return max(matrix, -(-blocks // max(1, cfg.n_layers))) * element_size
+
+
+def check_weights_fit(cfg, dtype: torch.dtype, device=None, *, source: str, available: int | None = None,
+                      offload: str | None = None) -> None:
     """Refuse (`WeightsDoNotFit`, one line) a load whose weights alone, `cfg.n_params()` in `dtype`, exceed
-    what `device` has free (`available_bytes`), naming a smaller dtype that would fit, with its size. Made
-    from the config before any weight is read; a ceiling-free estimate (activations come on top), so a
-    load it allows can still run short, but one it refuses could not have fitted. Nothing is refused
-    when the free memory cannot be read."""
+    what `device` has free (`available_bytes`), naming a smaller dtype that would fit, with its size, and
+    offload. Made from the config before any weight is read; a ceiling-free estimate (activations come on
+    top), so a load it allows can still run short, but one it refuses could not have fitted. Nothing is
+    refused when the free memory cannot be read. Offloaded (`offload`), the device holds its largest block
+    at a time (`largest_unit_bytes`); offload="cpu" holds every weight in host memory besides."""
     device = torch.device(device or "cpu")
+    if offload is not None:
+        if offload == "cpu" and device.type != "cpu":
+            check_weights_fit(cfg, dtype, "cpu", source=source)
+        available = available_bytes(device) if available is None else available
+        needed = largest_unit_bytes(cfg, dtype.itemsize)
+        if available is not None and needed > available:
+            where = "this machine's" if device.type == "cpu" else f"{device}'s"
+            raise WeightsDoNotFit(f"{source}: offloaded, its largest block in {str(dtype).removeprefix('torch.')} needs "
+                                  f"about {needed / GiB:.1f} GiB at a time, more than {where} {available / GiB:.1f} GiB "
+                                  "free: use a smaller dtype, or a device with more memory")
+        return
     available = available_bytes(device) if available is None else available
     needed = weight_bytes(cfg, dtype.itemsize)
     if available is None or needed <= available:
@@ -129,7 +161,9 @@ def check_weights_fit(cfg, dtype: torch.dtype, device=None, *, source: str, avai
     n = cfg.n_params()
     instead = (f"in {str(fits[0]).removeprefix('torch.')} they take {weight_bytes(cfg, fits[0].itemsize) / GiB:.1f} GiB, "
                f"which fits (dtype=torch.{str(fits[0]).removeprefix('torch.')})" if fits else
-               f"no dtype interp loads in fits ({weight_bytes(cfg, 2) / GiB:.1f} GiB in bfloat16): use a machine or "
-               "device with more memory")
+               f"no dtype interp loads in fits ({weight_bytes(cfg, 2) / GiB:.1f} GiB in bfloat16)")
+    offloaded = largest_unit_bytes(cfg, dtype.itemsize)
+    instead += (f"; or offload=\"disk\" (--offload disk): the weights stay in the checkpoint's files and one block of "
+                f"{offloaded / GiB:.1f} GiB is held at a time")
     raise WeightsDoNotFit(f"{source}: its {n / 1e9:.2f}B weights in {str(dtype).removeprefix('torch.')} need about "
                           f"{needed / GiB:.1f} GiB, more than {where} {available / GiB:.1f} GiB free; {instead}")

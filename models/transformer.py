@@ -35,6 +35,7 @@ from .kv.cache import KVCache
 from .kv.policy_cache import PolicyKVCache
 from .kv.policies import is_window, window_policy
 from .moe import make_mlp
+from .offload import OffloadRefused
 from .positions import Rotary
 from .processing import process_weights
 from .tensor_files import save_model
@@ -165,11 +166,18 @@ class HookedTransformer(WeightViews, HookedModel):
 
     @property
     def device(self) -> torch.device:
-        return self.embed.W_E.device
+        return self.embed.W_E.device if self.offload is None else self.offload.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.W_E.dtype
+        return self.embed.W_E.dtype if self.offload is None else self.offload.dtype
+
+    def _apply(self, fn, *args, **kwargs):
+        if self.offload is not None:
+            raise OffloadRefused(f"this model is offloaded ({self.offload.kind}): its weights stay where they are and "
+                                 "each block runs on the device it was loaded for; load it again with the device= and "
+                                 "dtype= wanted, or without offload")
+        return super()._apply(fn, *args, **kwargs)
 
     def rescale_rope_(self, scaling: RopeScaling | None) -> "HookedTransformer":
         """Run the rotary positions with `scaling` from now on (None: plain RoPE), in place of the config's
@@ -195,6 +203,7 @@ class HookedTransformer(WeightViews, HookedModel):
         their mean. center_unembed: W_U loses its mean over the vocabulary. fold_value_biases: b_V into
         b_O. refactor_factored_attn_matrices: balanced SVD factors of W_Q W_K^T and W_V W_O (not for
         rotary / ALiBi / GQA). See `interp.models.processing`. Returns the model."""
+        self._refuse_offloaded("weight processing (fold_ln, centring, ...)")
         steps = dict(fold_ln=fold_ln, center_writing_weights=center_writing_weights, center_unembed=center_unembed,
                      fold_value_biases=fold_value_biases, refactor_factored_attn_matrices=refactor_factored_attn_matrices)
         process_weights(self, **steps)
@@ -377,7 +386,13 @@ class HookedTransformer(WeightViews, HookedModel):
     # ---- saving -------------------------------------------------------------------------------
     def save(self, path) -> None:
         """Write `config.json` + `model.safetensors` (our format; `interp.load(path)` reads it back)."""
+        self._refuse_offloaded("save()")
         save_model(self, path)
+
+    def _refuse_offloaded(self, what: str) -> None:
+        if self.offload is not None:
+            raise OffloadRefused(f"{what} needs every weight in memory at once, and this model is offloaded "
+                                 f"({self.offload.kind}): load it without offload for that")
 
     def __repr__(self) -> str:
         c = self.cfg

@@ -66,6 +66,7 @@ class WeightModel(Protocol):
     unembed: nn.Module  # .W_U, .b_U
     device: torch.device
     dtype: torch.dtype
+    offload: object  # an `interp.models.offload.Offload` (its units are read one at a time), or None
 
 
 class WeightViews:
@@ -74,22 +75,32 @@ class WeightViews:
     ln_final, unembed, device, dtype) and this mixin's own views (tests/test_layers.py checks it)."""
 
     # ---- weights, TransformerLens names -------------------------------------------------------
+    def _read(self, unit: str, read):
+        """`read()` of weights in `unit` ("blocks.3", "embed", "unembed"). On an offloaded model
+        (`interp.models.offload`) the unit is brought to the device for the read and the result is a copy
+        (the unit is released after); on a model held whole it is the parameter itself."""
+        offload = self.offload
+        if offload is None:
+            return read()
+        with offload.holding(unit):
+            return read().clone()
+
     @property
     def W_E(self) -> Tensor:
-        return self.embed.W_E
+        return self._read("embed", lambda: self.embed.W_E)
 
     @property
     def W_U(self) -> Tensor:
-        return self.unembed.W_U
+        return self._read("unembed", lambda: self.unembed.W_U)
 
     @property
     def W_pos(self) -> Tensor:
         if self.pos_embed is None:
             raise AttributeError(f"this model has {self.cfg.positional!r} positions, so no W_pos")
-        return self.pos_embed.W_pos
+        return self._read("pos_embed", lambda: self.pos_embed.W_pos)
 
     def _stack(self, attr: str) -> Tensor:
-        return torch.stack([getattr(b.attn, attr) for b in self.blocks])
+        return torch.stack([self._read(f"blocks.{l}", lambda: getattr(b.attn, attr)) for l, b in enumerate(self.blocks)])
 
     W_Q = property(lambda self: self._stack("W_Q"), doc="[layer, head, d_model, d_head]")
     W_K = property(lambda self: self._stack("W_K"), doc="[layer, kv_head, d_model, d_head]")
@@ -106,7 +117,7 @@ class WeightViews:
             raise AttributeError(f"{attr}: this model is attention-only, it has no MLPs")
         if attr == "W_gate" and not hasattr(self.blocks[0].mlp, "W_gate"):
             raise AttributeError("W_gate: this model's MLPs are not gated")
-        return torch.stack([getattr(b.mlp, attr) for b in self.blocks])
+        return torch.stack([self._read(f"blocks.{l}", lambda: getattr(b.mlp, attr)) for l, b in enumerate(self.blocks)])
 
     W_in = property(lambda self: self._stack_mlp("W_in"), doc="[layer, d_model, d_mlp]")
     W_gate = property(lambda self: self._stack_mlp("W_gate"), doc="[layer, d_model, d_mlp] (gated MLPs)")
@@ -117,7 +128,7 @@ class WeightViews:
     @property
     def b_U(self) -> Tensor:
         """[d_vocab] (zeros without an unembedding bias)."""
-        return self.unembed.b_U
+        return self._read("unembed", lambda: self.unembed.b_U)
 
     @property
     def W_E_pos(self) -> Tensor:
@@ -153,6 +164,12 @@ class WeightViews:
         which its bridge's own `tl_parameters()` leaves out. Every norm weight here is the whole multiplier
         (1 + Hugging Face's stored w for Gemma): our cfg has no `rmsnorm_uses_offset`, so TransformerLens's
         tools use it as it is, where the bridge reports w and sets `cfg.rmsnorm_uses_offset`."""
+        if self.offload is not None:
+            from .offload import OffloadRefused
+
+            raise OffloadRefused("tl_parameters() gives views of every live weight, and this model is offloaded "
+                                 f"({self.offload.kind}): read one layer's inside `with model.holding(layer):`, or load "
+                                 "the model without offload")
         out: dict[str, Tensor] = {"embed.W_E": self.W_E}
         if self.pos_embed is not None:
             out["pos_embed.W_pos"] = self.W_pos
@@ -212,7 +229,7 @@ class WeightViews:
         before block `layer` (with mlp_input, also block `layer`'s b_O). TransformerLens's signature."""
         total = torch.zeros(self.cfg.d_model, device=self.device, dtype=self.dtype)
         for i, block in enumerate(self.blocks[: layer + 1 if mlp_input else layer]):
-            total = total + block.attn.b_O  # absent biases read as zeros
+            total = total + self._read(f"blocks.{i}", lambda: block.attn.b_O)  # absent biases read as zeros
             if include_mlp_biases and i < layer and block.mlp is not None:
-                total = total + block.mlp.b_out
+                total = total + self._read(f"blocks.{i}", lambda: block.mlp.b_out)
         return total

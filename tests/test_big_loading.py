@@ -141,7 +141,11 @@ def test_a_load_that_cannot_fit_is_refused_before_any_weight_is_read(tmp_path, m
         interp.load(folder)
     message = str(e.value)
     assert "\n" not in message and "float32" in message and "dtype=torch.bfloat16" in message
-    assert "offload" not in message and "device_map" not in message
+    assert 'offload="disk"' in message  # what else would fit: one block at a time
+    monkeypatch.undo()
+    monkeypatch.setattr(memory, "available_bytes", lambda device="cpu": 3 * n)
+    assert interp.load(folder, offload="disk").offload.kind == "disk"  # and it does
+    monkeypatch.setattr(format_hf, "read_state_dict", lambda *a, **k: pytest.fail("the weights were read"))
     monkeypatch.setattr(memory, "available_bytes", lambda device="cpu": n)  # nothing fits
     with pytest.raises(memory.WeightsDoNotFit, match="no dtype interp loads in fits"):
         interp.load(folder, dtype="auto")

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from interp.models.device import to_numpy
+from interp.models.offload import named_weights
 
 SKETCH = 2048  # sampled values per checkpoint, spread over its tensors
 FAR = 0.5  # a later step "closer" than this fraction of the nearer neighbour's distance is out of place
@@ -30,13 +31,12 @@ FAR = 0.5  # a later step "closer" than this fraction of the nearer neighbour's 
 
 def fingerprint(model) -> dict:
     """{"weights": a hash of every tensor of `model`'s state dict, "sketch": SKETCH sampled values}."""
-    state = model.state_dict()
-    names = sorted(state)
+    names = list(model.state_dict())
     per = max(1, SKETCH // max(1, len(names)))
     h = hashlib.blake2b(digest_size=16)
     sketch: list[float] = []
-    for name in names:
-        t = state[name].detach()
+    for name, t in named_weights(model):  # sorted; an offloaded model's one unit at a time
+        t = t.detach()
         h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
         flat = t.reshape(-1).contiguous()
         if flat.numel():

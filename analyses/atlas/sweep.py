@@ -76,6 +76,8 @@ class SweepSettings:
     expensive_on "last": analyses marked expensive (ablation, pruning, importance: a forward pass
                  per head or more) run on the last checkpoint of each run only; "all": everywhere.
     device       where models run (None: CUDA when available); not part of the results' meaning.
+    offload      None, "disk" or "cpu": each model loaded layer by layer (`interp.models.offload`): the
+                 same numbers, so not part of the results' meaning either.
     rope_scaling a RoPE scaling every model runs with, in place of its own (`interp.models.rope.choice`:
                  transformers' dict, or any spelling `rope_spec` reads; None: each checkpoint's own);
                  its original length, when not given, is each model's trained context.
@@ -90,6 +92,7 @@ class SweepSettings:
     data: DataSpec = field(default_factory=DataSpec)
     expensive_on: Literal["last", "all"] = "last"
     device: str | None = None
+    offload: str | None = None
     extrapolate: bool = False  # allow --seq-len past a rotary model's trained context (n_ctx); marked in the report
     rope_scaling: dict | None = None
 
@@ -118,6 +121,7 @@ class CheckpointTask:
     device: str | None
     tokens: object = None  # the data, when the driver could build it once for all (`prebuild_tokens`)
     rope_scaling: dict | None = None  # `SweepSettings.rope_scaling`
+    offload: str | None = None  # `SweepSettings.offload`
 
 
 @dataclass(frozen=True)
@@ -163,7 +167,8 @@ def run_checkpoint(task: CheckpointTask) -> Iterator[PartEvent | ErrorEvent]:
     ckpt = task.checkpoint
     device = str(resolve_device(task.device))
     try:
-        model = checkpoint.load_checkpoint(ckpt.path, device=device, rope_scaling=task.rope_scaling)
+        model = checkpoint.load_checkpoint(ckpt.path, device=device, rope_scaling=task.rope_scaling,
+                                           offload=task.offload)
         tokens = build_tokens(task.data, model, task.tokens).to(model.device)
     except Exception as e:  # noqa: BLE001 - any failure to load is reported, and the sweep goes on
         yield ErrorEvent(ckpt, LOAD, type(e).__name__, str(e), n_analyses=len(task.analyses))
@@ -211,7 +216,7 @@ def plan(runs: Sequence[Run], settings: SweepSettings, done: set,
             skipped += len(wanted) - len(pending)
             if pending:
                 tasks.append(CheckpointTask(ckpt, pending, settings.data, settings.device,
-                                            rope_scaling=settings.rope_scaling))
+                                            rope_scaling=settings.rope_scaling, offload=settings.offload))
     return tasks, skipped
 
 
@@ -431,6 +436,10 @@ def check_up_front(settings: SweepSettings, runs: Sequence[Run]) -> None:
     outside the vocabulary, a RoPE scaling a model cannot take (no rotary positions, wrapped). Configs are
     read without weights; an unreadable one is left to the sweep, which reports that checkpoint and goes on."""
     resolve_device(settings.device)
+    needing = [a for a in settings.analyses if ANALYSES[a].gradients]
+    if settings.offload is not None and needing:
+        raise ValueError(f"--analyses {','.join(needing)} need(s) gradients through the model, which an offloaded model "
+                         f"(--offload {settings.offload}) does not keep: leave them out, or run without --offload")
     spec = settings.data
     file_tokens = int(prebuild_tokens(spec).max()) if spec.kind == "file" else None
     for run in runs:
@@ -449,7 +458,7 @@ def check_up_front(settings: SweepSettings, runs: Sequence[Run]) -> None:
             raise ValueError(f"--seq-len {spec.seq_len} is longer than {run.name}'s trained context (n_ctx={cfg.n_ctx}): "
                              f"pass --extrapolate to run past it (the report marks the numbers as extrapolated), or "
                              f"--seq-len {cfg.n_ctx} or less")
-        check_fits(cfg, spec.n_seqs, spec.seq_len, resolve_device(settings.device))
+        check_fits(cfg, spec.n_seqs, spec.seq_len, resolve_device(settings.device), offload=settings.offload)
         if file_tokens is not None and file_tokens >= cfg.d_vocab:
             raise ValueError(f"{spec.path} holds token id {file_tokens}, outside {run.name}'s vocabulary "
                              f"[0, {cfg.d_vocab})")

@@ -22,7 +22,7 @@ import pandas as pd
 import torch
 
 from interp.models.device import to_numpy
-from interp.models.memory import FIXED_BYTES, GiB, available_bytes, weight_bytes
+from interp.models.memory import FIXED_BYTES, GiB, available_bytes, held_weight_bytes
 from interp.errors import as_user_errors
 
 from .._common import spearman
@@ -106,7 +106,7 @@ def check_memory(model, task: Task, batch_size: int, available: int | None = Non
     cfg, graph = model.cfg, Graph(model.cfg)
     n, positions = int(task.clean.shape[0]), int(task.clean.shape[1])
     element = next(model.parameters()).element_size()
-    fixed = FIXED_BYTES + weight_bytes(cfg, element)
+    fixed = FIXED_BYTES + held_weight_bytes(cfg, element, getattr(model.offload, "kind", None))
     needed = fixed + cache_bytes(cfg, graph, n, positions, min(batch_size, n), element)
     if needed <= available:
         return

@@ -330,7 +330,7 @@ class LengthStudy(Study):
 
     def check(self, cfg, s: LengthSettings):
         lengths = check_lengths(list(s.lengths), cfg.n_ctx, extrapolate=s.extrapolate)
-        check_fits(cfg, s.data.rows, lengths[-1], resolve_device(s.device), what="--lengths")
+        check_fits(cfg, s.data.rows, lengths[-1], resolve_device(s.device), what="--lengths", offload=s.offload)
         if s.data.spec is None or s.data.spec.kind not in ("text", "corpus"):
             kind = s.data.spec.kind if s.data.spec is not None else "file"
             raise ValueError(f"--lengths needs text or the zoo corpus (scores on the same text at every length); "

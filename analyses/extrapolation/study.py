@@ -161,9 +161,9 @@ class ExtrapolateStudy(Study):
                 raise ValueError(f"--repair-fraction {s.repair_fraction:g}: a repair changes at most "
                                  f"{REPAIR_FRACTION:g} of the heads")
         device = resolve_device(s.device)
-        check_fits(cfg, s.data.rows, lengths[-1], device, what="--lengths")  # the text's pass
+        check_fits(cfg, s.data.rows, lengths[-1], device, what="--lengths", offload=s.offload)  # the text's pass
         if s.depths:
-            check_fits(cfg, 1, lengths[-1] + s.max_new_tokens, device, what="--lengths")  # a passkey answer
+            check_fits(cfg, 1, lengths[-1] + s.max_new_tokens, device, what="--lengths", offload=s.offload)  # a passkey answer
         data = s.data.at_length(lengths[-1]) if s.data.spec is not None else s.data
         if data.length < lengths[-1]:
             raise ValueError(f"the data holds {data.length} tokens a sequence, fewer than the longest length "

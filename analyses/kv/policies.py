@@ -313,7 +313,7 @@ def check_retrieval(cfg, s: RetrievalSettings, default_lengths: Sequence[int]) -
         if not 1 <= length <= room:
             raise ValueError(f"--lengths {length}: prompts plus {s.max_new_tokens} answer tokens must fit this model's "
                              f"context (n_ctx={cfg.n_ctx}): use lengths up to {room}")
-    check_fits(cfg, 1, max(lengths) + s.max_new_tokens, resolve_device(s.device), what="--lengths")
+    check_fits(cfg, 1, max(lengths) + s.max_new_tokens, resolve_device(s.device), what="--lengths", offload=s.offload)
     data, note = fit_default(s.data, cfg.n_ctx)
     notes += [note] if note else []
     if data.length > cfg.n_ctx:

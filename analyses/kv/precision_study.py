@@ -75,7 +75,7 @@ class PrecisionStudy(Study):
         for p in precisions:
             code_shape(p, cfg.head_dim)  # int4 with an odd d_head fails here, as the cache would
         data.check(cfg.d_vocab)
-        check_fits(cfg, data.rows, data.length, resolve_device(s.device))
+        check_fits(cfg, data.rows, data.length, resolve_device(s.device), offload=s.offload)
         return dataclasses.replace(s, precisions=precisions, data=data), [note] if note else []
 
     def measure(self, model, s: PrecisionSettings, stage):

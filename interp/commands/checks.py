@@ -23,8 +23,17 @@ def add_output_options(p) -> None:
                    help="write over another study's or a sweep's results in --out (files interp did not write are "
                         "never touched)")
     g.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
+    add_offload_option(g)
     g.add_argument("--rope-scaling", default=None, metavar="TYPE:FACTOR", help=ROPE_SCALING_HELP)
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def add_offload_option(p) -> None:
+    """--offload: every command that loads a model."""
+    p.add_argument("--offload", choices=("disk", "cpu"), default=None,
+                   help="run the model layer by layer past memory: its weights stay in the checkpoint's files (disk) or "
+                        "in host memory (cpu), and each block is brought to --device for the whole batch, then released "
+                        "(same numbers; gradients are refused; native models)")
 
 
 def add_text_options(p, seq_len: int, what: str, n_seqs: bool = False) -> None:
@@ -110,7 +119,8 @@ def prompt_settings(args) -> dict:
 
 def common(args) -> dict:
     """The `StudySettings` fields every study command reads the same way."""
-    return dict(model=args.model, device=args.device, progress=False if args.no_progress else None)
+    return dict(model=args.model, device=args.device, offload=args.offload,
+                progress=False if args.no_progress else None)
 
 
 # ---- running -----------------------------------------------------------------------------------------
@@ -148,7 +158,7 @@ def run_command(study, args, settings, *, path=None) -> int:
         print(note)
     start = time.perf_counter()
     model = interp.load(args.model if path is None else str(path), device=resolve_device(args.device),
-                        rope_scaling=rope)
+                        rope_scaling=rope, offload=args.offload)
     report = run(study, model, args.out, settings, force=args.force)
     print(f"done in {time.perf_counter() - start:.0f} s; report: {report} (and {study.files()})")
     return 0

@@ -26,6 +26,9 @@ def add_arguments(p) -> None:
                    help="decode through a per-head cache policy (interp's own models; a wrapped one refuses it): "
                         "full, kivi4, int8, streaming(4,128), h2o(256), ...")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps ... (default: cuda when available)")
+    from .checks import add_offload_option
+
+    add_offload_option(p)
 
 
 def run(args) -> int:
@@ -56,7 +59,7 @@ def run(args) -> int:
             raise BadValue(str(e)) from None
     device = resolve_device(args.device)
 
-    model = interp.load(args.model, device=device)
+    model = interp.load(args.model, device=device, offload=args.offload)
     if model.tokenizer is None:
         raise BadValue(f"{args.model} has no tokenizer, so it cannot read a text prompt")
     tokens = model.to_tokens(args.prompt)

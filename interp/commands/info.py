@@ -16,6 +16,9 @@ def add_arguments(p) -> None:
                    help="a checkpoint directory (ours or Hugging Face), a .gguf file, a zoo or real-model name")
     p.add_argument("--context", type=int, default=None,
                    help="context length for the FLOP figures (default: the model's own n_ctx)")
+    from .checks import add_offload_option
+
+    add_offload_option(p)
     p.add_argument("--architectures", action="store_true",
                    help="list the causal LMs interp runs (native, wrapped through transformers, or refused), "
                         "and count every causal LM of the installed transformers")
@@ -49,9 +52,11 @@ def run(args) -> int:
 
     if args.context is not None:
         check_int("context", args.context, minimum=1)  # before the model is loaded
-    model = interp.load(args.model)
+    model = interp.load(args.model, offload=args.offload)
     cfg = model.cfg
     print(model)
+    if model.offload is not None:
+        print(f"offloaded              {model.offload.describe()}")
     if getattr(model, "native", True):
         print(f"runs                   natively: interp's own transformer ({cfg.model_type})")
     else:

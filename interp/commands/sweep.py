@@ -42,6 +42,7 @@ def add_sweep_options(p, default_analyses=None) -> None:
                         "not create is refused)")
     p.add_argument("--analyses", default=",".join(DEFAULT_ANALYSES),
                    help=f"comma-separated, from: {', '.join(ANALYSES)} (default: {','.join(DEFAULT_ANALYSES)})")
+    p.set_defaults(default_analyses=",".join(DEFAULT_ANALYSES))  # told apart from an explicit --analyses
     p.add_argument("--expensive-on", choices=("last", "all"), default="last",
                    help="run ablation, pruning and importance on the last checkpoint of each run only (default), "
                         "or on all")
@@ -62,6 +63,9 @@ def add_sweep_options(p, default_analyses=None) -> None:
                       help="allow --seq-len past the model's trained context (n_ctx); the report marks those numbers "
                            "as extrapolated")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    from .checks import add_offload_option
+
+    add_offload_option(p)
     p.add_argument("--rope-scaling", default=None, metavar="TYPE:FACTOR", help=ROPE_SCALING_HELP)
     p.add_argument("--force", action="store_true",
                    help="discard the results interp wrote in --out (e.g. computed with other settings); files interp "
@@ -104,8 +108,16 @@ def settings_from_args(args):
     seq_len = DATA_SEQ_LEN if args.seq_len is None else args.seq_len
     data = DataSpec(kind=kind, n_seqs=n_seqs, seq_len=seq_len, seed=args.seed, path=path)
     analyses = resolve_analyses(tuple(a.strip() for a in args.analyses.split(",") if a.strip()))
+    if args.offload is not None and args.analyses == args.default_analyses:  # the defaults: what runs offloaded
+        from interp.analyses.atlas.registry import ANALYSES
+
+        dropped = [a for a in analyses if ANALYSES[a].gradients]
+        analyses = tuple(a for a in analyses if a not in dropped)
+        if dropped:
+            print(f"--offload {args.offload}: leaving out {', '.join(dropped)} (gradients through the model; run them "
+                  "without --offload)")
     return SweepSettings(analyses=analyses, data=data, expensive_on=args.expensive_on, device=args.device,
-                         extrapolate=args.extrapolate, rope_scaling=args.rope_scaling)
+                         offload=args.offload, extrapolate=args.extrapolate, rope_scaling=args.rope_scaling)
 
 
 def fit_default_length(settings, runs):

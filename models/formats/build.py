@@ -6,6 +6,7 @@ that adopts the tensors. The formats (`ours`, `hf`, `gguf`) call in here.
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Callable
 
 import torch
@@ -15,6 +16,7 @@ from ..components import relayout_mlp_
 from ..config import ModelConfig
 from interp.errors import CheckpointError, UserError
 from ..positions import Rotary, alibi_slopes, sinusoidal_table
+from ..offload import Offload
 from ..tensor_files import release_pages
 from ..transformer import HookedTransformer
 
@@ -33,10 +35,14 @@ def config_errors(source):
 
 
 def build_model(cfg: ModelConfig, sd: dict[str, Tensor], source: str, dtype, device, *,
-                fresh: bool = False) -> HookedTransformer:
+                fresh: bool = False, offload: str | None = None) -> HookedTransformer:
     """A model holding the state dict `sd` (checked against the config's shapes). With `fresh` (the
     tensors belong to no one else, e.g. just read from a file), the model adopts them without a copy
-    and `sd` is emptied as it goes."""
+    and `sd` is emptied as it goes. `offload` ("disk" or "cpu", fresh tensors only): the blocks, the
+    embedding and the unembedding stay where `interp.models.offload` keeps them, each brought to `device`
+    when it runs."""
+    if offload is not None and not fresh:
+        raise ValueError("offload needs tensors read from a checkpoint (fresh=True)")
     if not fresh:
         check_finite(sd, source)
     with torch.device("meta"):
@@ -60,25 +66,57 @@ def build_model(cfg: ModelConfig, sd: dict[str, Tensor], source: str, dtype, dev
         # kernel (`release_pages`: re-read from the page cache when used), so the checkpoint's file is
         # never resident all at once during the load.
         target, owned, bad = torch.device(device or "cpu"), {}, []
-        strides = {k: v.stride() for k, v in model.state_dict().items()}
+        specs = model.state_dict()
+        strides = {k: v.stride() for k, v in specs.items()}
+        offloading = None if offload is None else Offload(offload, target, dtype)
+        kept_off: dict[str, Tensor] = {}
+        layouts: dict[str, tuple] = {}
+        params = {k for k, _ in model.named_parameters()}  # buffers (a sinusoidal table) are rebuilt below
         for k in list(sd):
             v = sd.pop(k)
             bad += non_finite(k, v)
+            if offloading is not None and k in params and offloading.unit_of(k) is not None:
+                layouts[k] = adopted_stride(k, v, specs[k])  # as the model held whole would have it
+                kept_off[k] = offloading.source(v)  # the mapped view itself (disk), or a host copy (cpu)
+                release_pages([v])
+                del v
+                continue
             kept = v.to(device=target, dtype=dtype) if v.is_floating_point() else v.to(target)
             owned[k] = kept if kept.stride() == strides[k] else kept.contiguous()
             release_pages([v])
             del v, kept
         refuse_non_finite(bad, source)
-        model.load_state_dict(owned, strict=True, assign=True)
+        if offloading is not None:
+            offloading.attach(model, kept_off, specs, layouts)  # placeholders on the meta device until each unit runs
+        model.load_state_dict(owned, strict=offloading is None, assign=True)
     else:
         model = model.to_empty(device=device or "cpu")
         model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}, strict=True)
-    model.to(dtype)
+    if getattr(model, "offload", None) is None:
+        model.to(dtype)
     for block in model.blocks:  # adopted tensors are contiguous: back to the MLP's out-major layout
         relayout_mlp_(block.mlp)
     # Buffers (rotary frequencies, sinusoidal tables, ALiBi slopes) were on the meta device: rebuild them.
     _rebuild_buffers(model, cfg)
     return model.eval()
+
+
+_RELAID = re.compile(r"blocks\.\d+\.mlp\.(W_in|W_gate)$")  # what `relayout_mlp_` turns out-major again
+
+
+def adopted_stride(key: str, tensor: Tensor, spec: Tensor) -> tuple:
+    """The strides `build_model` gives the parameter `key` made from `tensor`: the tensor's own when they are the
+    parameter's (`spec`, the meta model's), else contiguous; an MLP's W_in / W_gate then out-major
+    (`relayout_mlp_`). An offloaded model materialises each weight in this layout, so its matrix products are
+    the model held whole's, bit for bit."""
+    shape = tuple(spec.shape)
+    if tuple(tensor.stride()) == tuple(spec.stride()):
+        stride = tuple(spec.stride())
+    else:
+        stride = torch.empty(shape, device="meta").stride()
+    if _RELAID.match(key) and len(shape) == 2 and stride[0] != 1:
+        stride = (1, shape[0])
+    return tuple(stride)
 
 
 def check_finite(sd: dict[str, Tensor], source: str) -> None:

@@ -25,6 +25,7 @@ from . import gguf
 from .build import build_model, check_finite, convert_weights
 from ..rope import choice as rope_choice
 from .. import memory
+from ..offload import check_offload
 from ..config import ModelConfig, RopeScaling
 from interp.errors import CheckpointError, OwnCodeRefused
 from .folder import local_tokenizer, refuse_own_code
@@ -60,14 +61,16 @@ def _format_of(path, *, tokenizer_given: bool):
 
 
 def load_checkpoint(path, *, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
-                    tokenizer=None, rope_scaling=None) -> HookedModel:
+                    tokenizer=None, rope_scaling=None, offload: str | None = None) -> HookedModel:
     """A model from a local checkpoint directory (or a file inside it): our format, or a Hugging Face
     checkpoint converted by its family (by config.json's `model_type`), without `transformers`;
     or a llama-architecture `.gguf` file (`interp.models.formats.gguf`). `rope_scaling` (any spelling of
     `rope_choice`; None: the checkpoint's own) replaces the checkpoint's rotary scaling, checked against
     its config before a weight is read (`rope_scaling_for`). `dtype`: see `resolve_dtype`; the weights in
     it must fit in the device's free memory (`memory.check_weights_fit`, from the config, before any weight
-    is read)."""
+    is read). `offload` ("disk", "cpu"): the weights stay off the device, each block brought there when it
+    runs (`interp.models.offload`); then only the largest block must fit."""
+    offload = check_offload(offload)
     fmt, path, raw = _format_of(path, tokenizer_given=tokenizer is not None)
     scaling = None if rope_scaling is None else _rope_scaling(fmt, path, raw, rope_scaling)
     dtype = resolve_dtype(dtype, device, fmt, path, raw)
@@ -75,8 +78,8 @@ def load_checkpoint(path, *, dtype: torch.dtype | str | None = None, device: tor
         cfg = fmt.config(path, raw)
         if fmt is format_ours:
             format_ours.check_header(path, cfg)
-        memory.check_weights_fit(cfg, dtype, device, source=str(path))
-    model = fmt.load(path, raw, dtype=dtype, device=device, tokenizer=tokenizer)
+        memory.check_weights_fit(cfg, dtype, device, source=str(path), offload=offload)
+    model = fmt.load(path, raw, dtype=dtype, device=device, tokenizer=tokenizer, offload=offload)
     return model if rope_scaling is None else model.rescale_rope_(scaling)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from ..offload import OffloadRefused
 from .build import build_model, check_finite, config_errors, convert_weights
 from ..config import ModelConfig
 from interp.errors import CheckpointError
@@ -117,8 +118,13 @@ def config(path: Path, raw: dict) -> ModelConfig:
         return get_family(raw.get("model_type")).config(raw)
 
 
-def load(path: Path, raw: dict, *, dtype, device, tokenizer) -> HookedTransformer:
+def load(path: Path, raw: dict, *, dtype, device, tokenizer, offload=None) -> HookedTransformer:
     if not native(raw):
+        if offload is not None:
+            raise OffloadRefused(f"{path}: offload={offload!r} runs interp's own transformer block by block, and "
+                                 f"transformers runs this architecture ({raw.get('model_type')}, wrapped): load it "
+                                 "without offload, or with transformers' device_map and offload_folder and "
+                                 "interp.from_hf")
         return load_wrapped(path, raw, dtype=dtype, device=device,
                                     tokenizer=tokenizer if tokenizer is not None else local_tokenizer(path))
     family = get_family(raw.get("model_type"))
@@ -127,6 +133,6 @@ def load(path: Path, raw: dict, *, dtype, device, tokenizer) -> HookedTransforme
     sd = convert_weights(family, cfg, raw_tensors, str(path))
     release_pages(raw_tensors.values())  # what the conversion copied from is read; the views fault back in
     del raw_tensors
-    model = build_model(cfg, sd, str(path), dtype, device, fresh=True)
+    model = build_model(cfg, sd, str(path), dtype, device, fresh=True, offload=offload)
     model.tokenizer = tokenizer if tokenizer is not None else local_tokenizer(path)
     return model

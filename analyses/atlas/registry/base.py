@@ -122,6 +122,9 @@ class Analysis:
     # Needs interp's own implementation of the model (its weights, its KV cache), not only its hooks: a
     # wrapped model (`interp.models.wrapped`) skips it, and the sweep says so in one line.
     native_only: bool = False
+    # Needs a backward pass (gradients through the model): refused on an offloaded model
+    # (`interp.models.offload`), whose layers are not all in memory for autograd to keep.
+    gradients: bool = False
     metrics: tuple[Metric, ...] = ()
     section: ReportSection | None = None  # its own section of the report
     # Sections only a sweep over several checkpoints has (figures across training), placed after the

@@ -46,7 +46,7 @@ def section(v: RunView) -> list:
 
 register(Analysis(
     "importance", run, "Michel et al. head importance and the attribution-patching estimate of mean ablation, with "
-    "its correlation to the exact ablation", PARAMS, expensive=True,
+    "its correlation to the exact ablation", PARAMS, expensive=True, gradients=True,
     metrics=(Metric("importance", "head", "head_importance: Michel et al. (normalised per layer)"),
              Metric("attribution", "head", "attribution-patching estimate of mean ablation"),
              Metric("exact_delta", "head", "exact mean ablation"),

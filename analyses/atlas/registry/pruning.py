@@ -82,7 +82,7 @@ def section(v: RunView) -> list:
 
 register(Analysis(
     "pruning", run, "Michel et al.'s pruning curve: importance from one split of the data, loss on the held-out split; "
-    "importance vs reverse vs random order", PARAMS, expensive=True,
+    "importance vs reverse vs random order", PARAMS, expensive=True, gradients=True,
     metrics=(Metric("pruning_loss/<order>#<seed>@<frac>", "model", "held-out loss with that fraction of heads pruned"),
              Metric("pruning_prunable/<order>", "model", "largest fraction pruned within +5% of the clean loss"),
              Metric("pruning_clean_loss", "model", "held-out loss of the unpruned model"),

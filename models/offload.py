@@ -1,0 +1,246 @@
+"""Layer by layer past memory: a model whose weights stay off the compute device, each block brought
+there for the whole batch and released after it (`interp.load(..., offload="disk" | "cpu")`).
+
+What holds the weights between uses:
+
+    "disk"  the checkpoint's own memory-mapped safetensors files (`tensor_files.mapped_safetensors`: the
+            same zero-copy mapping safetensors' `safe_open` gives), in the file's dtype and layout (a
+            family's conversion is a view of them: transposes, reshapes); nothing is copied or written
+            anywhere. After a block has run, its pages are handed back to the kernel (`release_pages`),
+            so the process holds one block's weights at a time: anonymous memory is the activations
+            and the one block being run, converted to the compute dtype.
+    "cpu"   host memory, converted once to the compute dtype (pinned when CUDA is there, so each block
+            copies to the GPU asynchronously): for a model that fits in RAM but not on the GPU.
+
+A unit is a block, the token embedding, the learned position embedding or the unembedding; the
+small norms around them (ln_final, embed_ln) stay resident. Each unit is materialised by a forward
+pre-hook of its module (`empty_strided` in the parameter's own layout, `copy_` from where the weights
+live: the same conversion `build_model` makes, so the numbers are bit-identical to the model loaded
+in memory) and dropped back to a meta placeholder by its forward hook. `model.holding(layer)` holds
+a block for code that reads its weights outside its forward (the ablation sweep's resumption).
+
+Why not accelerate (`dispatch_model` / `disk_offload`): its disk offload writes every weight again to
+an offload folder (a second copy of the checkpoint on disk, in float32 for a float32 run), where
+interp's own mapped files already are the offload; its hooks align each submodule's weights on every
+call rather than a block's for the whole batch; and it would be a new dependency for what is forty
+lines over the mapping interp already reads checkpoints through.
+
+A backward pass through an offloaded model is refused in one line: autograd would keep every
+layer's materialised weights alive until the backward ran, the whole model in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from interp.errors import UserError
+from .tensor_files import release_pages
+
+OFFLOADS = ("cpu", "disk")
+UNIT_MODULES = ("embed", "pos_embed", "unembed")  # top-level modules offloaded whole (besides the blocks)
+
+
+class OffloadRefused(UserError):
+    """What an offloaded model cannot do, in one line (a backward pass, a move, saving, weight processing)."""
+
+
+def check_offload(offload) -> str | None:
+    if offload is None or offload in OFFLOADS:
+        return offload
+    raise OffloadRefused(f"offload={offload!r}: give 'disk' (weights stay in the checkpoint's mapped files), 'cpu' "
+                         "(in host memory, each block moved to the device when it runs) or None (the whole model on "
+                         "the device)")
+
+
+@dataclass
+class _Slot:
+    """One parameter of a unit: where its weights live, and the parameter's shape, layout and dtype."""
+
+    module: nn.Module
+    name: str
+    source: Tensor
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+    holds: int = 0
+
+    def placeholder(self) -> nn.Parameter:
+        return nn.Parameter(torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device="meta"),
+                            requires_grad=False)
+
+    def take(self, device: torch.device) -> None:
+        if self.holds == 0:
+            t = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=device)
+            t.copy_(self.source, non_blocking=device.type == "cuda")
+            self.module._parameters[self.name] = nn.Parameter(t, requires_grad=False)
+        self.holds += 1
+
+    def give(self, release: bool) -> None:
+        self.holds -= 1
+        if self.holds == 0:
+            self.module._parameters[self.name] = self.placeholder()
+            if release:
+                release_pages([self.source])
+
+
+class Unit:
+    """The weights of one module (a block, the embedding, the unembedding), held off the compute device."""
+
+    def __init__(self, name: str, module: nn.Module, slots: list[_Slot], offload: "Offload") -> None:
+        self.name, self.module, self.slots, self.offload = name, module, slots, offload
+        self.holds = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.dtype.itemsize * _numel(s.shape) for s in self.slots)
+
+    def enter(self) -> None:
+        for s in self.slots:
+            s.take(self.offload.device)
+        self.holds += 1
+
+    def exit(self) -> None:
+        self.holds -= 1
+        for s in self.slots:
+            s.give(self.offload.kind == "disk")
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class Offload:
+    """A model's offloaded units and where they run. Made by `build_model(..., offload=)`; the model keeps it
+    as `model.offload` (None for a model held whole on its device)."""
+
+    def __init__(self, kind: str, device: torch.device, dtype: torch.dtype) -> None:
+        self.kind, self.device, self.dtype = kind, torch.device(device), dtype
+        self.units: dict[str, Unit] = {}
+        self._hooks: list = []
+
+    # ---- building ---------------------------------------------------------------------------------
+    @staticmethod
+    def unit_of(key: str) -> str | None:
+        """The unit a state-dict key belongs to ("blocks.3", "embed", ...), or None (stays resident)."""
+        head, _, rest = key.partition(".")
+        if head == "blocks":
+            return f"blocks.{rest.partition('.')[0]}"
+        return head if head in UNIT_MODULES else None
+
+    def source(self, tensor: Tensor) -> Tensor:
+        """What the offload keeps of a checkpoint tensor: the mapped view itself (disk), or a host copy in
+        the compute dtype (cpu; pinned when the compute device is a GPU)."""
+        if self.kind == "disk" or not tensor.is_floating_point():
+            return tensor
+        kept = tensor.to("cpu", self.dtype).contiguous()
+        return kept.pin_memory() if self.device.type == "cuda" else kept
+
+    def attach(self, model: nn.Module, sources: dict[str, Tensor], specs: dict[str, Tensor],
+               strides: dict[str, tuple]) -> None:
+        """Give `model` its units: each key of `sources` (a state-dict name) lives there, with the shape of
+        `specs[key]` (the meta model's parameter) and the strides `strides[key]` (those the model held whole
+        has: `build.adopted_stride`), and gets a meta placeholder until it is used."""
+        slots: dict[str, list[_Slot]] = {}
+        for key, source in sources.items():
+            owner, _, name = key.rpartition(".")
+            module = model.get_submodule(owner)
+            spec = specs[key]
+            dtype = self.dtype if spec.is_floating_point() else spec.dtype
+            slot = _Slot(module, name, source, tuple(spec.shape), strides[key], dtype)
+            module._parameters[name] = slot.placeholder()
+            slots.setdefault(self.unit_of(key), []).append(slot)
+        tied = getattr(model.unembed, "_embed", None)
+        if tied is not None and "embed" in slots:  # the tied unembedding reads the embedding's matrix
+            slots["unembed"] = slots.get("unembed", []) + [s for s in slots["embed"] if s.name == "W_E"]
+        for name, unit_slots in slots.items():
+            unit = Unit(name, model.get_submodule(name), unit_slots, self)
+            self.units[name] = unit
+            self._hooks += [unit.module.register_forward_pre_hook(self._pre(unit)),
+                            unit.module.register_forward_hook(self._post(unit), always_call=True)]
+        model.offload = self
+
+    def _pre(self, unit: Unit):
+        def hook(module, args):
+            unit.enter()  # first: the forward hook (always called) releases it, whatever raises after
+            _refuse_grad(args, unit.name)
+        return hook
+
+    def _post(self, unit: Unit):
+        def hook(module, args, output):
+            unit.exit()
+            _refuse_grad((output,), unit.name)
+        return hook
+
+    # ---- using ------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def holding(self, *names: str):
+        """Hold the named units (`"blocks.3"`, `"unembed"`) materialised on the device for the block."""
+        units = [self.units[n] for n in names if n in self.units]
+        for u in units:
+            u.enter()
+        try:
+            yield
+        finally:
+            for u in reversed(units):
+                u.exit()
+
+    @property
+    def largest_unit_bytes(self) -> int:
+        return max((u.nbytes for u in self.units.values()), default=0)
+
+    def describe(self) -> str:
+        blocks = [u for n, u in self.units.items() if n.startswith("blocks.")]
+        where = "the checkpoint's mapped files" if self.kind == "disk" else "host memory"
+        return (f"offload={self.kind!r}: {len(self.units)} units ({len(blocks)} blocks) held in {where}, each brought to "
+                f"{self.device} in {str(self.dtype).removeprefix('torch.')} when it runs (largest "
+                f"{self.largest_unit_bytes / 2**20:,.0f} MiB)")
+
+
+def _refuse_grad(values, where: str) -> None:
+    if not torch.is_grad_enabled():
+        return
+    for v in torch.utils._pytree.tree_leaves(values):
+        if isinstance(v, Tensor) and v.requires_grad:
+            raise OffloadRefused(
+                f"a backward pass through an offloaded model ({where} saw an input that requires grad): autograd would "
+                "keep every layer's weights in memory until the backward ran; load the model without offload for "
+                "gradients (attribution, EAP, importance), or use exact patching")
+
+
+def named_weights(model: nn.Module):
+    """(name, tensor) of the model's state dict in sorted name order, each offloaded unit materialised while
+    its tensors are read and released after (one unit in memory at a time); a model without offload gives
+    its state dict as it is. For code that reads every weight (fingerprints, hashes)."""
+    state = model.state_dict()
+    offload = getattr(model, "offload", None)
+    if offload is None:
+        for name in sorted(state):
+            yield name, state[name]
+        return
+    held = None
+    try:
+        for name in sorted(state):
+            unit = offload.unit_of(name)
+            unit = unit if unit in offload.units else None
+            if unit != held:
+                if held is not None:
+                    offload.units[held].exit()
+                held = unit
+                if held is not None:
+                    offload.units[held].enter()
+            yield name, (state[name] if unit is None else _current(model, name))
+    finally:
+        if held is not None:
+            offload.units[held].exit()
+
+
+def _current(model: nn.Module, key: str) -> Tensor:
+    owner, _, name = key.rpartition(".")
+    return model.get_submodule(owner)._parameters[name].detach()
