@@ -195,11 +195,13 @@ def test_bad_requests_are_one_line_before_loading(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
-def test_a_wrapped_model_is_refused_in_one_line(tmp_path):
+def test_a_wrapped_model_is_refused_in_one_line(tmp_path, capsys):
     hf = builder("phi")()
     hf.save_pretrained(tmp_path / "w")
     with pytest.raises(OffloadRefused, match="transformers runs this architecture"):
         interp.load(tmp_path / "w", offload="disk")
+    assert cli(["analyze", str(tmp_path / "w"), "--out", str(tmp_path / "o"), "--offload", "disk", "--no-progress"]) == 2
+    assert "which interp does not offload" in capsys.readouterr().err and not (tmp_path / "o").exists()
 
 
 def test_the_weights_estimate_lets_an_offloaded_load_through(tmp_path):

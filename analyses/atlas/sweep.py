@@ -445,6 +445,9 @@ def check_up_front(settings: SweepSettings, runs: Sequence[Run]) -> None:
     for run in runs:
         for ckpt in run.checkpoints:  # code in a checkpoint folder never runs: refused, not skipped
             refuse_code_in(ckpt.path)
+        if settings.offload is not None and is_wrapped(run.checkpoints[-1].path):
+            raise ValueError(f"--offload {settings.offload}: {run.name} is an architecture transformers runs (wrapped), "
+                             "which interp does not offload: run it without --offload")
         try:
             cfg = _config_at(str(run.checkpoints[-1].path))
         except (CheckpointError, FileNotFoundError, ValueError, KeyError, ImportError):
