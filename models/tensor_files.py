@@ -63,11 +63,24 @@ def read_state_dict(path: Path) -> dict[str, Tensor]:
     if index.exists():
         return _read_sharded(index)
     if pt.exists():
-        try:
-            return torch.load(pt, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - re-raised with the file named
-            raise CheckpointError(f"could not read {pt}: {e}") from e
+        return read_pickled(pt)
     raise CheckpointError(f"{path} has no model.safetensors (nor a sharded index or pytorch_model.bin)")
+
+
+def read_pickled(pt: Path) -> dict[str, Tensor]:
+    """A `pytorch_model.bin`'s tensors, never running its code (weights_only), memory-mapped where the file is
+    torch's zip format (every torch.save since 1.6): the tensors are views of the file's pages, as a safetensors
+    file's are, so an offloaded model (`interp.models.offload`) keeps them on disk. An older file is read
+    into memory."""
+    try:
+        try:
+            return torch.load(pt, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "zip" not in str(e).lower():  # not the old format: a damaged file, said below
+                raise
+            return torch.load(pt, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - re-raised with the file named
+        raise CheckpointError(f"could not read {pt}: {e}") from e
 
 
 def _read_sharded(index: Path) -> dict[str, Tensor]:

@@ -229,3 +229,25 @@ def test_gemma3_offloaded_is_bit_identical():
     path = gguf.assemble()
     whole, off = _pair(path)
     _check_forward_and_cache(whole, off, _tokens(whole, p=24))
+
+
+def test_a_pytorch_model_bin_is_mapped_offloads_and_is_never_written(tmp_path):
+    """torch's zip format is memory-mapped (private: a weight written in memory never reaches the file); the
+    pre-1.6 format is read into memory; both give the same model."""
+    import hashlib
+
+    from hf_cases import build_hf
+
+    hf = build_hf("llama-gqa")
+    hf.config.save_pretrained(tmp_path)
+    torch.save(hf.state_dict(), tmp_path / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    old = interp.load(tmp_path)
+    torch.save(hf.state_dict(), tmp_path / "pytorch_model.bin")
+    digest = hashlib.sha256((tmp_path / "pytorch_model.bin").read_bytes()).hexdigest()
+    whole, off = _pair(tmp_path)
+    tokens = _tokens(whole)
+    with torch.no_grad():
+        _same(old(tokens), whole(tokens))
+        _same(whole(tokens), off(tokens))
+    whole.process_weights_()  # writes into every weight, the mapped ones included
+    assert hashlib.sha256((tmp_path / "pytorch_model.bin").read_bytes()).hexdigest() == digest
