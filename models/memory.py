@@ -92,20 +92,41 @@ class Fit:
 
 
 def check_fits(cfg, batch: int, length: int, device="cpu", *, what: str = "--seq-len", available: int | None = None,
-               element_size: int = 4, offload: str | None = None) -> Fit:
+               element_size: int = 4, offload: str | None = None, device_map=None) -> Fit:
     """Raise ValueError (one line: the estimate, what is free, the longest length that fits) when a
-    forward over `batch` x `length` tokens would not fit on `device`; return the `Fit` otherwise."""
+    forward over `batch` x `length` tokens would not fit on `device`; return the `Fit` otherwise.
+    `device_map` ("auto", {layer or unit: device}, or the command line's spelling): each device of the map
+    is checked with its share of the weights (one layer's activations on each); the tightest is returned."""
+    if device_map is not None:
+        from . import device_map as device_maps
+
+        placed = device_maps.resolve_device_map(device_maps.parse_device_map(device_map), cfg)
+        fits = []
+        for dev in dict.fromkeys(placed.values()):
+            share = sum(device_maps.unit_bytes(cfg, u, element_size) for u, d in placed.items() if d == dev)
+            room = available_bytes(dev) if available is None else available
+            fits.append(_check_fits(cfg, batch, length, dev, what=what, available=room, element_size=element_size,
+                                    weights=share))
+        return min(fits, key=lambda f: float("inf") if f.longest is None else f.longest)
+    return _check_fits(cfg, batch, length, device, what=what, available=available, element_size=element_size,
+                       offload=offload)
+
+
+def _check_fits(cfg, batch: int, length: int, device="cpu", *, what: str, available: int | None, element_size: int,
+                offload: str | None = None, weights: int | None = None) -> Fit:
     available = available_bytes(device) if available is None else available
-    needed = estimate_bytes(cfg, batch, length, element_size, offload)
+    held = held_weight_bytes(cfg, element_size, offload) if weights is None else weights
+    needed = FIXED_BYTES + held + batch * length * per_token_bytes(cfg)
     longest = None
     if available is not None:
-        room = available - FIXED_BYTES - held_weight_bytes(cfg, element_size, offload)
+        room = available - FIXED_BYTES - held
         longest = max(0, room // (batch * per_token_bytes(cfg)))
     fit = Fit(needed, available, longest)
     if not fit.fits:
         where = "this machine's" if torch.device(device).type == "cpu" else f"{device}'s"
-        weights = held_weight_bytes(cfg, element_size, offload)
-        if offload is None and FIXED_BYTES + weights > available:  # no length fits: the weights are the problem
+        whole = weights is None
+        weights = held
+        if offload is None and whole and FIXED_BYTES + weights > available:  # no length fits: the weights are the problem
             raise ValueError(f"{what} {length}: the weights alone need about {weights / GiB:.1f} GiB "
                              f"({cfg.n_params() / 1e9:.2f}B in {element_size}-byte numbers), more than {where} "
                              f"{available / GiB:.1f} GiB free; --offload disk (offload=\"disk\") holds one block of "
@@ -133,13 +154,15 @@ def largest_unit_bytes(cfg, element_size: int) -> int:
 
 
 def check_weights_fit(cfg, dtype: torch.dtype, device=None, *, source: str, available: int | None = None,
-                      offload: str | None = None) -> None:
+                      offload: str | None = None, n_params: int | None = None) -> None:
     """Refuse (`WeightsDoNotFit`, one line) a load whose weights alone, `cfg.n_params()` in `dtype`, exceed
     what `device` has free (`available_bytes`), naming a smaller dtype that would fit, with its size, and
     offload. Made from the config before any weight is read; a ceiling-free estimate (activations come on
     top), so a load it allows can still run short, but one it refuses could not have fitted. Nothing is
     refused when the free memory cannot be read. Offloaded (`offload`), the device holds its largest block
-    at a time (`largest_unit_bytes`); offload="cpu" holds every weight in host memory besides."""
+    at a time (`largest_unit_bytes`); offload="cpu" holds every weight in host memory besides. `n_params`: the
+    count when the config's formula does not know it (a wrapped architecture, counted on the meta device);
+    such a model cannot be offloaded, so the refusal does not offer it."""
     device = torch.device(device or "cpu")
     if offload is not None:
         if offload == "cpu" and device.type != "cpu":
@@ -153,17 +176,18 @@ def check_weights_fit(cfg, dtype: torch.dtype, device=None, *, source: str, avai
                                   "free: use a smaller dtype, or a device with more memory")
         return
     available = available_bytes(device) if available is None else available
-    needed = weight_bytes(cfg, dtype.itemsize)
+    n = cfg.n_params() if n_params is None else n_params
+    needed = n * dtype.itemsize
     if available is None or needed <= available:
         return
     where = "this machine's" if device.type == "cpu" else f"{device}'s"
-    fits = [d for d in _SMALLER if d.itemsize < dtype.itemsize and weight_bytes(cfg, d.itemsize) <= available]
-    n = cfg.n_params()
-    instead = (f"in {str(fits[0]).removeprefix('torch.')} they take {weight_bytes(cfg, fits[0].itemsize) / GiB:.1f} GiB, "
+    fits = [d for d in _SMALLER if d.itemsize < dtype.itemsize and n * d.itemsize <= available]
+    instead = (f"in {str(fits[0]).removeprefix('torch.')} they take {n * fits[0].itemsize / GiB:.1f} GiB, "
                f"which fits (dtype=torch.{str(fits[0]).removeprefix('torch.')})" if fits else
-               f"no dtype interp loads in fits ({weight_bytes(cfg, 2) / GiB:.1f} GiB in bfloat16)")
-    offloaded = largest_unit_bytes(cfg, dtype.itemsize)
-    instead += (f"; or offload=\"disk\" (--offload disk): the weights stay in the checkpoint's files and one block of "
-                f"{offloaded / GiB:.1f} GiB is held at a time")
+               f"no dtype interp loads in fits ({n * 2 / GiB:.1f} GiB in bfloat16)")
+    if n_params is None:  # a native model: offloading is the other way
+        offloaded = largest_unit_bytes(cfg, dtype.itemsize)
+        instead += (f"; or offload=\"disk\" (--offload disk): the weights stay in the checkpoint's files and one "
+                    f"block of {offloaded / GiB:.1f} GiB is held at a time")
     raise WeightsDoNotFit(f"{source}: its {n / 1e9:.2f}B weights in {str(dtype).removeprefix('torch.')} need about "
                           f"{needed / GiB:.1f} GiB, more than {where} {available / GiB:.1f} GiB free; {instead}")

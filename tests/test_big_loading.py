@@ -209,3 +209,21 @@ def test_a_mapping_that_is_gone_is_never_released_again(tmp_path):
     anonymous = torch.arange(4096, dtype=torch.float32)
     tensor_files.release_pages([anonymous])
     assert torch.equal(anonymous, torch.arange(4096, dtype=torch.float32))
+
+
+def test_a_wrapped_load_that_cannot_fit_is_refused_before_transformers_reads_a_weight(tmp_path, monkeypatch):
+    """transformers builds a wrapped architecture: its parameters are counted on the meta device, exactly."""
+    import transformers
+
+    from arch_cases import builder
+
+    hf = builder("phi")()
+    hf.save_pretrained(tmp_path / "w")
+    n = sum(p.numel() for p in hf.parameters())
+    assert format_hf.wrapped_n_params(json.loads((tmp_path / "w" / "config.json").read_text())) == n
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("transformers read the weights"))
+    monkeypatch.setattr(memory, "available_bytes", lambda device="cpu": 4 * n - 1)  # float32 misses by a byte
+    with pytest.raises(memory.WeightsDoNotFit, match="dtype=torch.bfloat16") as e:
+        interp.load(tmp_path / "w")
+    assert "offload" not in str(e.value)  # a wrapped model cannot be offloaded: not offered

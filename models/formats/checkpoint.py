@@ -74,11 +74,14 @@ def load_checkpoint(path, *, dtype: torch.dtype | str | None = None, device: tor
     fmt, path, raw = _format_of(path, tokenizer_given=tokenizer is not None)
     scaling = None if rope_scaling is None else _rope_scaling(fmt, path, raw, rope_scaling)
     dtype = resolve_dtype(dtype, device, fmt, path, raw)
-    if fmt is not format_hf or format_hf.native(raw):  # a wrapped config's size is transformers' to build
+    if fmt is not format_hf or format_hf.native(raw):
         cfg = fmt.config(path, raw)
         if fmt is format_ours:
             format_ours.check_header(path, cfg)
         memory.check_weights_fit(cfg, dtype, device, source=str(path), offload=offload)
+    else:  # transformers builds it: its parameters counted on the meta device
+        memory.check_weights_fit(fmt.config(path, raw), dtype, device, source=str(path),
+                                 n_params=format_hf.wrapped_n_params(raw))
     model = fmt.load(path, raw, dtype=dtype, device=device, tokenizer=tokenizer, offload=offload)
     return model if rope_scaling is None else model.rescale_rope_(scaling)
 

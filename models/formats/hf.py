@@ -62,6 +62,17 @@ def _structure(raw: dict):
     return config
 
 
+def wrapped_n_params(raw: dict) -> int:
+    """The parameter count of a non-native config.json's model, built on the meta device (no memory): what the
+    load's memory check weighs before transformers reads a weight."""
+    import torch
+
+    config = _structure(raw)
+    with torch.device("meta"):
+        model = wrapped.causal_lm_class(raw["model_type"])(config)
+    return sum(p.numel() for p in model.parameters())
+
+
 def config_from_raw(raw: dict) -> ModelConfig:
     """`wrapped_config` from a config.json's contents, without weights (transformers' config class fills
     its defaults, so the windows per layer are the model's)."""
@@ -118,7 +129,7 @@ def config(path: Path, raw: dict) -> ModelConfig:
         return get_family(raw.get("model_type")).config(raw)
 
 
-def load(path: Path, raw: dict, *, dtype, device, tokenizer, offload=None) -> HookedTransformer:
+def load(path: Path, raw: dict, *, dtype, device, tokenizer, offload=None, device_map=None) -> HookedTransformer:
     if not native(raw):
         if offload is not None:
             raise OffloadRefused(f"{path}: offload={offload!r} runs interp's own transformer block by block, and "
@@ -133,6 +144,7 @@ def load(path: Path, raw: dict, *, dtype, device, tokenizer, offload=None) -> Ho
     sd = convert_weights(family, cfg, raw_tensors, str(path))
     release_pages(raw_tensors.values())  # what the conversion copied from is read; the views fault back in
     del raw_tensors
-    model = build_model(cfg, sd, str(path), dtype, device, fresh=True, offload=offload)
+    model = build_model(cfg, sd, str(path), dtype, device, fresh=True, offload=offload,
+                        device_map=device_map)
     model.tokenizer = tokenizer if tokenizer is not None else local_tokenizer(path)
     return model
