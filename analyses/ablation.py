@@ -59,9 +59,10 @@ def values_from_z(zs: list[Tensor], method: Method, *, valid: Tensor | None = No
         return {l: torch.zeros_like(z[:1, :1]) for l, z in enumerate(zs)}
     if method == "resample":
         perm = derangement(zs[0].shape[0], seed).to(zs[0].device)
-        return {l: z[perm] for l, z in enumerate(zs)}
+        return {l: z[perm.to(z.device)] for l, z in enumerate(zs)}  # each layer's on its device (a device_map)
     w = (torch.ones(zs[0].shape[:2], device=zs[0].device) if valid is None else valid.float())[..., None, None]
-    return {l: (z * w).sum((0, 1), keepdim=True) / w.sum((0, 1), keepdim=True) for l, z in enumerate(zs)}
+    return {l: (z * w.to(z.device)).sum((0, 1), keepdim=True) / w.to(z.device).sum((0, 1), keepdim=True)
+            for l, z in enumerate(zs)}
 
 
 @torch.no_grad()
@@ -85,7 +86,7 @@ def _replace_heads(values: Tensor, heads: list[int]):
 
     def hook(z: Tensor, hook) -> Tensor:
         z = z.clone()
-        z[:, :, heads] = values[:, :, heads].to(z.dtype)
+        z[:, :, heads] = values[:, :, heads].to(z.device, z.dtype)  # z's layer's device (a device_map)
         return z
 
     return hook
@@ -205,7 +206,8 @@ class AblationRunner:
         model = self.model
         attn = model.blocks[layer].attn
         W_O = attn.W_O  # [head, d_head, d_model]
-        z, new = self.z[layer], self.values[layer].to(self.z[layer].dtype)
+        z = self.z[layer]
+        new = self.values[layer].to(z.device, z.dtype)
         # the attention layer's output of the clean (base-ablated) run, before any post-attention norm
         clean_out = attention_output(attn, z) if self.attn_out is None else self.attn_out[layer]
         attn_out = []

@@ -119,9 +119,10 @@ def pattern_scores(
     n = pattern.shape[-1]
     keep = keep_mask(n, exclude_bos, exclude_current_token, pattern.device).float()[None]  # [1, p, j]
     if query_valid is not None:
-        keep = keep * query_valid[:, :, None].float()
+        keep = keep * query_valid.to(pattern.device)[:, :, None].float()
     keep = keep[:, None]  # [batch, 1, p, j]
-    a, d = pattern.float(), detection.float()[:, None]
+    # the detection pattern is made once from the tokens; a layer of a model split over devices scores on its own
+    a, d = pattern.float(), detection.to(pattern.device).float()[:, None]
     if error_measure == "mul":
         return (a * d * keep).sum((-1, -2)) / (a * keep).sum((-1, -2))
     size = n if query_valid is None else query_valid.sum(-1, keepdim=True).float()

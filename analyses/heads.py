@@ -259,15 +259,17 @@ def induction_scores(
     names = ("induction", "prefix_matching", "duplicate_token", "previous_token")
     out = {k: torch.empty(cfg.n_layers, cfg.n_heads) for k in names}
 
-    def stripe(a: Tensor, src: Tensor, ok: Tensor) -> Tensor:
+    def stripe(a: Tensor, dest: Tensor, src: Tensor, ok: Tensor) -> Tensor:
         idx = src.clamp(min=0).view(1, 1, -1, 1).expand(a.shape[0], a.shape[1], -1, 1)
         return a[:, :, dest].gather(-1, idx)[..., 0] * ok  # [batch, head, dest]
 
     def score(a: Tensor, hook) -> None:
         layer = int(hook.name.split(".")[1])
-        every = torch.ones_like(dest, dtype=torch.bool)
-        prefix = sum(stripe(a, dest - m * L + 1, copy >= m) for m in range(1, n_repeats))
-        for k, v in zip(names, (stripe(a, dest - L + 1, every), prefix, stripe(a, dest - L, every), stripe(a, dest - 1, every))):
+        here, copies = dest.to(a.device), copy.to(a.device)  # the layer's device (a model split by device_map)
+        every = torch.ones_like(here, dtype=torch.bool)
+        prefix = sum(stripe(a, here, here - m * L + 1, copies >= m) for m in range(1, n_repeats))
+        for k, v in zip(names, (stripe(a, here, here - L + 1, every), prefix, stripe(a, here, here - L, every),
+                                stripe(a, here, here - 1, every))):
             out[k][layer] = v.mean((0, 2)).cpu()
 
     hooks = [(f"blocks.{l}.attn.hook_pattern", score) for l in range(cfg.n_layers)]
@@ -297,12 +299,12 @@ def _nll_at(model, tokens: Tensor, positions, attention_mask: Tensor | None, res
         if getattr(model, "native", True):
             if resid is None:
                 resid = model(tokens, attention_mask=attention_mask, stop_at_layer=model.cfg.n_layers)
-            logits = model.unembed(model.ln_final(resid[:, at - 1]))  # [batch, len(at), vocab]
+            logits = model.unembed(model.ln_final(resid[:, (at - 1).to(resid.device)]))  # [batch, len(at), vocab]
         else:  # a wrapped model's logits are transformers' (with its own final scalings): all rows, then picked
             logits = model(tokens, attention_mask=attention_mask)[:, at - 1]
         picked = torch.log_softmax(logits.float(), -1).gather(-1, tokens[:, at, None].to(logits.device))[..., 0]
-    nll = torch.zeros(batch, n - 1, device=picked.device)
-    nll[:, at - 1] = -picked
+    nll = torch.zeros(batch, n - 1, device=tokens.device)  # where the tokens are (a split model's logits: the last device)
+    nll[:, at - 1] = -picked.to(tokens.device)
     return nll
 
 

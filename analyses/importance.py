@@ -46,21 +46,21 @@ def gated_gradients(
         if l in by_layer:
             z = z.clone()
             heads = by_layer[l]
-            z[:, :, heads] = 0.0 if values is None else values[l][:, :, heads].to(z.dtype).expand(z.shape[0], z.shape[1], -1, -1)
-        zg = z * xi[:, l, None, :, None]
+            z[:, :, heads] = 0.0 if values is None else values[l][:, :, heads].to(z.device, z.dtype).expand(z.shape[0], z.shape[1], -1, -1)
+        zg = z * xi[:, l, None, :, None].to(z.device)  # the layer's device (a model split by device_map)
         zs[l] = zg
         return zg
 
     hooks = [(f"blocks.{l}.attn.hook_z", gate) for l in range(cfg.n_layers)]
     with frozen_params(model), torch.enable_grad(), model.hooks(hooks):
         nll = model(tokens, return_type="loss", loss_per_token=True, attention_mask=attention_mask)
-        pairs = pair_mask(valid).to(nll.dtype)
+        pairs = pair_mask(valid).to(nll.device, nll.dtype)
         per_seq = nll.sum(1) / pairs.sum(1).clamp(min=1)
         # One backward serves both: sequences do not interact, so the gradient of the dataset mean at
         # sequence b's z is that of its own mean scaled by its share of the pairs.
         grad_xi, *grad_z = torch.autograd.grad(per_seq.sum(), [xi, *zs])
         share = (pairs.sum(1).clamp(min=1) / pairs.sum()).to(grad_z[0].dtype)[:, None, None, None]
-    return grad_xi, [z.detach() for z in zs], [g * share for g in grad_z]
+    return grad_xi, [z.detach() for z in zs], [g * share.to(g.device) for g in grad_z]
 
 
 def michel_importance(grad_xi: Tensor, normalize: bool = True) -> Tensor:
@@ -74,7 +74,8 @@ def michel_importance(grad_xi: Tensor, normalize: bool = True) -> Tensor:
 
 def attribution_estimates(zs: list[Tensor], grads: list[Tensor], values: dict[int, Tensor]) -> Tensor:
     """[layer, head]: sum over batch and positions of (z_ablated - z) . dL/dz per head."""
-    return torch.stack([((values[l].to(z.dtype) - z) * g).sum((0, 1, 3)) for l, (z, g) in enumerate(zip(zs, grads))])
+    return torch.stack([((values[l].to(z.device, z.dtype) - z) * g).sum((0, 1, 3)).to(zs[0].device)
+                        for l, (z, g) in enumerate(zip(zs, grads))])
 
 
 def head_importance(

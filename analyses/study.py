@@ -183,12 +183,15 @@ class StudySettings:
     data      the tokens it reads (`StudyData`; None for a study that reads none)
     device    where the command loads the model (memory is checked there before loading)
     offload   None, "disk" or "cpu": the model loaded layer by layer (`interp.models.offload`)
+    device_map None, "auto" or the command line's LAYERS:DEVICE,...: the blocks split over devices
+              (`interp.models.device_map`); memory is checked on each
     progress  progress bars: None on a terminal only, False never"""
 
     model: str = "model"
     data: StudyData | None = None
     device: str | None = None
     offload: str | None = None
+    device_map: str | dict | None = None
     progress: bool | None = None
 
 

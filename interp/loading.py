@@ -43,7 +43,7 @@ def load(name_or_path, *, revision: str | None = None, dtype: torch.dtype | str 
          device: torch.device | str | None = None, tokenizer=None, default_prepend_bos: bool | None = None,
          fold_ln: bool = False, center_writing_weights: bool = False, center_unembed: bool = False,
          fold_value_biases: bool = False, refactor_factored_attn_matrices: bool = False,
-         rope_scaling=None, offload: str | None = None) -> HookedModel:
+         rope_scaling=None, offload: str | None = None, device_map=None) -> HookedModel:
     """Load a model, resolving `name_or_path` in this order:
 
     1. a local path: a checkpoint folder (ours or Hugging Face's, or a file inside one) or a `.gguf` file;
@@ -84,8 +84,25 @@ def load(name_or_path, *, revision: str | None = None, dtype: torch.dtype | str 
     released: forward, hooks, `run_with_cache`, the statistics, the atlas, ablations, KV-cache prefill and
     circuit patching run so, with the same numbers as the model held whole. A backward pass, weight
     processing, `save` and `.to()` are refused in one line; `with model.holding(layer):` holds a block for
-    code that reads its weights directly. Native models only."""
+    code that reads its weights directly. Native models only.
+
+    device_map: None (the default: the whole model on `device`), "auto" or {layer or unit: device}: the
+    blocks split over several GPUs (`interp.models.device_map`). "auto" splits them evenly, in contiguous
+    runs, over the CUDA devices torch sees (one device or none: everything there); a dict names devices per
+    layer (an int L is "blocks.L") or unit ("embed", "pos_embed", "embed_ln", "ln_final", "unembed"), and
+    what it leaves out follows the block before it (the embedding the first block, ln_final and the
+    unembedding the last; a tied unembedding the embedding). Each weight goes straight to its device; each
+    block receives its inputs there, so the residual stream crosses devices at block boundaries, hooks and
+    `run_with_cache` see each block's activations on its own device, and `model.device` is the embedding's.
+    Forward, hooks, caches, the statistics and the analyses give the numbers of the model on one device. A
+    device the machine lacks, a layer out of range, an unknown unit, `device=` elsewhere than the map's
+    embedding, `offload=`, a wrapped model, and a KV cache (generation) on a map over several devices are
+    refused in one line, before any weight is read (the KV cache: when it is asked for)."""
     check_offload(offload)
+    if device_map is not None and offload is not None:
+        from interp.models.device_map import DeviceMapRefused
+
+        raise DeviceMapRefused(f"device_map and offload={offload!r} both say where the weights go: give one of the two")
     processing = dict(fold_ln=fold_ln, center_writing_weights=center_writing_weights, center_unembed=center_unembed,
                       fold_value_biases=fold_value_biases, refactor_factored_attn_matrices=refactor_factored_attn_matrices)
     if offload is not None and any(processing.values()):
@@ -94,7 +111,7 @@ def load(name_or_path, *, revision: str | None = None, dtype: torch.dtype | str 
                              "of the two")
     path = resolve(name_or_path, revision=revision)
     model = load_checkpoint(path, dtype=dtype, device=device, tokenizer=tokenizer, rope_scaling=rope_scaling,
-                            offload=offload)
+                            offload=offload, device_map=device_map)
     name = str(name_or_path) if revision is None else f"{name_or_path}@{revision}"
     return _conventions(model, name, default_prepend_bos, fold_ln=fold_ln, center_writing_weights=center_writing_weights,
                         center_unembed=center_unembed, fold_value_biases=fold_value_biases,

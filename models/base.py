@@ -103,6 +103,7 @@ class HookedModel(TextMixin, HookedRootModule):
 
     native: bool  # interp's own implementation (True), or transformers' model with our hooks (False)
     offload = None  # `interp.models.offload.Offload` when the weights stay off the device (load(offload=))
+    device_map = None  # {unit: torch.device} of a model loaded with load(device_map=) (`interp.models.device_map`)
     _core: str  # a submodule that exists once the model is built (`_refresh_view` waits for it)
 
     def __init__(self, *, tokenizer=None) -> None:

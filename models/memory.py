@@ -92,28 +92,11 @@ class Fit:
 
 
 def check_fits(cfg, batch: int, length: int, device="cpu", *, what: str = "--seq-len", available: int | None = None,
-               element_size: int = 4, offload: str | None = None, device_map=None) -> Fit:
+               element_size: int = 4, offload: str | None = None, weights: int | None = None) -> Fit:
     """Raise ValueError (one line: the estimate, what is free, the longest length that fits) when a
     forward over `batch` x `length` tokens would not fit on `device`; return the `Fit` otherwise.
-    `device_map` ("auto", {layer or unit: device}, or the command line's spelling): each device of the map
-    is checked with its share of the weights (one layer's activations on each); the tightest is returned."""
-    if device_map is not None:
-        from . import device_map as device_maps
-
-        placed = device_maps.resolve_device_map(device_maps.parse_device_map(device_map), cfg)
-        fits = []
-        for dev in dict.fromkeys(placed.values()):
-            share = sum(device_maps.unit_bytes(cfg, u, element_size) for u, d in placed.items() if d == dev)
-            room = available_bytes(dev) if available is None else available
-            fits.append(_check_fits(cfg, batch, length, dev, what=what, available=room, element_size=element_size,
-                                    weights=share))
-        return min(fits, key=lambda f: float("inf") if f.longest is None else f.longest)
-    return _check_fits(cfg, batch, length, device, what=what, available=available, element_size=element_size,
-                       offload=offload)
-
-
-def _check_fits(cfg, batch: int, length: int, device="cpu", *, what: str, available: int | None, element_size: int,
-                offload: str | None = None, weights: int | None = None) -> Fit:
+    `weights`: the bytes of weights `device` holds, when not all of them (one device of a `device_map`:
+    `device_map.check_fits_split`)."""
     available = available_bytes(device) if available is None else available
     held = held_weight_bytes(cfg, element_size, offload) if weights is None else weights
     needed = FIXED_BYTES + held + batch * length * per_token_bytes(cfg)

@@ -99,7 +99,8 @@ def process_weights(model, *, fold_ln: bool = True, center_writing_weights: bool
     fold_ln = fold_ln and cfg.normalization is not None
     center_writing_weights = center_writing_weights and cfg.normalization == "layernorm"
     dtype = model.dtype
-    p = {k: v.detach().to(torch.float64).clone() for k, v in model.state_dict().items()}
+    # on one device (the first of a model split by `device_map`): the steps combine units (ln_final and W_U)
+    p = {k: v.detach().to(model.device, torch.float64).clone() for k, v in model.state_dict().items()}
     sd = _Weights(p, cfg)
     layernorm = cfg.normalization == "layernorm"
     if fold_ln:
@@ -170,7 +171,7 @@ class _Weights:
             W = self.get(W_name)  # [d_model, out]
             if b is not None:
                 bias = self.p.get(b_name)
-                bias = (torch.zeros(W.shape[1], dtype=W.dtype) if bias is None else bias) + b @ W
+                bias = (torch.zeros(W.shape[1], dtype=W.dtype, device=W.device) if bias is None else bias) + b @ W
                 self.p[b_name] = bias
             W = w[:, None] * W
             if layernorm:
@@ -256,13 +257,18 @@ def _install(model, sd: _Weights, dtype: torch.dtype) -> None:
         changes["mlp_bias"] = True
     if changes:
         new_cfg = cfg.replace(**changes)
-        device = model.device
+        where = model.device_map or {}  # a model split over devices: each new weight on its unit's device
         if "tie_embeddings" in changes or "unembed_bias" in changes:
             # A new module starts in training mode; it takes the model's (eval after interp.load),
             # or TransformerLens's tools refuse the model (they check every module).
-            model.unembed = Unembed(new_cfg).to(device=device, dtype=dtype).train(model.training)
+            model.unembed = Unembed(new_cfg).to(device=where.get("unembed", model.device), dtype=dtype).train(model.training)
+            if where:
+                from .device_map import attach_unit
+
+                attach_unit(model, "unembed", where["unembed"])
         for block in model.blocks:
             attn, mlp = block.attn, block.mlp
+            device = where.get(f"blocks.{block.layer}", model.device)
             if changes.get("qkv_bias"):
                 attn.b_qkv = nn.Parameter(torch.zeros(attn.W_qkv.shape[1], device=device, dtype=dtype))
             if changes.get("attn_out_bias"):

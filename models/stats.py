@@ -31,6 +31,7 @@ from interp.kernels import AttentionStats, Scoring, attention_stats
 from interp.kernels.attention import soft_cap
 from interp.kernels.visibility import visible
 
+from . import device_map as device_maps
 from .device import to_numpy
 
 LayerFn = Callable[[int, Tensor, Tensor, Tensor], None]
@@ -51,12 +52,15 @@ def for_each_layer_qk(model, tokens, fn: LayerFn, *, attention_mask: Tensor | No
     for a native model, the residual stream after that layer [batch, pos, d_model] (after the last
     layer: what `model(tokens, stop_at_layer=n_layers)` returns, for logits at a few positions). Hooks
     already on the model (e.g. ones that edit q or k) run first, so the callback sees what attention saw.
+    On a model split over devices (`device_map`) the callback gets every layer's q, k, v on the first device
+    (`model.device`, where the tokens are), so what it computes and keeps across layers is on one device.
     """
     tokens = model.prepare(tokens, padding=False).tokens
     layers = sorted(range(model.cfg.n_layers) if layers is None else set(layers))
     if not layers:
         return None
     rotary = model.rotary is not None
+    split = device_maps.is_split(getattr(model, "device_map", None))
     held: dict[str, Tensor] = {}
 
     def keep(key: str):
@@ -68,6 +72,8 @@ def for_each_layer_qk(model, tokens, fn: LayerFn, *, attention_mask: Tensor | No
     def done(layer: int):
         def hook(x: Tensor, hook) -> None:
             q, k, v = held.pop("q"), held.pop("k"), held.pop("v")
+            if split:  # a model split over devices (`device_map`): every layer's handed over on the first one
+                q, k, v = device_maps.move((q, k, v), model.device)
             fn(layer, q, k, v)
 
         return hook
@@ -101,7 +107,7 @@ def model_attention_stats(
         out[layer] = attention_stats(q, k, tokens, layer_scoring(model, layer), n_sink=n_sink, key_padding_mask=padding,
                                      backend=backend)
 
-    for_each_layer_qk(model, tokens, fn, attention_mask=attention_mask, layers=layers)
+    for_each_layer_qk(model, tokens, fn, attention_mask=attention_mask, layers=layers)  # on the first device
     return out
 
 

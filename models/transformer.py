@@ -35,6 +35,7 @@ from .kv.cache import KVCache
 from .kv.policy_cache import PolicyKVCache
 from .kv.policies import is_window, window_policy
 from .moe import make_mlp
+from . import device_map as device_maps
 from .offload import OffloadRefused
 from .positions import Rotary
 from .processing import process_weights
@@ -166,6 +167,9 @@ class HookedTransformer(WeightViews, HookedModel):
 
     @property
     def device(self) -> torch.device:
+        """Where inputs go: the embedding's device (the first of a `device_map`'s)."""
+        if self.device_map is not None:
+            return self.device_map["embed"]
         return self.embed.W_E.device if self.offload is None else self.offload.device
 
     @property
@@ -178,6 +182,22 @@ class HookedTransformer(WeightViews, HookedModel):
                                  "each block runs on the device it was loaded for; load it again with the device= and "
                                  "dtype= wanted, or without offload")
         return super()._apply(fn, *args, **kwargs)
+
+    def to(self, *args, **kwargs):
+        if device_maps.is_split(self.device_map):
+            device = torch._C._nn._parse_to(*args, **kwargs)[0]
+            if device is not None:
+                raise device_maps.DeviceMapRefused(
+                    f"this model is split over devices by its device_map ({device_maps.describe(self.device_map)}): "
+                    "moving it whole would leave its units' hooks pointing at the old devices; load it again with "
+                    "the device= or device_map= wanted")
+        return super().to(*args, **kwargs)
+
+    def cuda(self, device=None):
+        return self.to("cuda" if device is None else device)
+
+    def cpu(self):
+        return self.to("cpu")
 
     def rescale_rope_(self, scaling: RopeScaling | None) -> "HookedTransformer":
         """Run the rotary positions with `scaling` from now on (None: plain RoPE), in place of the config's
@@ -303,6 +323,7 @@ class HookedTransformer(WeightViews, HookedModel):
             tokens = None if tokens is None else self._as_tokens(tokens)
         valid = self._valid(attention_mask, batch, n)
         if kv_cache is not None:
+            device_maps.refuse_kv_cache(self)
             kv_cache.reserve(n, batch)
         positions = self._positions(valid, kv_cache)
         past = kv_cache.length if kv_cache is not None else 0
@@ -311,15 +332,19 @@ class HookedTransformer(WeightViews, HookedModel):
             key_valid = valid if kv_cache is None else torch.cat([kv_cache.valid(), valid], dim=1)
         mask = AttentionMask(n_q=n, n_k=past + n, key_valid=key_valid, n_sink=kv_cache.n_sink if kv_cache is not None else 0)
 
+        split = device_maps.is_split(self.device_map)
         if start_at_layer is None:
             resid = self.embed(tokens)
             resid = self.hook_embed(resid if self.embed_ln is None else self.embed_ln(resid))
             if self.pos_embed is not None:
-                resid = resid + self.hook_pos_embed(self.pos_embed(positions))
+                pos = self.hook_pos_embed(self.pos_embed(positions))
+                resid = resid + (device_maps.move(pos, resid.device) if split else pos)
         else:
             resid = input
         # cos/sin per layer: one table for most models, a second for Gemma 3's local layers
         ropes = self.rotary.per_layer(positions, resid.dtype) if self.rotary is not None else None
+        if split:  # each layer's cos/sin on its layer's device (the blocks' hooks bring the rest)
+            ropes = device_maps.spread(ropes, [self.device_map[f"blocks.{l}"] for l in range(self.cfg.n_layers)])
         for block in self.blocks[start_at_layer:stop_at_layer]:
             resid = block(resid, mask, ropes[block.layer] if ropes is not None else None, kv_cache)
         if kv_cache is not None:
@@ -330,6 +355,8 @@ class HookedTransformer(WeightViews, HookedModel):
             return None
         if return_type != "logits" and tokens is None:
             raise ValueError("a loss needs the token ids: pass tokens=... along with a residual-stream input")
+        if split and return_type != "logits":  # the loss is computed where the logits are
+            tokens, valid = device_maps.move((tokens, valid), self.device_map["unembed"])
         if return_type == "loss":  # no [batch, pos, vocab] tensor (2.5 GiB at Gemma's 262k vocabulary x 2,560 tokens)
             return masked_nll(unembed_nll(self.unembed, self.ln_final(resid), tokens), valid, loss_per_token)
         logits = self.unembed(self.ln_final(resid))
@@ -355,6 +382,7 @@ class HookedTransformer(WeightViews, HookedModel):
         `interp.models.kv.policies`). policy="window": each layer holds what it can see: a layer with a sliding
         window (Gemma's local layers, Mistral) a rolling buffer of its last `window` positions, the others
         every token."""
+        device_maps.refuse_kv_cache(self)
         cfg = self.cfg
         args = (cfg.n_layers, batch_size, max_len or cfg.n_ctx, cfg.kv_heads, cfg.head_dim)
         kwargs = dict(n_heads=cfg.n_heads, capture_queries=capture_queries, dtype=self.dtype, device=self.device,

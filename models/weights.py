@@ -100,7 +100,9 @@ class WeightViews:
         return self._read("pos_embed", lambda: self.pos_embed.W_pos)
 
     def _stack(self, attr: str) -> Tensor:
-        return torch.stack([self._read(f"blocks.{l}", lambda: getattr(b.attn, attr)) for l, b in enumerate(self.blocks)])
+        # a model split over devices (`device_map`): each layer's weights brought to the first device
+        return torch.stack([self._read(f"blocks.{l}", lambda: getattr(b.attn, attr)).to(self.device)
+                            for l, b in enumerate(self.blocks)])
 
     W_Q = property(lambda self: self._stack("W_Q"), doc="[layer, head, d_model, d_head]")
     W_K = property(lambda self: self._stack("W_K"), doc="[layer, kv_head, d_model, d_head]")
@@ -117,7 +119,8 @@ class WeightViews:
             raise AttributeError(f"{attr}: this model is attention-only, it has no MLPs")
         if attr == "W_gate" and not hasattr(self.blocks[0].mlp, "W_gate"):
             raise AttributeError("W_gate: this model's MLPs are not gated")
-        return torch.stack([self._read(f"blocks.{l}", lambda: getattr(b.mlp, attr)) for l, b in enumerate(self.blocks)])
+        return torch.stack([self._read(f"blocks.{l}", lambda: getattr(b.mlp, attr)).to(self.device)
+                            for l, b in enumerate(self.blocks)])
 
     W_in = property(lambda self: self._stack_mlp("W_in"), doc="[layer, d_model, d_mlp]")
     W_gate = property(lambda self: self._stack_mlp("W_gate"), doc="[layer, d_model, d_mlp] (gated MLPs)")

@@ -45,6 +45,7 @@ from interp.models.formats import checkpoint  # checkpoint.load_checkpoint looke
 from interp.models.formats.checkpoint import CheckpointError, is_wrapped, read_config, rope_scaling_for
 from interp.models.device import compute_record, resolve_device
 from interp.models.memory import check_fits
+from interp.models.device_map import DeviceMapRefused, check_fits_split, is_split, parse_device_map, resolve_device_map
 from interp.models.rope.choice import as_hf, choose, rope_spec
 from interp.models.formats.folder import refuse_code_in
 from interp.models.runs.names import resolve_run
@@ -78,6 +79,9 @@ class SweepSettings:
     device       where models run (None: CUDA when available); not part of the results' meaning.
     offload      None, "disk" or "cpu": each model loaded layer by layer (`interp.models.offload`): the
                  same numbers, so not part of the results' meaning either.
+    device_map   None, "auto" or {layer or unit: device} (or the command line's LAYERS:DEVICE,...): each model's
+                 blocks split over devices (`interp.models.device_map`); the same numbers, not part of the
+                 results' meaning.
     rope_scaling a RoPE scaling every model runs with, in place of its own (`interp.models.rope.choice`:
                  transformers' dict, or any spelling `rope_spec` reads; None: each checkpoint's own);
                  its original length, when not given, is each model's trained context.
@@ -93,6 +97,7 @@ class SweepSettings:
     expensive_on: Literal["last", "all"] = "last"
     device: str | None = None
     offload: str | None = None
+    device_map: str | dict | None = None
     extrapolate: bool = False  # allow --seq-len past a rotary model's trained context (n_ctx); marked in the report
     rope_scaling: dict | None = None
 
@@ -122,6 +127,7 @@ class CheckpointTask:
     tokens: object = None  # the data, when the driver could build it once for all (`prebuild_tokens`)
     rope_scaling: dict | None = None  # `SweepSettings.rope_scaling`
     offload: str | None = None  # `SweepSettings.offload`
+    device_map: str | dict | None = None  # `SweepSettings.device_map`
 
 
 @dataclass(frozen=True)
@@ -167,8 +173,10 @@ def run_checkpoint(task: CheckpointTask) -> Iterator[PartEvent | ErrorEvent]:
     ckpt = task.checkpoint
     device = str(resolve_device(task.device))
     try:
-        model = checkpoint.load_checkpoint(ckpt.path, device=device, rope_scaling=task.rope_scaling,
-                                           offload=task.offload)
+        device_map = None if task.device_map is None else parse_device_map(task.device_map)
+        model = checkpoint.load_checkpoint(ckpt.path, device=None if device_map is not None and task.device is None
+                                           else device, rope_scaling=task.rope_scaling, offload=task.offload,
+                                           device_map=device_map)
         tokens = build_tokens(task.data, model, task.tokens).to(model.device)
     except Exception as e:  # noqa: BLE001 - any failure to load is reported, and the sweep goes on
         yield ErrorEvent(ckpt, LOAD, type(e).__name__, str(e), n_analyses=len(task.analyses))
@@ -216,7 +224,8 @@ def plan(runs: Sequence[Run], settings: SweepSettings, done: set,
             skipped += len(wanted) - len(pending)
             if pending:
                 tasks.append(CheckpointTask(ckpt, pending, settings.data, settings.device,
-                                            rope_scaling=settings.rope_scaling, offload=settings.offload))
+                                            rope_scaling=settings.rope_scaling, offload=settings.offload,
+                                            device_map=settings.device_map))
     return tasks, skipped
 
 
@@ -436,6 +445,10 @@ def check_up_front(settings: SweepSettings, runs: Sequence[Run]) -> None:
     outside the vocabulary, a RoPE scaling a model cannot take (no rotary positions, wrapped). Configs are
     read without weights; an unreadable one is left to the sweep, which reports that checkpoint and goes on."""
     resolve_device(settings.device)
+    device_map = None if settings.device_map is None else parse_device_map(settings.device_map)
+    if device_map is not None and settings.offload is not None:
+        raise DeviceMapRefused(f"--device-map and --offload {settings.offload} both say where the weights go: give one "
+                               "of the two")
     needing = [a for a in settings.analyses if ANALYSES[a].gradients]
     if settings.offload is not None and needing:
         raise ValueError(f"--analyses {','.join(needing)} need(s) gradients through the model, which an offloaded model "
@@ -448,10 +461,19 @@ def check_up_front(settings: SweepSettings, runs: Sequence[Run]) -> None:
         if settings.offload is not None and is_wrapped(run.checkpoints[-1].path):
             raise ValueError(f"--offload {settings.offload}: {run.name} is an architecture transformers runs (wrapped), "
                              "which interp does not offload: run it without --offload")
+        if device_map is not None and is_wrapped(run.checkpoints[-1].path):
+            raise DeviceMapRefused(f"--device-map: {run.name} is an architecture transformers runs (wrapped), which "
+                                   "interp does not split over devices: run it on one device")
         try:
             cfg = _config_at(str(run.checkpoints[-1].path))
         except (CheckpointError, FileNotFoundError, ValueError, KeyError, ImportError):
             continue
+        if device_map is not None:
+            kv = [a for a in settings.analyses if ANALYSES[a].kv_cache]
+            if is_split(resolve_device_map(device_map, cfg, device=settings.device)) and kv:
+                raise DeviceMapRefused(f"--analyses {','.join(kv)} read(s) interp's KV cache, which holds every layer on "
+                                       f"one device, and --device-map splits {run.name} over several: leave them out, "
+                                       "or run on one device")
         if settings.rope_scaling is not None:
             rope_scaling_for(run.checkpoints[-1].path, settings.rope_scaling, cfg=cfg)
         if cfg.positional in ("learned", "sinusoidal") and spec.seq_len > cfg.n_ctx:
@@ -461,7 +483,10 @@ def check_up_front(settings: SweepSettings, runs: Sequence[Run]) -> None:
             raise ValueError(f"--seq-len {spec.seq_len} is longer than {run.name}'s trained context (n_ctx={cfg.n_ctx}): "
                              f"pass --extrapolate to run past it (the report marks the numbers as extrapolated), or "
                              f"--seq-len {cfg.n_ctx} or less")
-        check_fits(cfg, spec.n_seqs, spec.seq_len, resolve_device(settings.device), offload=settings.offload)
+        if device_map is None:
+            check_fits(cfg, spec.n_seqs, spec.seq_len, resolve_device(settings.device), offload=settings.offload)
+        else:
+            check_fits_split(cfg, spec.n_seqs, spec.seq_len, device_map, device=settings.device)
         if file_tokens is not None and file_tokens >= cfg.d_vocab:
             raise ValueError(f"{spec.path} holds token id {file_tokens}, outside {run.name}'s vocabulary "
                              f"[0, {cfg.d_vocab})")

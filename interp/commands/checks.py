@@ -29,11 +29,48 @@ def add_output_options(p) -> None:
 
 
 def add_offload_option(p) -> None:
-    """--offload: every command that loads a model."""
+    """--offload and --device-map: every command that loads a model."""
     p.add_argument("--offload", choices=("disk", "cpu"), default=None,
                    help="run the model layer by layer past memory: its weights stay in the checkpoint's files (disk) or "
                         "in host memory (cpu), and each block is brought to --device for the whole batch, then released "
                         "(same numbers; gradients are refused; native models)")
+    p.add_argument("--device-map", default=None, metavar="MAP",
+                   help="split the blocks over several GPUs: auto (evenly, in contiguous runs, over the CUDA devices "
+                        "torch sees) or LAYERS:DEVICE,... such as 0-15:cuda:0,16-31:cuda:1 (embed, ln_final, unembed "
+                        "may be named too; what is left out follows the block before it); same numbers; native models; "
+                        "not with --offload")
+
+
+def device_map_of(args, cfg=None, path=None):
+    """--device-map read and checked: None, "auto" or {layer or unit: device}; with the model's config `cfg`,
+    resolved against it and the machine (one line on a bad map, before any weight is read). `path`: the
+    checkpoint, refused when transformers runs it (wrapped)."""
+    text = getattr(args, "device_map", None)
+    if text is None:
+        return None
+    from interp.models.device_map import DeviceMapRefused, parse_device_map, resolve_device_map
+
+    if getattr(args, "offload", None) is not None:
+        raise DeviceMapRefused(f"--device-map and --offload {args.offload} both say where the weights go: give one of "
+                               "the two")
+    parsed = parse_device_map(text)
+    if path is not None:
+        from interp.models.formats.checkpoint import is_wrapped
+
+        if is_wrapped(path):
+            raise DeviceMapRefused(f"--device-map splits interp's own transformer, and transformers runs {path} "
+                                   "(wrapped): run it on one device")
+    if cfg is not None:
+        resolve_device_map(parsed, cfg, device=args.device)
+    return parsed
+
+
+def load_device(args, device_map):
+    """The device= a load gets: --device (resolved), or None when a --device-map says where (the map then puts
+    the embedding where it says)."""
+    from interp.models.device import resolve_device
+
+    return None if device_map is not None and args.device is None else resolve_device(args.device)
 
 
 def add_text_options(p, seq_len: int, what: str, n_seqs: bool = False) -> None:
@@ -119,7 +156,7 @@ def prompt_settings(args) -> dict:
 
 def common(args) -> dict:
     """The `StudySettings` fields every study command reads the same way."""
-    return dict(model=args.model, device=args.device, offload=args.offload,
+    return dict(model=args.model, device=args.device, offload=args.offload, device_map=args.device_map,
                 progress=False if args.no_progress else None)
 
 
@@ -146,19 +183,19 @@ def run_command(study, args, settings, *, path=None) -> int:
         else:
             target = str(path)
         cfg = read_config(target)
+        device_map = device_map_of(args, cfg, target)
         if rope is not None:
             rope_scaling_for(target, rope, cfg=cfg)
         settings, notes = study.check(cfg, settings)
         check_folder(study, args.out, force=args.force)
 
     import interp
-    from interp.models.device import resolve_device
 
     for note in notes:
         print(note)
     start = time.perf_counter()
-    model = interp.load(args.model if path is None else str(path), device=resolve_device(args.device),
-                        rope_scaling=rope, offload=args.offload)
+    model = interp.load(args.model if path is None else str(path), device=load_device(args, device_map),
+                        rope_scaling=rope, offload=args.offload, device_map=device_map)
     report = run(study, model, args.out, settings, force=args.force)
     print(f"done in {time.perf_counter() - start:.0f} s; report: {report} (and {study.files()})")
     return 0

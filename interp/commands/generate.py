@@ -57,9 +57,21 @@ def run(args) -> int:
             parse_policy(args.kv_policy)
         except ValueError as e:
             raise BadValue(str(e)) from None
-    device = resolve_device(args.device)
+    from interp.loading import resolve
+    from interp.models.device_map import DeviceMapRefused, is_split, resolve_device_map
+    from interp.models.formats.checkpoint import read_config
+    from .checks import device_map_of, load_device
 
-    model = interp.load(args.model, device=device, offload=args.offload)
+    device_map = device_map_of(args)
+    if device_map is not None:
+        target = resolve(args.model)
+        device_map_of(args, path=target)  # wrapped: refused
+        if is_split(resolve_device_map(device_map, read_config(target), device=args.device)):
+            raise DeviceMapRefused("--device-map over several devices: generation reads interp's KV cache, which holds "
+                                   "every layer's keys on one device; generate on one device (--device)")
+    device = load_device(args, device_map)
+    model = interp.load(args.model, device=device, offload=args.offload, device_map=device_map)
+    device = model.device
     if model.tokenizer is None:
         raise BadValue(f"{args.model} has no tokenizer, so it cannot read a text prompt")
     tokens = model.to_tokens(args.prompt)

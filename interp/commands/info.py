@@ -52,11 +52,17 @@ def run(args) -> int:
 
     if args.context is not None:
         check_int("context", args.context, minimum=1)  # before the model is loaded
-    model = interp.load(args.model, offload=args.offload)
+    from .checks import device_map_of
+
+    model = interp.load(args.model, offload=args.offload, device_map=device_map_of(args))
     cfg = model.cfg
     print(model)
     if model.offload is not None:
         print(f"offloaded              {model.offload.describe()}")
+    if getattr(model, "device_map", None) is not None:
+        from interp.models.device_map import describe
+
+        print(f"device map             {describe(model.device_map)}")
     if getattr(model, "native", True):
         print(f"runs                   natively: interp's own transformer ({cfg.model_type})")
     else:

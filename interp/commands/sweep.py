@@ -116,8 +116,18 @@ def settings_from_args(args):
         if dropped:
             print(f"--offload {args.offload}: leaving out {', '.join(dropped)} (gradients through the model; run them "
                   "without --offload)")
+    if args.device_map is not None and args.analyses == args.default_analyses:  # the defaults: what runs split
+        from interp.analyses.atlas.registry import ANALYSES
+        from interp.models.device_map import may_split, parse_device_map
+
+        dropped = [a for a in analyses if ANALYSES[a].kv_cache]
+        if dropped and may_split(parse_device_map(args.device_map)):
+            analyses = tuple(a for a in analyses if a not in dropped)
+            print(f"--device-map {args.device_map}: leaving out {', '.join(dropped)} (interp's KV cache, which holds "
+                  "every layer on one device; run them on one device)")
     return SweepSettings(analyses=analyses, data=data, expensive_on=args.expensive_on, device=args.device,
-                         offload=args.offload, extrapolate=args.extrapolate, rope_scaling=args.rope_scaling)
+                         offload=args.offload, device_map=args.device_map, extrapolate=args.extrapolate,
+                         rope_scaling=args.rope_scaling)
 
 
 def fit_default_length(settings, runs):

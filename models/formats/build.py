@@ -17,6 +17,7 @@ from ..config import ModelConfig
 from interp.errors import CheckpointError, UserError
 from ..positions import Rotary, alibi_slopes, sinusoidal_table
 from ..offload import Offload
+from .. import device_map as device_maps
 from ..tensor_files import release_pages
 from ..transformer import HookedTransformer
 
@@ -35,14 +36,18 @@ def config_errors(source):
 
 
 def build_model(cfg: ModelConfig, sd: dict[str, Tensor], source: str, dtype, device, *,
-                fresh: bool = False, offload: str | None = None) -> HookedTransformer:
+                fresh: bool = False, offload: str | None = None,
+                device_map: dict[str, torch.device] | None = None) -> HookedTransformer:
     """A model holding the state dict `sd` (checked against the config's shapes). With `fresh` (the
     tensors belong to no one else, e.g. just read from a file), the model adopts them without a copy
     and `sd` is emptied as it goes. `offload` ("disk" or "cpu", fresh tensors only): the blocks, the
     embedding and the unembedding stay where `interp.models.offload` keeps them, each brought to `device`
-    when it runs."""
+    when it runs. `device_map` ({unit: torch.device}, `device_map.resolve_device_map`'s, fresh tensors only):
+    each parameter goes straight to its unit's device, and the units run there (`interp.models.device_map`)."""
     if offload is not None and not fresh:
         raise ValueError("offload needs tensors read from a checkpoint (fresh=True)")
+    if device_map is not None and (not fresh or offload is not None):
+        raise ValueError("device_map needs tensors read from a checkpoint (fresh=True), and no offload")
     if not fresh:
         check_finite(sd, source)
     with torch.device("meta"):
@@ -81,7 +86,8 @@ def build_model(cfg: ModelConfig, sd: dict[str, Tensor], source: str, dtype, dev
                 release_pages([v])
                 del v
                 continue
-            kept = v.to(device=target, dtype=dtype) if v.is_floating_point() else v.to(target)
+            where = target if device_map is None else device_map[device_maps.unit_of(k)]
+            kept = v.to(device=where, dtype=dtype) if v.is_floating_point() else v.to(where)
             owned[k] = kept if kept.stride() == strides[k] else kept.contiguous()
             release_pages([v])
             del v, kept
@@ -92,6 +98,8 @@ def build_model(cfg: ModelConfig, sd: dict[str, Tensor], source: str, dtype, dev
     else:
         model = model.to_empty(device=device or "cpu")
         model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}, strict=True)
+    if device_map is not None:
+        device_maps.attach(model, device_map)  # before the buffers: they go where their unit runs
     if getattr(model, "offload", None) is None:
         model.to(dtype)
     for block in model.blocks:  # adopted tensors are contiguous: back to the MLP's out-major layout
@@ -165,13 +173,14 @@ def check_shapes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], source: s
 
 def _rebuild_buffers(model: HookedTransformer, cfg: ModelConfig) -> None:
     device = model.device
+    where = model.device_map or {}
     if model.rotary is not None:
         model.rotary.inv_freq = Rotary(cfg).inv_freq.to(device)
     if cfg.positional == "sinusoidal":
-        model.pos_embed.W_pos = sinusoidal_table(cfg.n_ctx, cfg.d_model).to(device, model.dtype)
+        model.pos_embed.W_pos = sinusoidal_table(cfg.n_ctx, cfg.d_model).to(where.get("pos_embed", device), model.dtype)
     if cfg.positional == "alibi":
         for b in model.blocks:
-            b.attn.alibi_slopes = alibi_slopes(cfg.n_heads).to(device)
+            b.attn.alibi_slopes = alibi_slopes(cfg.n_heads).to(where.get(f"blocks.{b.layer}", device))
 
 
 def _getter(tensors: dict[str, Tensor], source: str) -> Callable[[str], Tensor]:

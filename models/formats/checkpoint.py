@@ -26,6 +26,7 @@ from .build import build_model, check_finite, convert_weights
 from ..rope import choice as rope_choice
 from .. import memory
 from ..offload import check_offload
+from .. import device_map as device_maps
 from ..config import ModelConfig, RopeScaling
 from interp.errors import CheckpointError, OwnCodeRefused
 from .folder import local_tokenizer, refuse_own_code
@@ -61,7 +62,7 @@ def _format_of(path, *, tokenizer_given: bool):
 
 
 def load_checkpoint(path, *, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
-                    tokenizer=None, rope_scaling=None, offload: str | None = None) -> HookedModel:
+                    tokenizer=None, rope_scaling=None, offload: str | None = None, device_map=None) -> HookedModel:
     """A model from a local checkpoint directory (or a file inside it): our format, or a Hugging Face
     checkpoint converted by its family (by config.json's `model_type`), without `transformers`;
     or a llama-architecture `.gguf` file (`interp.models.formats.gguf`). `rope_scaling` (any spelling of
@@ -69,20 +70,38 @@ def load_checkpoint(path, *, dtype: torch.dtype | str | None = None, device: tor
     its config before a weight is read (`rope_scaling_for`). `dtype`: see `resolve_dtype`; the weights in
     it must fit in the device's free memory (`memory.check_weights_fit`, from the config, before any weight
     is read). `offload` ("disk", "cpu"): the weights stay off the device, each block brought there when it
-    runs (`interp.models.offload`); then only the largest block must fit."""
+    runs (`interp.models.offload`); then only the largest block must fit. `device_map` ("auto" or {layer or
+    unit: device}): the blocks split over devices (`interp.models.device_map`), checked against the config
+    and the machine, and each device's share of the weights against its free memory, before a weight is read."""
     offload = check_offload(offload)
+    if device_map is not None and offload is not None:
+        raise device_maps.DeviceMapRefused(f"device_map and offload={offload!r} both say where the weights go: give one "
+                                           "of the two")
     fmt, path, raw = _format_of(path, tokenizer_given=tokenizer is not None)
+    if device_map is not None and fmt is format_hf and not format_hf.native(raw):
+        raise device_maps.DeviceMapRefused(
+            f"{path}: device_map splits interp's own transformer, and transformers runs this architecture "
+            f"({raw.get('model_type')}, wrapped): load it with transformers' from_pretrained(device_map=...) and "
+            "interp.from_hf, or on one device")
     scaling = None if rope_scaling is None else _rope_scaling(fmt, path, raw, rope_scaling)
-    dtype = resolve_dtype(dtype, device, fmt, path, raw)
-    if fmt is not format_hf or format_hf.native(raw):
+    asked, dtype = dtype, resolve_dtype(dtype, device, fmt, path, raw)
+    placed = None
+    if fmt is not format_hf or format_hf.native(raw):  # a wrapped config's size is transformers' to build
         cfg = fmt.config(path, raw)
         if fmt is format_ours:
             format_ours.check_header(path, cfg)
-        memory.check_weights_fit(cfg, dtype, device, source=str(path), offload=offload)
+        if device_map is None:
+            memory.check_weights_fit(cfg, dtype, device, source=str(path), offload=offload)
+        else:
+            placed = device_maps.resolve_device_map(device_map, cfg, device=device)
+            device = placed["embed"]
+            dtype = resolve_dtype(asked, device, fmt, path, raw)  # the checkpoint's own on GPUs, as device= does
+            device_maps.check_fits(cfg, dtype, placed, source=str(path))
     else:  # transformers builds it: its parameters counted on the meta device
         memory.check_weights_fit(fmt.config(path, raw), dtype, device, source=str(path),
                                  n_params=format_hf.wrapped_n_params(raw))
-    model = fmt.load(path, raw, dtype=dtype, device=device, tokenizer=tokenizer, offload=offload)
+    extra = {} if placed is None else {"device_map": placed}
+    model = fmt.load(path, raw, dtype=dtype, device=device, tokenizer=tokenizer, offload=offload, **extra)
     return model if rope_scaling is None else model.rescale_rope_(scaling)
 
 

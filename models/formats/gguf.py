@@ -156,13 +156,13 @@ def config(path: Path, raw=None) -> ModelConfig:
         return get_family(hf["model_type"]).config(hf)
 
 
-def load(path: Path, raw=None, *, dtype, device, tokenizer, offload=None) -> HookedTransformer:
+def load(path: Path, raw=None, *, dtype, device, tokenizer, offload=None, device_map=None) -> HookedTransformer:
     """The loader's entry (`checkpoint.load_checkpoint`): `load_gguf`."""
-    return load_gguf(path, dtype=dtype, device=device, tokenizer=tokenizer, offload=offload)
+    return load_gguf(path, dtype=dtype, device=device, tokenizer=tokenizer, offload=offload, device_map=device_map)
 
 
 def load_gguf(path, *, dtype: torch.dtype = torch.float32, device=None, tokenizer=None,
-              offload=None) -> HookedTransformer:
+              offload=None, device_map=None) -> HookedTransformer:
     """A GGUF file (llama, mistral, qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3, falcon, bloom, gpt2) as a
     HookedTransformer (weights dequantized to `dtype`), with the tokenizer rebuilt from the file unless
     `tokenizer` is given. `offload`: as `build_model`'s; a GGUF file's weights are quantized, so they are
@@ -177,7 +177,8 @@ def load_gguf(path, *, dtype: torch.dtype = torch.float32, device=None, tokenize
     tensors = _DequantizedOnRead(reader, config, layouts()[_field(reader, "general.architecture")], source, dtype)
     sd = convert_weights(family, cfg, tensors, source)
     del tensors
-    model = build_model(cfg, sd, source, dtype, device, fresh=True, offload=offload)
+    model = build_model(cfg, sd, source, dtype, device, fresh=True, offload=offload,
+                        device_map=device_map)
     model.tokenizer = tokenizer if tokenizer is not None else gguf_tokenizer(reader, source)
     return model
 

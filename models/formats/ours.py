@@ -31,10 +31,11 @@ def check_header(path: Path, cfg: ModelConfig) -> None:
         check_shapes(cfg, shapes, str(weights))
 
 
-def load(path: Path, raw: dict, *, dtype, device, tokenizer, offload=None) -> HookedTransformer:
+def load(path: Path, raw: dict, *, dtype, device, tokenizer, offload=None, device_map=None) -> HookedTransformer:
     cfg = config(path, raw)
     weights = path / "model.safetensors"
     check_header(path, cfg)
-    model = build_model(cfg, read_state_dict(path), str(weights), dtype, device, fresh=True, offload=offload)
+    model = build_model(cfg, read_state_dict(path), str(weights), dtype, device, fresh=True, offload=offload,
+                        device_map=device_map)
     model.tokenizer = tokenizer if tokenizer is not None else local_tokenizer(path)
     return model

@@ -125,6 +125,9 @@ class Analysis:
     # Needs a backward pass (gradients through the model): refused on an offloaded model
     # (`interp.models.offload`), whose layers are not all in memory for autograd to keep.
     gradients: bool = False
+    # Reads interp's KV cache (decoding, a cache's windows): refused on a model split over several devices
+    # (`interp.models.device_map`), whose cache would have to live on one device.
+    kv_cache: bool = False
     metrics: tuple[Metric, ...] = ()
     section: ReportSection | None = None  # its own section of the report
     # Sections only a sweep over several checkpoints has (figures across training), placed after the

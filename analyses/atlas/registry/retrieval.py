@@ -48,7 +48,7 @@ def run(ctx: Context) -> pd.DataFrame:
 
 register(Analysis(
     "retrieval", run, "retrieval heads (Wu et al. 2024): top-1 attention on the needle token being copied while "
-    "decoding a pass key", PARAMS, expensive=True,
+    "decoding a pass key", PARAMS, expensive=True, kv_cache=True,
     metrics=(Metric("retrieval", "head",
                     "interp.analyses.kv.roles.retrieval_scores on seeded passkey prompts (keys from seed 1000)",
                     label="retrieval (passkey copying)", heatmap=True, headline=True),)))

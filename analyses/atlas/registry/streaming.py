@@ -94,7 +94,7 @@ def section(v: RunView) -> list:
 
 register(Analysis(
     "streaming", run, "StreamingLLM: loss with full attention, a sliding window, and window + 4 sinks, per position",
-    PARAMS, expensive=True, native_only=True,
+    PARAMS, expensive=True, native_only=True, kv_cache=True,
     metrics=(Metric("streaming_loss/<setting>@<window>", "model", "window_eval: mean loss over the stream"),
              Metric("streaming_position_loss/<setting>@<window>#<pos>", "model", "loss at each position"),
              Metric("streaming_cache_positions", "model", "1 when positions were renumbered in the cache")),

@@ -54,7 +54,8 @@ def run(ctx: Context) -> Output:
     sample = sample_window(ctx.tokens, n)
     with torch.no_grad():
         _, cache = ctx.model.run_with_cache(sample, names_filter=lambda name: name.endswith("hook_pattern"))
-    patterns = torch.stack([cache["pattern", l][0] for l in range(ctx.model.cfg.n_layers)])  # [layer, head, q, k]
+    patterns = torch.stack([cache["pattern", l][0].to(ctx.tokens.device)  # one device (a model split by device_map)
+                            for l in range(ctx.model.cfg.n_layers)])  # [layer, head, q, k]
     broken = (~torch.isfinite(patterns)).flatten(2).any(-1).nonzero().tolist()
     if broken:  # NaN would be stored as a code like any other weight: refuse, naming the heads
         raise NonFiniteResult(f"the attention patterns of {len(broken)} head(s) hold NaN or inf ("
