@@ -203,6 +203,26 @@ class Runner:
                 total += float(_final(self.model, final, self.task, answers, part.start).double().sum())
         return total / self.task.n_answers
 
+    # -- why a head attends where it does --
+    def qk_attribution(self, head, key_pos=None, top_keys: int = 3, corrupted: bool = True):
+        """Head `head` ("L1H0", "1.0" or (layer, head))'s scores from each answer position of the clean
+        prompts (the query) to `key_pos` (None: the `top_keys` keys it attends to most), decomposed into
+        (query-side sender, key-side sender) terms; with `corrupted`, each pair's change of term in the
+        corrupted run and its first-order share of the attention weight's change (`qk.qk_attribution`)."""
+        from .qk import parse_head, qk_attribution
+
+        layer, h = parse_head(head, self.model.cfg)
+        t = self.task
+
+        def given(which: str, part: slice):  # the cached runs: only the head's block runs again
+            i = part.start // self.batch_size
+            values, resid, _ = self._cache[i][which]
+            return values, resid[layer]
+
+        return qk_attribution(self.model, t.clean, layer, h, t.positions, key_pos=key_pos, top_keys=top_keys,
+                              corrupted=t.corrupted if corrupted else None, batch_size=self.batch_size, rows=t.rows,
+                              given=given)
+
     # -- scores --
     def eap(self) -> Tensor:
         """EAP edge scores [S, R]: (corrupted - clean value of s) . d metric / d input_r at the clean run."""

@@ -8,7 +8,9 @@ circuit's overlap with the atlas's induction and duplicate-token heads, and a re
 
 Writes edges.parquet (sender, receiver, input, score, method; `exact` with --oracle edges), nodes.parquet
 (node, layer, head, kind, score, method, in_circuit; `exact` with an oracle), faithfulness.csv (fraction,
-edges, faithfulness), settings.json and the report.
+edges, faithfulness), settings.json and the report. With `qk` (`--qk 1.0,L1H2`): qk.parquet (head, query_sender,
+key_sender, mean_term, mean_abs_term, mean_contrast, mean_delta, mean_weight_change: each sender pair's share of the
+head's score from the answer position, `qk.qk_attribution`) and a report section per head.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from interp.errors import as_user_errors
 
 from .._common import spearman
 from .graph import FRACTIONS, IG_ON, METHODS, SELECTIONS, Graph, Task, areas, select
+from .qk import check_model, parse_heads
 from .runner import Runner, cache_bytes, faithfulness_curve
 from .tasks import METRICS, TASKS, build_task, read_task_file
 from ..document import Html, Section, number, png
@@ -50,7 +53,9 @@ class CircuitSettings(StudySettings):
     size     the fraction of edges in the circuit the report draws and names; None (the default): the smallest
              of MIB's sizes whose faithfulness reaches `GOOD` (0.8), else 5%
     oracle   "none", "nodes" (exact node patching: one run per node), "edges" (exact edge patching), to
-             report how the fast scores agree (Spearman of |score| ranks)"""
+             report how the fast scores agree (Spearman of |score| ranks)
+    qk       None, or heads ("1.0,L1H2"): decompose each one's scores from the answer position into sender
+             pairs (`qk.qk_attribution`), at the `qk_keys` keys it attends to most"""
 
     task: str = "ioi"
     method: str = "eap-ig"
@@ -63,6 +68,8 @@ class CircuitSettings(StudySettings):
     select: str = "top"
     size: float | None = None
     oracle: str = "none"
+    qk: str | None = None
+    qk_keys: int = 3
 
 
 def chosen_size(curve: pd.DataFrame) -> float:
@@ -95,6 +102,7 @@ class CircuitMeasured(Measured):
     movers: pd.DataFrame | None
     patterns: tuple[list[str], np.ndarray, list[str]] | None
     agreement: dict[str, float]
+    qk: list = ()  # QKAttribution per head asked for (--qk)
 
 
 def check_memory(model, task: Task, batch_size: int, available: int | None = None) -> None:
@@ -122,7 +130,9 @@ class CircuitStudy(Study):
     name, title = "circuit", "Circuit"
     tables = (Table("edges", ("sender", "receiver", "input", "score", "method")),
               Table("nodes", ("node", "layer", "head", "kind", "score", "method", "in_circuit")),
-              Table("faithfulness", ("fraction", "edges", "faithfulness"), csv=True))
+              Table("faithfulness", ("fraction", "edges", "faithfulness"), csv=True),
+              Table("qk", ("head", "query_sender", "key_sender", "mean_term", "mean_abs_term", "mean_contrast"),
+                    optional=True))
 
     def check(self, cfg, s: CircuitSettings):
         if s.task not in TASKS:
@@ -143,6 +153,10 @@ class CircuitStudy(Study):
                                  ("--prompts", s.prompts if s.prompts is not None else 1, 1)):
             if value < low:
                 raise ValueError(f"{name} must be at least {low}, got {value}")
+        if s.qk is not None:
+            parse_heads(s.qk, cfg)
+        if s.qk_keys < 1:
+            raise ValueError(f"--qk-keys must be at least 1, got {s.qk_keys}")
         if s.size is not None and not 0 < s.size <= 1:
             raise ValueError(f"--size is a fraction of the edges in (0, 1], got {s.size}")
         n_edges = Graph(cfg).n_edges
@@ -152,10 +166,15 @@ class CircuitStudy(Study):
 
     def measure(self, model, s: CircuitSettings, stage):
         with as_user_errors(ValueError, NotImplementedError):
+            heads = parse_heads(s.qk, model.cfg) if s.qk is not None else []
+            if heads:
+                check_model(model)
             task = stage("task", lambda: build_task(model, s.task, n_prompts=s.prompts, seed=s.seed, metric=s.metric))
             check_memory(model, task, s.batch_size)
             runner = stage("clean and corrupted", lambda: Runner(model, task, batch_size=s.batch_size,
                                                                  show_progress=s.progress))
+            qk = [stage(f"qk L{l}H{h}", lambda l=l, h=h: runner.qk_attribution((l, h), top_keys=s.qk_keys))
+                  for l, h in heads]
         g = runner.graph
         if s.method == "patching":
             scores = stage("patching", runner.patch_edges)
@@ -190,9 +209,13 @@ class CircuitStudy(Study):
             agreement["nodes"] = spearman(node_scores.abs(), exact_nodes.abs())
         if exact_edges is not None and s.method != "patching":
             agreement["edges"] = spearman(scores[s_edges, r_edges].abs(), exact_edges[s_edges, r_edges].abs())
-        return CircuitMeasured(tables={"edges": edges, "nodes": nodes, "faithfulness": curve}, task=task, runner=runner,
-                               graph=g, scores=scores, circuit=circuit, drawn=drawn, size=size, roles=roles,
-                               movers=movers, patterns=patterns, agreement=agreement)
+        tables = {"edges": edges, "nodes": nodes, "faithfulness": curve}
+        if qk:
+            tables["qk"] = pd.concat([r.pairs().assign(head=r.name) for r in qk], ignore_index=True)[
+                ["head", *qk[0].pairs().columns]]
+        return CircuitMeasured(tables=tables, task=task, runner=runner, graph=g, scores=scores, circuit=circuit,
+                               drawn=drawn, size=size, roles=roles, movers=movers, patterns=patterns,
+                               agreement=agreement, qk=qk)
 
     def record(self, s: CircuitSettings, m: CircuitMeasured) -> dict:
         task, runner, curve = m.task, m.runner, m["faithfulness"]
@@ -208,7 +231,8 @@ class CircuitStudy(Study):
                             "faithfulness": m.drawn, "heads": heads},
                 "roles": {k: v for k, v in m.roles.items()},
                 "movers": None if m.movers is None else m.movers.to_dict("records"),
-                "agreement_spearman": m.agreement}
+                "agreement_spearman": m.agreement,
+                "qk": [_qk_record(r) for r in m.qk] if m.qk else None}
 
     def sections(self, s: CircuitSettings, m: CircuitMeasured, record) -> list[Section]:
         return _sections(s, m, record)
@@ -334,6 +358,8 @@ def _sections(s: CircuitSettings, m: CircuitMeasured, record) -> list[Section]:
         sections.append(Section("patterns", "The circuit's heads: patterns").add(
             "Each head of the circuit on the first clean prompt (click a thumbnail; hover a token).",
             Html(view.fragment, "(interactive: open report.html)")))
+    for r, rec in zip(m.qk, record.get("qk") or []):
+        sections.append(_qk_section(r, rec, task, m.runner.model))
     return sections
 
 
@@ -435,3 +461,77 @@ def _svg(g: Graph, edges: pd.DataFrame, circuit, max_edges: int = 80) -> str:
             f"<p>The circuit's {len(chosen)} strongest edges (of {int(keep.sum())}); layer numbers at the left. "
             "Width: |score|; red: corrupting the edge lowers the metric (the edge carries the behaviour), blue: "
             "raises it. Into a head: q solid, k dashed, v dotted.</p>")
+
+
+# ---- QK attribution (--qk) -----------------------------------------------------------------------------------
+def _qk_record(r) -> dict:
+    out = {"head": r.name, "kv_head": r.kv_head, "queries": int(r.terms.shape[0]), "keys_per_query": int(r.terms.shape[1]),
+           "softcapped": r.softcapped, "max_abs_error": r.max_error, "contrast_max_abs_error": r.contrast_max_error,
+           "mean_weight_at_keys": [float(x) for x in r.pattern.double().mean(0)],
+           "mean_score_at_keys": [float(x) for x in r.score.double().mean(0)]}
+    if r.delta is not None:
+        out.update(delta_max_abs_error=r.delta_max_error,
+                   mean_weight_change_first_order=[float(x) for x in r.weight_first_order.double().mean(0)],
+                   mean_weight_change_true=[float(x) for x in r.weight_true.double().mean(0)])
+    return out
+
+
+def _qk_section(r, rec: dict, task, model, top: int = 6) -> Section:
+    """A head's QK attribution: its top query senders x top key senders (mean term and mean contrast term at the
+    keys it attends to most), beside its pattern on the first clean prompt; the top pairs; the check."""
+    import matplotlib  # start-up time: the command's --help and checks run without it
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from ..plots import text_colour
+
+    mats = [(r.matrix(top, "term"), "mean term"), (r.matrix(top, "contrast"), "mean contrast term")]
+    first = r.prompts == int(r.prompts.min())
+    pos = int(r.query_pos[first].max())
+    tokens = task.clean[int(r.prompts.min()), :pos + 1]
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens[None].to(model.device),
+                                        names_filter=lambda n: n == f"blocks.{r.layer}.attn.hook_pattern")
+    pattern = to_numpy(cache[f"blocks.{r.layer}.attn.hook_pattern"][0, r.head], np.float32)
+    fig = Figure(figsize=(14, 4.4))
+    axes = fig.subplots(1, 3)
+    for ax, (mat, label) in zip(axes, mats):
+        arr = mat.to_numpy()
+        bound = float(np.abs(arr).max()) or 1.0
+        im = ax.imshow(arr, cmap="RdBu_r", vmin=-bound, vmax=bound, aspect="auto")
+        ax.set_xticks(range(arr.shape[1]), list(mat.columns), rotation=45, ha="right", fontsize=8)
+        ax.set_yticks(range(arr.shape[0]), list(mat.index), fontsize=8)
+        ax.set_xlabel("key-side sender")
+        ax.set_ylabel("query-side sender")
+        ax.set_title(f"{r.name}: {label}")
+        for i in range(arr.shape[0]):
+            for j in range(arr.shape[1]):
+                ax.text(j, i, f"{arr[i, j]:.2f}", ha="center", va="center", fontsize=7,
+                        color=text_colour(im.cmap(im.norm(arr[i, j]))))
+        fig.colorbar(im, ax=ax, shrink=0.8)
+    ax = axes[2]
+    ax.imshow(pattern, cmap="viridis", vmin=0, vmax=max(float(pattern.max()), 1e-6), aspect="auto")
+    ax.set_title(f"{r.name}: pattern, prompt {int(r.prompts.min())}")
+    ax.set_xlabel("key position")
+    ax.set_ylabel("query position")
+    fig.tight_layout()
+    weights = ", ".join(f"{w:.3f}" for w in rec["mean_weight_at_keys"])
+    lines = [f"Why {r.name} attends where it does: its pre-softmax score from each answer position (the query, "
+             f"{rec['queries']} of them) to the {rec['keys_per_query']} keys it attends to most (mean weights {weights}), "
+             "split into (query-side sender, key-side sender) terms, every norm's scale frozen at the clean run; `bias` "
+             "is the norms' and projections' constants plus what the senders leave out of the stream. The contrast "
+             "term is the term at the key less its mean over every key the query sees: what sets this key apart.",
+             f"Check: the terms add up to the model's score within {rec['max_abs_error']:.2g} (the contrast within "
+             f"{rec['contrast_max_abs_error']:.2g})."
+             + (" The scores are soft-capped: the raw score, before the cap, is decomposed." if r.softcapped else "")
+             + (f" Under grouped-query attention its keys are KV head {r.kv_head}'s." if r.kv_head != r.head else "")]
+    if r.delta is not None:
+        lines.append("Corrupted prompts: each pair's change of term (delta) and its first-order share of the attention "
+                     "weight's change (weight change); their sum, "
+                     + ", ".join(f"{a:+.3f}" for a in rec["mean_weight_change_first_order"])
+                     + " at the keys, against the true change "
+                     + ", ".join(f"{a:+.3f}" for a in rec["mean_weight_change_true"]) + ".")
+    return Section(f"qk-{r.name}", f"QK attribution: {r.name}").add(
+        *lines, png(fig, f"qk_{r.name}.png", f"{r.name}: mean term and contrast term by sender pair; its pattern"),
+        r.pairs().head(12))

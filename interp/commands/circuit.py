@@ -15,6 +15,7 @@ EPILOG = """examples:
   interp circuit attn-only-2l --task induction --method patching --out out/ind
   interp circuit gemma3-270m --task greater-than --method eap --out out/gt
   interp circuit MODEL --task pairs.jsonl --out out/mine   # {"clean": ..., "corrupted": ..., "answer": " Paris", "wrong": " Rome"}
+  interp circuit attn-only-2l --task induction --qk 1.0 --out out/ind      # and why L1H0 attends where it does
 
 The graph: senders (embed, each head's output, each MLP's), receivers (each head's q, k and v inputs,
 each MLP's input, the logits), an edge where a sender writes before a receiver reads. Scores are
@@ -22,7 +23,8 @@ metric(edge patched from the corrupted run) - metric(clean); EAP and EAP-IG esti
 gradients. Circuits at MIB's sizes (0.1% .. 100% of the edges) are judged by faithfulness, (metric of
 the circuit - corrupted) / (clean - corrupted). Writes DIR/edges.parquet, nodes.parquet,
 faithfulness.csv, settings.json and a report that draws the circuit, its faithfulness curve and its
-heads' patterns on the task.
+heads' patterns on the task. --qk L.H[,L.H]: also each head's score from the answer position split into
+(query-side sender, key-side sender) terms (DIR/qk.parquet, a report section per head).
 """
 
 
@@ -47,6 +49,12 @@ def add_arguments(p) -> None:
     m.add_argument("--oracle", default="none", choices=("none", "nodes", "edges"),
                    help="also patch every node (or edge) exactly and report the agreement (default none)")
     m.add_argument("--batch-size", type=int, default=16, help="prompts per forward (default 16)")
+    q = p.add_argument_group("why a head attends where it does")
+    q.add_argument("--qk", default=None, metavar="L.H[,L.H]",
+                   help="heads (1.0 or L1H0, comma-separated) whose scores from the answer position are split into "
+                        "(query-side sender, key-side sender) terms: qk.parquet and a report section each")
+    q.add_argument("--qk-keys", type=int, default=3, help="the keys each query's scores are split at: the ones the "
+                                                          "head attends to most (default 3)")
     checks.add_output_options(p)
 
 
@@ -56,6 +64,7 @@ def run(args) -> int:
     def settings():
         return CircuitSettings(**checks.common(args), task=args.task, method=args.method, steps=args.steps,
                                ig=args.ig, metric=args.metric, prompts=args.prompts, seed=args.seed,
-                               batch_size=args.batch_size, select=args.select, size=args.size, oracle=args.oracle)
+                               batch_size=args.batch_size, select=args.select, size=args.size, oracle=args.oracle,
+                               qk=args.qk, qk_keys=args.qk_keys)
 
     return checks.run_command(CircuitStudy(), args, settings)

@@ -1,0 +1,483 @@
+"""QK attribution: why a head attends where it does (issue 57).
+
+With every norm's scale frozen at the run (the convention of attribution graphs), a head's query and
+key are affine in the residual stream before its layer, and that stream is the sum of the graph's
+senders' outputs (`Graph.senders` below the layer: `embed`, each head's output, each MLP's) plus
+whatever they leave out (attention output biases, a sandwich norm's bias share). RoPE is linear at each
+position, so the pre-softmax score of query i against key j is
+
+    score(i, j) = sum over (query-side sender a, key-side sender b) of scale * <Q_a(i), K_b(j)>  (+ ALiBi)
+
+where Q_a(i) is the query made from sender a's output at i alone (the linear part of the map: the map of
+the output less the map of zero) and the `bias` sender on each side holds the affine constants (the
+norms' biases, b_Q / b_K, through QK-norm with its scale frozen and RoPE) plus the stream's remainder.
+The maps are the layer's own modules (ln1, the head's columns of W_Q / W_K, q_norm / k_norm, the
+rotation) run on a batch whose rows are single senders' outputs, with the norms' scales replaced by the
+run's through their `hook_scale` hook points. Under grouped-query attention the key side is the head's
+KV head. ALiBi's position bias is a term of its own (`alibi`). Soft-capped scores (Gemma 2) are not
+bilinear: the raw score, before the cap, is decomposed (`softcapped` says so).
+
+The contrast of key j: score(i, j) minus the mean score over the keys query i sees, decomposed the
+same way (each term minus its mean over the visible keys; exact, as the mean is linear).
+
+With corrupted tokens as well, the first-order change of the attention weight: each pair's change of
+term (corrupted run - clean run, every key) passed through the softmax's (and a soft cap's) derivative
+at the clean run, a_j (c'_j d_ab(j) - sum_k a_k c'_k d_ab(k)); summed over the pairs it is the
+first-order estimate of the weight's change, reported beside the true change.
+
+    from interp.analyses.circuits.qk import qk_attribution
+    qk = qk_attribution(model, tokens, layer=1, head=0, query_pos=-1)
+    qk.frame            # prompt, query_pos, key_pos, query_sender, key_sender, term, contrast_term
+    qk.max_error        # max |sum of terms - the model's score| over the prompts' visible keys
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import Tensor
+
+from interp.models.device import to_numpy
+
+from .graph import Graph
+from .runner import _Pass
+
+BIAS, ALIBI = "bias", "alibi"
+
+
+# ---- input -----------------------------------------------------------------------------------------------
+def parse_head(text, cfg=None) -> tuple[int, int]:
+    """"1.0", "L1H0" or (1, 0) -> (layer, head); checked against `cfg` when given."""
+    if isinstance(text, (tuple, list)) and len(text) == 2:
+        layer, head = int(text[0]), int(text[1])
+    else:
+        m = re.fullmatch(r"\s*(?:L(\d+)H(\d+)|(\d+)[.:](\d+))\s*", str(text), flags=re.IGNORECASE)
+        if m is None:
+            raise ValueError(f"not a head: {text!r} (write LAYER.HEAD, e.g. 1.0, or L1H0)")
+        layer, head = (int(m.group(1)), int(m.group(2))) if m.group(1) is not None else (int(m.group(3)),
+                                                                                         int(m.group(4)))
+    if cfg is not None:
+        check_head(cfg, layer, head)
+    return layer, head
+
+
+def parse_heads(text: str, cfg=None) -> list[tuple[int, int]]:
+    """"1.0,L1H2" or "1.0 1.2" -> [(1, 0), (1, 2)]."""
+    parts = [p for p in re.split(r"[\s,;]+", str(text).strip()) if p]
+    if not parts:
+        raise ValueError("--qk needs at least one head (LAYER.HEAD, e.g. 1.0, or L1H0)")
+    return [parse_head(p, cfg) for p in parts]
+
+
+def check_head(cfg, layer: int, head: int) -> None:
+    if not (0 <= layer < cfg.n_layers and 0 <= head < cfg.n_heads):
+        raise ValueError(f"no head L{layer}H{head}: this model has {cfg.n_layers} layers of {cfg.n_heads} heads "
+                         f"(L0H0 .. L{cfg.n_layers - 1}H{cfg.n_heads - 1})")
+
+
+def check_model(model) -> None:
+    if not getattr(model, "native", True):
+        raise NotImplementedError("QK attribution needs interp's own transformer: this model is wrapped (run by "
+                                  "transformers) and has no per-head outputs (hook_result) nor its heads' query and key "
+                                  "maps (ln1, W_Q, W_K, QK-norm, RoPE as modules); load a natively supported family")
+    if model.cfg.sandwich_norms and not all(type(b.ln1_post).__name__ == "RMSNorm" for b in model.blocks):
+        raise NotImplementedError("QK attribution: sandwich norms other than RMSNorm are not split into head shares")
+
+
+def _positions(query_pos, key_pos, n_rows: int, n_pos: int, window: int | None):
+    """query [N] and keys [N, K] (None: chosen from the pattern), checked: inside the prompt, keys visible."""
+    q = torch.as_tensor(query_pos, dtype=torch.long).flatten()
+    if q.numel() == 1:
+        q = q.expand(n_rows).clone()
+    if q.numel() != n_rows:
+        raise ValueError(f"query_pos: one position, or one per prompt ({n_rows}), got {q.numel()}")
+    if bool(((q < -n_pos) | (q >= n_pos)).any()):
+        bad = int(q[(q < -n_pos) | (q >= n_pos)][0])
+        raise ValueError(f"query position {bad} is outside the prompt ({n_pos} tokens: 0 .. {n_pos - 1})")
+    q = q % n_pos
+    if key_pos is None:
+        return q, None
+    k = torch.as_tensor(key_pos, dtype=torch.long)
+    if k.dim() == 0:
+        k = k[None]
+    if k.dim() == 1:
+        k = k[None].expand(n_rows, -1).clone()
+    if k.shape[0] != n_rows:
+        raise ValueError(f"key_pos: positions for every prompt, or one list for all, got {tuple(k.shape)}")
+    if bool(((k < -n_pos) | (k >= n_pos)).any()):
+        bad = int(k[(k < -n_pos) | (k >= n_pos)][0])
+        raise ValueError(f"key position {bad} is outside the prompt ({n_pos} tokens: 0 .. {n_pos - 1})")
+    k = k % n_pos
+    far = (k > q[:, None]) | ((q[:, None] - k >= window) if window is not None else torch.zeros_like(k, dtype=torch.bool))
+    if bool(far.any()):
+        r, c = far.nonzero()[0].tolist()
+        raise ValueError(f"key position {int(k[r, c])} is not visible from query position {int(q[r])}"
+                         + (f" (the layer's window is {window})" if window is not None else " (causal attention)"))
+    return q, k
+
+
+# ---- the result -------------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class QKAttribution:
+    """The decomposition of one head's scores.
+
+    query_senders / key_senders  the names of the rows / columns of `terms`: the senders below the layer,
+                      then `bias`; `alibi` (its own term, [N, K]) when the model has ALiBi
+    prompts, query_pos [N]; key_pos [N, K]: where each (prompt, key) sits
+    terms, contrast   [N, K, Sq, Sk] (float32): scale * <Q_a(i), K_b(j)>, and the same less its mean over
+                      the keys query i sees
+    score, contrast_score [N, K]: the model's pre-softmax score (from hook_attn_scores; before the soft cap
+                      when there is one) and its contrast; pattern [N, K] the attention weight
+    max_error, contrast_max_error: max |sum of the terms - the score| (over every visible key of every
+                      prompt) and the same for the contrast
+    delta, weight_change [N, K, Sq, Sk] (with corrupted tokens): each pair's term in the corrupted run less
+                      the clean run's, and its share of the first-order change of the attention weight;
+                      weight_first_order / weight_true [N, K]: their sum and the weight's true change"""
+
+    layer: int
+    head: int
+    kv_head: int
+    query_senders: list[str]
+    key_senders: list[str]
+    prompts: Tensor
+    query_pos: Tensor
+    key_pos: Tensor
+    terms: Tensor
+    contrast: Tensor
+    alibi: Tensor | None
+    alibi_contrast: Tensor | None
+    score: Tensor
+    contrast_score: Tensor
+    pattern: Tensor
+    max_error: float
+    contrast_max_error: float
+    softcapped: bool
+    delta: Tensor | None = None
+    weight_change: Tensor | None = None
+    weight_first_order: Tensor | None = None
+    weight_true: Tensor | None = None
+    delta_max_error: float | None = None
+
+    @property
+    def name(self) -> str:
+        return f"L{self.layer}H{self.head}"
+
+    @property
+    def frame(self) -> pd.DataFrame:
+        """One row per (prompt, key, query sender, key sender): prompt, query_pos, key_pos, query_sender,
+        key_sender, term, contrast_term (and delta_term, weight_change with corrupted tokens); ALiBi's term
+        as the pair (alibi, alibi)."""
+        N, K, Sq, Sk = self.terms.shape
+        per = Sq * Sk + (1 if self.alibi is not None else 0)
+        qs = np.array(self.query_senders + ([ALIBI] if self.alibi is not None else []), dtype=object)
+        ks = np.array(self.key_senders + ([ALIBI] if self.alibi is not None else []), dtype=object)
+        qi = np.repeat(np.arange(Sq), Sk)
+        ki = np.tile(np.arange(Sk), Sq)
+        if self.alibi is not None:
+            qi, ki = np.append(qi, Sq), np.append(ki, Sk)
+
+        def flat(t: Tensor, extra: Tensor | None) -> np.ndarray:
+            t = to_numpy(t.reshape(N * K, Sq * Sk), np.float32)
+            if self.alibi is not None:
+                e = np.zeros((N * K, 1), np.float32) if extra is None else to_numpy(extra.reshape(N * K, 1), np.float32)
+                t = np.concatenate([t, e], axis=1)
+            return t.reshape(-1)
+
+        out = pd.DataFrame({
+            "prompt": np.repeat(to_numpy(self.prompts, np.int64), K * per),
+            "query_pos": np.repeat(to_numpy(self.query_pos, np.int64), K * per),
+            "key_pos": np.repeat(to_numpy(self.key_pos, np.int64).reshape(-1), per),
+            "query_sender": pd.Categorical(np.tile(qs[qi], N * K), categories=list(dict.fromkeys(qs))),
+            "key_sender": pd.Categorical(np.tile(ks[ki], N * K), categories=list(dict.fromkeys(ks))),
+            "term": flat(self.terms, self.alibi),
+            "contrast_term": flat(self.contrast, self.alibi_contrast),
+        })
+        if self.delta is not None:
+            out["delta_term"] = flat(self.delta, None)
+            out["weight_change"] = flat(self.weight_change, None)
+        return out
+
+    def pairs(self) -> pd.DataFrame:
+        """One row per (query sender, key sender): the mean over prompts and keys of the term, |term|, the
+        contrast term (and the change of term and of the weight, with corrupted tokens); largest mean |term|
+        first."""
+        Sq, Sk = len(self.query_senders), len(self.key_senders)
+        t = self.terms.double().flatten(0, 1)
+        cols = {"query_sender": np.repeat(self.query_senders, Sk), "key_sender": np.tile(self.key_senders, Sq),
+                "mean_term": to_numpy(t.mean(0).flatten(), np.float64),
+                "mean_abs_term": to_numpy(t.abs().mean(0).flatten(), np.float64),
+                "mean_contrast": to_numpy(self.contrast.double().flatten(0, 1).mean(0).flatten(), np.float64)}
+        if self.delta is not None:
+            cols["mean_delta"] = to_numpy(self.delta.double().flatten(0, 1).mean(0).flatten(), np.float64)
+            cols["mean_weight_change"] = to_numpy(self.weight_change.double().flatten(0, 1).mean(0).flatten(), np.float64)
+        out = pd.DataFrame(cols)
+        if self.alibi is not None:
+            row = {"query_sender": ALIBI, "key_sender": ALIBI, "mean_term": float(self.alibi.double().mean()),
+                   "mean_abs_term": float(self.alibi.double().abs().mean()),
+                   "mean_contrast": float(self.alibi_contrast.double().mean())}
+            if self.delta is not None:
+                row.update(mean_delta=0.0, mean_weight_change=0.0)
+            out = pd.concat([out, pd.DataFrame([row])], ignore_index=True)
+        return out.sort_values("mean_abs_term", ascending=False, kind="stable").reset_index(drop=True)
+
+    def matrix(self, top: int = 6, value: str = "term") -> pd.DataFrame:
+        """[top query senders x top key senders] of the mean `value` ("term" or "contrast"), the senders
+        ranked by their mean |term| summed over the other side."""
+        mag = self.terms.double().abs().flatten(0, 1).mean(0)  # [Sq, Sk]
+        qi = mag.sum(1).argsort(descending=True)[:top].tolist()
+        ki = mag.sum(0).argsort(descending=True)[:top].tolist()
+        src = self.terms if value == "term" else self.contrast
+        m = src.double().flatten(0, 1).mean(0)[qi][:, ki]
+        return pd.DataFrame(to_numpy(m, np.float64), index=[self.query_senders[i] for i in qi],
+                            columns=[self.key_senders[i] for i in ki])
+
+
+# ---- the run ------------------------------------------------------------------------------------------------
+def _chain_end(attn) -> tuple[str, str]:
+    """The hook points holding the final query and key (after QK-norm and RoPE)."""
+    if attn.rotary:
+        return "hook_rot_q", "hook_rot_k"
+    if attn.qk_norm:
+        return "hook_q_normed", "hook_k_normed"
+    return "hook_q", "hook_k"
+
+
+def _capture(model, tokens: Tensor, layer: int, head: int, kv: int, given=None) -> dict:
+    """One forward up to `layer`: the senders' values below it (`runner._Pass`'s, S of [b, p, d]), the stream
+    entering it, the norms' scales, the rotation, the head's scores, pattern and final q / k. `given`: (values,
+    stream entering `layer`) from a run already made (a `Runner`'s cache): then only block `layer` runs."""
+    g = Graph(model.cfg)
+    block, attn = model.blocks[layer], model.blocks[layer].attn
+    pre = f"blocks.{layer}"
+    got: dict = {}
+
+    def keep(name, first=False, pick=None):
+        def hook(x, hook):
+            if not (first and name in got):
+                got[name] = x.detach() if pick is None else pick(x).detach()
+            return x
+        return hook
+
+    hooks = [(f"{pre}.hook_resid_pre", keep("resid")),
+             (f"{pre}.attn.hook_attn_scores", keep("scores", pick=lambda x: x[:, head])),
+             (f"{pre}.attn.hook_pattern", keep("pattern", pick=lambda x: x[:, head]))]
+    if hasattr(block.ln1, "hook_scale"):
+        hooks.append((f"{pre}.ln1.hook_scale", keep("ln1", first=True)))
+    if attn.qk_norm:
+        hooks += [(f"{pre}.attn.q_norm.hook_scale", keep("q_norm")), (f"{pre}.attn.k_norm.hook_scale", keep("k_norm"))]
+    qn, kn = _chain_end(attn)
+    hooks += [(f"{pre}.attn.{qn}", keep("q", pick=lambda x: x[:, :, head])),
+              (f"{pre}.attn.{kn}", keep("k", pick=lambda x: x[:, :, kv]))]
+    p = None
+    if given is None:
+        p = _Pass(model, g)
+        receivers = ("hook_q_input", "hook_k_input", "hook_v_input", "hook_mlp_in")  # graph mode's; not needed here
+        hooks = [(n, f) for n, f in p.hooks() if not n.endswith(receivers)] + hooks
+
+    def rope(module, args):
+        got["rope"] = args[2] if len(args) > 2 else None
+
+    handle = block.register_forward_pre_hook(rope)
+    try:
+        with torch.no_grad(), model.hooks(hooks):
+            if given is None:
+                model(tokens.to(model.device), stop_at_layer=layer + 1)
+            else:
+                model(given[1], start_at_layer=layer, stop_at_layer=layer + 1)
+    finally:
+        handle.remove()
+    below = sum(1 for l in g.sender_layer if l < layer)
+    got["values"] = p.values[:below] if given is None else given[0][:below]
+    return got
+
+
+@torch.no_grad()
+def _projection(model, layer: int, head: int, kv: int, which: str) -> tuple[Tensor, Tensor]:
+    """ln1 (its scale set to 1) then the head's columns of W_Q (or its KV head's of W_K), as the layer's own
+    modules compute them on the identity: (matrix [d_model, d_head], constant [d_head]). A norm's output is
+    linear part / scale + constant (LayerNorm: centred, times w, plus b; RMSNorm: times w), so with the run's
+    scale s at a position, the projection of x there is x @ matrix / s + constant."""
+    block, attn = model.blocks[layer], model.blocks[layer].attn
+    W, b = (attn.W_Q[head], attn.b_Q[head]) if which == "q" else (attn.W_K[kv], attn.b_K[kv])
+    d = model.cfg.d_model
+    x = torch.cat([torch.eye(d, dtype=W.dtype, device=W.device), W.new_zeros(1, d)])[None]
+    hooks = [(f"blocks.{layer}.ln1.hook_scale", lambda t, hook: torch.ones_like(t))] if hasattr(block.ln1, "hook_scale") else []
+    with torch.no_grad(), model.hooks(hooks):
+        out = block.ln1(x)[0]
+    return (out[:-1] - out[-1]) @ W, out[-1] @ W + b
+
+
+def _side(model, layer: int, head: int, kv: int, y: Tensor, const: Tensor, got: dict, at: tuple[Tensor, Tensor],
+          which: str) -> Tensor:
+    """The head's query (which="q") or its KV head's key ("k") from y [R, *B, d_head], the rows' projections
+    (x @ `_projection`'s matrix), where `at` (prompt, position index tensors of shape B) says where each of
+    them sits: [R, *B, d_head], every norm's scale frozen at the run's (ln1's divides; QK-norm and the rotation
+    are the layer's own modules, their scales replaced through hook_scale)."""
+    attn = model.blocks[layer].attn
+    pre = f"blocks.{layer}"
+    out = (y / got["ln1"][at].to(y.dtype) if "ln1" in got else y) + const
+    with torch.no_grad():
+        if attn.qk_norm:  # the head's columns inside the whole projection, the others zero
+            norm = attn.q_norm if which == "q" else attn.k_norm
+            scale = got[f"{which}_norm"][at]
+            n, i = (attn.n_heads, head) if which == "q" else (attn.n_kv_heads, kv)
+            full = out.new_zeros(*out.shape[:-1], n, attn.d_head)
+            full[..., i, :] = out
+            with model.hooks([(f"{pre}.attn.{which}_norm.hook_scale", lambda t, hook: scale.to(t.dtype).expand_as(t))]):
+                out = norm(full)[..., i, :]
+        if attn.rotary:
+            cos, sin = got["rope"]
+            rows = at[0] if cos.shape[0] > 1 else torch.zeros_like(at[0])
+            out = attn.rotate(out[..., None, :], cos[rows, at[1]], sin[rows, at[1]])[..., 0, :]
+    return out
+
+
+@torch.no_grad()
+def _maps(model, layer: int, head: int, kv: int, got: dict, rows: Tensor, pos: Tensor):
+    """Each sender's query at the queries (`rows`, `pos` [n], chunk-relative rows) [Sq, n, d_head] and key at
+    every position up to the last query [Sk, b, last + 1, d_head]: the senders' linear parts (the map of the
+    output less the map of zero), then `bias` = the map of the stream's remainder (its affine constant in it)."""
+    values = got["values"]  # [S, b, P, d] or a list of [b, P, d]
+    last = int(pos.max()) + 1
+    dev = got["resid"].device
+    rows, pos = rows.to(dev), pos.to(dev)
+    Wk, ck = _projection(model, layer, head, kv, "k")
+    Wq, cq = _projection(model, layer, head, kv, "q")
+    rem = got["resid"][:, :last].clone()
+    for v in values:  # what the senders leave out of the stream: biases
+        rem -= v[:, :last]
+    yk = torch.stack([v[:, :last] @ Wk for v in values] + [rem @ Wk, torch.zeros_like(rem @ Wk)])  # [S + 2, b, last, dh]
+    yq = torch.stack([v[rows, pos] @ Wq for v in values] + [rem[rows, pos] @ Wq, rem.new_zeros(rows.numel(), Wq.shape[1])])
+    b = rem.shape[0]
+    k = _side(model, layer, head, kv, yk, ck, got, (torch.arange(b, device=dev)[:, None], torch.arange(last, device=dev)[None]), "k")
+    q = _side(model, layer, head, kv, yq, cq, got, (rows, pos), "q")  # [S + 2, n, d_head]
+    return torch.cat([q[:-2] - q[-1:], q[-2:-1]]), torch.cat([k[:-2] - k[-1:], k[-2:-1]])
+
+
+@torch.no_grad()
+def _query(model, layer: int, head: int, got: dict, maps, n: int, r: int, i: int) -> dict:
+    """Query n (chunk row r, position i): its map q [Sq, d_head] and keys K [Sk, i + 1, d_head] (float64), the
+    model's score [i + 1] (before a soft cap), visible keys, pattern, ALiBi's term (None without)."""
+    attn = model.blocks[layer].attn
+    q, K = maps[0][:, n].double(), maps[1][:, r, :i + 1].double()
+    score = got["scores"][r, i, :i + 1].double()
+    visible = torch.isfinite(score)
+    alibi = None
+    if attn.alibi_slopes is not None:
+        keys = torch.arange(i + 1, device=score.device)
+        alibi = (-attn.alibi_slopes[head].float() * (i - keys).abs().float()).double()
+    if attn.softcap is not None:  # the raw score, before the cap: from the model's own final q and k
+        raw = (got["q"][r, i] @ got["k"][r, :i + 1].T).float().double() * float(attn.scale)
+        score = torch.where(visible, raw + (alibi if alibi is not None else 0), score)
+    return {"q": q, "K": K, "score": score, "visible": visible, "alibi": alibi,
+            "pattern": got["pattern"][r, i, :i + 1].double()}
+
+
+@torch.no_grad()
+def qk_attribution(model, tokens: Tensor, layer: int, head: int, query_pos, key_pos=None, top_keys: int = 3,
+                   corrupted: Tensor | None = None, batch_size: int = 16, rows: Sequence[int] | Tensor | None = None,
+                   given=None) -> QKAttribution:
+    """Decompose head (`layer`, `head`)'s pre-softmax scores at `query_pos` into (query-side sender, key-side
+    sender) terms, at `key_pos` (one list for all queries or [queries, K]; None: the `top_keys` keys the head
+    attends to most from each query).
+
+    tokens     [batch, pos] token ids (one forward each, up to the head's layer)
+    query_pos  one position for every row, or one per query
+    rows       the row of `tokens` of each query (default: one query per row); a row may hold several
+    corrupted  tokens of the same shape: also each pair's change of term and its first-order share of the
+               attention weight's change
+    given      (which, chunk slice) -> (senders' values [S, b, p, d], stream entering `layer` [b, p, d]) or
+               None: runs already made, for `which` "clean" or "corrupted" (a `Runner`'s cache)
+    See the module's docstring."""
+    check_model(model)
+    check_head(model.cfg, layer, head)
+    tokens = torch.as_tensor(tokens)
+    if tokens.dim() == 1:
+        tokens = tokens[None]
+    if tokens.dim() != 2 or tokens.is_floating_point():
+        raise ValueError(f"tokens: token ids [batch, pos], got shape {tuple(tokens.shape)} ({tokens.dtype})")
+    if corrupted is not None and tuple(corrupted.shape) != tuple(tokens.shape):
+        raise ValueError(f"corrupted tokens {tuple(corrupted.shape)} differ in shape from the clean {tuple(tokens.shape)}")
+    if top_keys < 1:
+        raise ValueError(f"top_keys must be at least 1, got {top_keys}")
+    attn = model.blocks[layer].attn
+    B, P = tokens.shape
+    if rows is None:
+        rows = torch.arange(B)
+    rows = torch.as_tensor(rows, dtype=torch.long).flatten()
+    if rows.numel() == 0 or bool(((rows < 0) | (rows >= B)).any()):
+        raise ValueError(f"rows: the row of each query, in 0 .. {B - 1}, got {rows.tolist()[:8]}")
+    N = rows.numel()
+    q_pos, k_pos = _positions(query_pos, key_pos, N, P, attn.window)
+    kv = head // (attn.n_heads // attn.n_kv_heads)
+    g = Graph(model.cfg)
+    senders = [s for s, l in zip(g.senders, g.sender_layer) if l < layer] + [BIAS]
+    cap, scale = attn.softcap, float(attn.scale)
+    err = cerr = derr = 0.0
+    results: dict[int, dict] = {}
+    for start in range(0, B, batch_size):
+        part = slice(start, min(B, start + batch_size))
+        queries = [n for n in range(N) if part.start <= int(rows[n]) < part.stop]
+        if not queries:
+            continue
+        qr, qi = rows[queries] - start, q_pos[queries]
+        runs = [("clean", tokens)] + ([("corrupted", corrupted)] if corrupted is not None else [])
+        got, maps = {}, {}
+        for which, toks in runs:
+            got[which] = _capture(model, toks[part], layer, head, kv,
+                                  given=given(which, part) if given is not None else None)
+            maps[which] = _maps(model, layer, head, kv, got[which], qr, qi)
+        for m, n in enumerate(queries):
+            r, i = int(qr[m]), int(qi[m])
+            c = _query(model, layer, head, got["clean"], maps["clean"], m, r, i)
+            score, vis, pat, alibi, q, K = c["score"], c["visible"], c["pattern"], c["alibi"], c["q"], c["K"]
+            if k_pos is None:
+                w = torch.where(vis, pat, torch.full_like(pat, -1.0))
+                keys = w.argsort(descending=True, stable=True)[:min(top_keys, int(vis.sum()))]
+                keys = torch.cat([keys, keys[-1:].expand(top_keys - keys.numel())])  # a short prompt: repeat the last
+            else:
+                keys = k_pos[n].to(score.device)
+            T = scale * torch.einsum("ad,kbd->kab", q, K[:, keys].transpose(0, 1))  # [K, Sq, Sk]
+            Tc = T - scale * (q @ K[:, vis].mean(1).T)  # less the mean over the visible keys
+            a_c = (alibi - alibi[vis].mean()) if alibi is not None else None
+            c_score = score - score[vis].mean()
+            extra = alibi[keys] if alibi is not None else 0
+            err = max(err, float((T.sum((1, 2)) + extra - score[keys]).abs().max()))
+            cerr = max(cerr, float((Tc.sum((1, 2)) + (a_c[keys] if a_c is not None else 0) - c_score[keys]).abs().max()))
+            out = results.setdefault(n, {})
+            out.update(keys=keys.cpu(), terms=T.float().cpu(), contrast=Tc.float().cpu(), score=score[keys].float().cpu(),
+                       cscore=c_score[keys].float().cpu(), pattern=pat[keys].float().cpu())
+            if alibi is not None:
+                out.update(alibi=alibi[keys].float().cpu(), alibi_c=a_c[keys].float().cpu())
+            if corrupted is not None:
+                d = _query(model, layer, head, got["corrupted"], maps["corrupted"], m, r, i)
+                T2 = scale * torch.einsum("ad,kbd->kab", d["q"], d["K"][:, keys].transpose(0, 1))
+                D = T2 - T  # [K, Sq, Sk]
+                derr = max(derr, float((D.sum((1, 2)) - (d["score"] - score)[keys]).abs().max()))
+                # d weight_j = a_j (c'_j dscore_j - sum_k a_k c'_k dscore_k), c' the soft cap's slope (1 without)
+                raw = score - (alibi if alibi is not None else 0)
+                slope = (1 - torch.tanh(raw / cap) ** 2) if cap is not None else torch.ones_like(score)
+                a = torch.where(vis, pat, torch.zeros_like(pat))
+                wk = torch.where(vis, a * slope, torch.zeros_like(a))  # [i + 1]
+                mixed = scale * (d["q"] @ (wk[None, :, None] * d["K"]).sum(1).T - q @ (wk[None, :, None] * K).sum(1).T)
+                Wc = a[keys][:, None, None] * (slope[keys][:, None, None] * D - mixed[None])
+                out.update(delta=D.float().cpu(), weight=Wc.float().cpu(), first=Wc.sum((1, 2)).float().cpu(),
+                           true=(d["pattern"] - pat)[keys].float().cpu())
+
+    def stack(name):
+        got = [results[n][name] for n in range(N) if name in results[n]]
+        return torch.stack(got) if got else None
+
+    return QKAttribution(
+        layer=layer, head=head, kv_head=kv, query_senders=list(senders), key_senders=list(senders),
+        prompts=rows.clone(), query_pos=q_pos.cpu(), key_pos=stack("keys"), terms=stack("terms"),
+        contrast=stack("contrast"), alibi=stack("alibi"), alibi_contrast=stack("alibi_c"), score=stack("score"),
+        contrast_score=stack("cscore"), pattern=stack("pattern"), max_error=err, contrast_max_error=cerr,
+        softcapped=cap is not None, delta=stack("delta"), weight_change=stack("weight"),
+        weight_first_order=stack("first"), weight_true=stack("true"),
+        delta_max_error=derr if corrupted is not None else None)
