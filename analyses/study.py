@@ -248,6 +248,11 @@ class Study:
         with as_user_errors(ValueError):
             return self.check(cfg, settings)[0]
 
+    def uses_kv_cache(self, settings) -> bool:
+        """Whether the study, with these settings, reads interp's KV cache (decoding, cache policies): refused on
+        a model split over several devices (`interp.models.device_map`), whose cache would be on one."""
+        return False
+
     def files(self) -> str:
         """What `run` writes, in words (the command's last line)."""
         return ", ".join(["report.md", *(f"{t.name}.*" for t in self.tables)])

@@ -202,10 +202,11 @@ def move(value, device: torch.device):
     `AttentionMask` (a dataclass: its tensor fields), nested; anything else as it is."""
     if isinstance(value, Tensor):
         return value if value.device == device else value.to(device)
-    if isinstance(value, (tuple, list)):
+    if isinstance(value, list):
+        return [move(v, device) for v in value]
+    if isinstance(value, tuple):
         moved = [move(v, device) for v in value]
-        return type(value)(moved) if isinstance(value, tuple) and not hasattr(value, "_fields") else (
-            type(value)(*moved) if isinstance(value, tuple) else moved)
+        return type(value)(*moved) if hasattr(value, "_fields") else tuple(moved)  # a named tuple keeps its type
     if isinstance(value, dict):
         return {k: move(v, device) for k, v in value.items()}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -315,6 +316,18 @@ def check_fits_split(cfg, batch: int, length: int, device_map, *, device=None, w
         share = sum(unit_bytes(cfg, u, element_size) for u, d in placed.items() if d == dev)
         fits.append(memory.check_fits(cfg, batch, length, dev, what=what, element_size=element_size, weights=share))
     return min(fits, key=lambda f: float("inf") if f.longest is None else f.longest)
+
+
+def check_fits_for(cfg, batch: int, length: int, *, device=None, offload: str | None = None, device_map=None,
+                   what: str = "--seq-len"):
+    """`memory.check_fits` where a load will put the weights: whole (or offloaded) on `device`, or each device's
+    share of a `device_map`. What the study commands check with their settings (device, offload, device_map)."""
+    if device_map is None:
+        from . import memory
+        from .device import resolve_device
+
+        return memory.check_fits(cfg, batch, length, resolve_device(device), what=what, offload=offload)
+    return check_fits_split(cfg, batch, length, device_map, device=device, what=what)
 
 
 def check_fits(cfg, dtype: torch.dtype, device_map: dict[str, torch.device], *, source: str) -> None:

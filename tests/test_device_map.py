@@ -50,6 +50,10 @@ def _check(one, split, tokens):
             _same(sa[k].stack(), sb[k].stack())
         _same(torch.stack([sb[k].sink for k in sb]), torch.stack([sa[k].sink for k in sa]))  # one device: stackable
         _same(one.W_Q, split.W_Q)  # the weight views stack every layer on the first device
+        mask = torch.ones_like(tokens)
+        mask[0, :3] = 0  # a left-padded row: the AttentionMask's key_valid crosses with the residual stream
+        _same(one(tokens.to(one.device), attention_mask=mask.to(one.device)),
+              split(tokens.to(split.device), attention_mask=mask.to(split.device)))
     return b
 
 
@@ -257,3 +261,21 @@ def test_info_and_generate_read_the_device_map(tmp_path, capsys):
         assert "embed, blocks.0 on cuda:0; blocks.1, ln_final, unembed on cuda:1" in capsys.readouterr().out
         assert cli(["generate", str(tmp_path / "m"), "x", "--device-map", "0:cuda:0,1:cuda:1"]) == 2
         assert "KV cache" in capsys.readouterr().err
+
+
+def test_a_study_split_over_two_devices_is_the_study_on_one(tmp_path, capsys):
+    """interp lengths: its table with the blocks split is the one-device table; a study that reads the KV cache
+    (interp kv precision) is refused in one line before loading."""
+    tables = []
+    with simulated_gpu(devices=2):
+        for extra in (["--device", "cuda:0"], ["--device-map", "0-1:cuda:0,2-3:cuda:1"]):
+            out = tmp_path / f"lengths{len(tables)}"
+            assert cli(["lengths", "rope-gqa-4l", "--lengths", "32,64", "--no-progress", "--out", str(out),
+                        *extra]) == 0, capsys.readouterr()
+            tables.append(pd.read_csv(out / "lengths.csv"))
+        assert cli(["kv", "precision", "attn-only-2l", "--seq-len", "96", "--out", str(tmp_path / "kv"), "--no-progress",
+                    "--device-map", "0:cuda:0,1:cuda:1"]) == 2
+    err = capsys.readouterr().err
+    assert "KV cache" in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "kv").exists()
+    assert len(tables[0]) > 20
+    pd.testing.assert_frame_equal(tables[0], tables[1], check_exact=True)

@@ -27,9 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from interp.models.device import resolve_device
 from interp.errors import as_user_errors, check_int, check_real
-from interp.models.memory import check_fits
+from interp.models.device_map import check_fits_for
 from interp.models.rope.choice import as_hf, choose
 from interp.models.rope.heads import logn_heads, scaled_heads
 
@@ -129,6 +128,9 @@ class ExtrapolateStudy(Study):
               Table("heads", ("layer", "head", "name", "window", "share", "never_pairs", *CHANGES, "first_change",
                               "break_rank", "repaired_scaling", "repaired_temperature"), csv=True))
 
+    def uses_kv_cache(self, settings) -> bool:
+        return bool(settings.depths)  # the passkey answers are decoded through the cache
+
     def check(self, cfg, s: ExtrapolateSettings):
         scalings = check_scalings(cfg, s.scalings, s.factor)
         n_ctx = cfg.n_ctx
@@ -160,10 +162,10 @@ class ExtrapolateStudy(Study):
             if s.repair_fraction > REPAIR_FRACTION:
                 raise ValueError(f"--repair-fraction {s.repair_fraction:g}: a repair changes at most "
                                  f"{REPAIR_FRACTION:g} of the heads")
-        device = resolve_device(s.device)
-        check_fits(cfg, s.data.rows, lengths[-1], device, what="--lengths", offload=s.offload)  # the text's pass
+        where = dict(device=s.device, offload=s.offload, device_map=s.device_map, what="--lengths")
+        check_fits_for(cfg, s.data.rows, lengths[-1], **where)  # the text's pass
         if s.depths:
-            check_fits(cfg, 1, lengths[-1] + s.max_new_tokens, device, what="--lengths", offload=s.offload)  # a passkey answer
+            check_fits_for(cfg, 1, lengths[-1] + s.max_new_tokens, **where)  # a passkey answer
         data = s.data.at_length(lengths[-1]) if s.data.spec is not None else s.data
         if data.length < lengths[-1]:
             raise ValueError(f"the data holds {data.length} tokens a sequence, fewer than the longest length "

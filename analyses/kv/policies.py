@@ -34,10 +34,9 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from interp.models.device import resolve_device
 from interp.errors import BadValue, as_user_errors, check_int
 from interp.models.kv.policies import WINDOW, Policy, PolicyMap, is_window, parse_policies, resolve_policies, split_policies
-from interp.models.memory import check_fits
+from interp.models.device_map import check_fits_for
 
 from .. import plots
 from .._common import progress, stages
@@ -313,7 +312,8 @@ def check_retrieval(cfg, s: RetrievalSettings, default_lengths: Sequence[int]) -
         if not 1 <= length <= room:
             raise ValueError(f"--lengths {length}: prompts plus {s.max_new_tokens} answer tokens must fit this model's "
                              f"context (n_ctx={cfg.n_ctx}): use lengths up to {room}")
-    check_fits(cfg, 1, max(lengths) + s.max_new_tokens, resolve_device(s.device), what="--lengths", offload=s.offload)
+    check_fits_for(cfg, 1, max(lengths) + s.max_new_tokens, device=s.device, what="--lengths", offload=s.offload,
+                   device_map=s.device_map)
     data, note = fit_default(s.data, cfg.n_ctx)
     notes += [note] if note else []
     if data.length > cfg.n_ctx:
@@ -364,6 +364,9 @@ class PolicyStudy(Study):
     title = "KV-cache policies"
     tables = (Table("kv_policies", (*COLUMNS, "selection_seed", "full_heads")),
               Table("kv_passkey_answers", ANSWER_COLUMNS))
+
+    def uses_kv_cache(self, settings) -> bool:
+        return True
 
     def check(self, cfg, s: PolicySettings):
         runs = list(s.runs) if s.runs is not None else policy_runs(s.policies)

@@ -20,8 +20,7 @@ import pandas as pd
 import torch
 
 from interp.kernels.kv_quant import check_precision, code_shape
-from interp.models.device import resolve_device
-from interp.models.memory import check_fits
+from interp.models.device_map import check_fits_for
 
 from .. import plots
 from .._common import spearman
@@ -64,6 +63,9 @@ class PrecisionStudy(Study):
               Table("kv_mixed", ("k", "selection", "seed", "precision", "perplexity", "loss", "bytes_per_token")),
               Table("kv_sensitivity", ("layer", "kv_head", "loss", "kl", "gradient")))
 
+    def uses_kv_cache(self, settings) -> bool:
+        return True
+
     def check(self, cfg, s: PrecisionSettings):
         precisions = tuple(check_precision(p) for p in s.precisions)
         if not precisions:
@@ -75,7 +77,7 @@ class PrecisionStudy(Study):
         for p in precisions:
             code_shape(p, cfg.head_dim)  # int4 with an odd d_head fails here, as the cache would
         data.check(cfg.d_vocab)
-        check_fits(cfg, data.rows, data.length, resolve_device(s.device), offload=s.offload)
+        check_fits_for(cfg, data.rows, data.length, device=s.device, offload=s.offload, device_map=s.device_map)
         return dataclasses.replace(s, precisions=precisions, data=data), [note] if note else []
 
     def measure(self, model, s: PrecisionSettings, stage):

@@ -167,6 +167,9 @@ class RolesStudy(Study):
               Table("kv_passkey_answers", ANSWER_COLUMNS),
               Table("kv_gates_curve", ("step", "total", "distill", "l1", "mean_gate", "seconds"), optional=True))
 
+    def uses_kv_cache(self, settings) -> bool:
+        return True
+
     def check(self, cfg, s: RolesSettings):
         check_selection(s.selections, s.fractions, 10**9)  # names and (0, 1]; k checked with the model's heads below
         check_int("--selection-seeds", len(s.selection_seeds), minimum=1)

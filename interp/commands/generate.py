@@ -38,7 +38,6 @@ def run(args) -> int:
 
     import interp
     from interp.models import Sampling
-    from interp.models.device import resolve_device
     from interp.errors import BadValue, check_int, check_real
     from interp.models.kv.policies import parse_policy
 
