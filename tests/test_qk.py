@@ -208,3 +208,19 @@ def test_bad_heads_are_one_line_before_loading(tmp_path, capsys, monkeypatch, ar
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and says in err and "\n" not in err
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("name", ["gemma3-like", "rotary-partial-parallel"])
+def test_the_runner_reads_its_cached_runs_and_gets_what_a_fresh_run_gets(name):
+    """Runner.qk_attribution reuses the clean and corrupted runs it cached (only the head's block runs
+    again); a fresh qk_attribution over the same prompts gives the same terms and changes."""
+    model = build(OWN_CONFIGS[name])
+    task = random_task(model, n=5, p=8)
+    runner = Runner(model, task, batch_size=2)
+    layer = model.cfg.n_layers - 1
+    cached = runner.qk_attribution(f"L{layer}H1")
+    fresh = qk_attribution(model, task.clean, layer, 1, task.positions, rows=task.rows, corrupted=task.corrupted,
+                           batch_size=3)
+    assert torch.equal(cached.key_pos, fresh.key_pos) and cached.terms.shape[0] == task.n_answers
+    for field in ("terms", "contrast", "score", "delta", "weight_change"):
+        torch.testing.assert_close(getattr(cached, field), getattr(fresh, field), atol=5e-5, rtol=1e-4)
