@@ -69,7 +69,7 @@ SHAPE_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80
                  num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False)
 
 FORWARD_TOKENS = 512
-CELL_TIMEOUT = 1800  # seconds per fresh process
+CELL_TIMEOUT = int(os.environ.get("INTERP_SCALE_TIMEOUT", "900"))  # seconds per fresh process (a timeout is a row)
 ANALYZE_ARGS = ["--analyses", "previous_token,induction,sinks", "--n-seqs", "2", "--seq-len", "512",
                 "--data", "repeated_random", "--no-progress", "--no-report"]
 
@@ -131,11 +131,18 @@ def _status():
             out[k] = int(l.split()[1]) * 1024
     return out
 _peak = {"RssAnon": 0, "RssFile": 0}
+_t0 = time.perf_counter()
 def _sample():
+    # Every 10 s a "sample" line with the peaks so far: what a timed-out cell still reports.
+    n = 0
     while True:
         s = _status()
         for k in _peak:
             _peak[k] = max(_peak[k], s[k])
+        n += 1
+        if n % 50 == 0:
+            print(json.dumps({"phase": "sample", "elapsed": time.perf_counter() - _t0, "VmHWM": s["VmHWM"],
+                              "peak_RssAnon": _peak["RssAnon"], "peak_RssFile": _peak["RssFile"]}), flush=True)
         time.sleep(0.2)
 threading.Thread(target=_sample, daemon=True).start()
 def _reset():
@@ -234,7 +241,7 @@ def load_cell(which: str, dtype: str, path: Path, threads: int, forward_tokens: 
     """Load (and, given `forward_tokens`, run a forward) in a fresh process: {"load": ..., "forward": ...,
     "problem": None or a line}."""
     lines, problem = _run_cell(_LOAD_SCRIPT, [which, dtype, str(path), str(forward_tokens)], threads, timeout)
-    cell = {line["phase"]: line for line in lines}
+    cell = {line["phase"]: line for line in lines}  # the last "sample": the peaks so far, if it timed out
     cell["problem"] = problem
     if "load" not in cell and problem:
         raise RuntimeError(f"loading with {which} {dtype} failed: {problem}")
@@ -256,7 +263,8 @@ def analyze_cell(path: Path, out: Path, threads: int, offload: str | None = None
     if offload:
         args += ["--offload", offload]
     lines, problem = _run_cell(_ANALYZE_SCRIPT, args, threads, timeout)
-    cell = next((line for line in lines if line["phase"] == "analyze"), {})
+    samples = [line for line in lines if line["phase"] == "sample"]
+    cell = next((line for line in lines if line["phase"] == "analyze"), dict(samples[-1]) if samples else {})
     err = next((line["text"] for line in lines if line["phase"] == "stderr"), "")
     cell.update(problem=problem, stderr=err, command="interp " + " ".join(args))
     return cell
@@ -382,6 +390,8 @@ def section(opts: Options) -> Section:
                     if c.get("rc") not in (0, None) and lines:
                         result = lines[-1]
                 ok = result == "ok"
+                if c["problem"] and c["problem"].startswith("timeout") and "elapsed" in c:
+                    result += f" (peaks until {c['elapsed']:.0f} s)"
                 analyze_rows.append([spec.label, mode, result, _secs(c) if ok else "-",
                                      f"{c['seconds'] / n_layers:.2f}" if ok else "-",
                                      _gib(c.get("VmHWM")), _gib(c.get("peak_RssAnon")), _gib(c.get("peak_RssFile"))])
