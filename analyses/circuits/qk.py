@@ -349,10 +349,18 @@ def _maps(model, layer: int, head: int, kv: int, got: dict, rows: Tensor, pos: T
     Wk, ck = _projection(model, layer, head, kv, "k")
     Wq, cq = _projection(model, layer, head, kv, "q")
     rem = got["resid"][:, :last].clone()
-    for v in values:  # what the senders leave out of the stream: biases
-        rem -= v[:, :last]
-    yk = torch.stack([v[:, :last] @ Wk for v in values] + [rem @ Wk, torch.zeros_like(rem @ Wk)])  # [S + 2, b, last, dh]
-    yq = torch.stack([v[rows, pos] @ Wq for v in values] + [rem[rows, pos] @ Wq, rem.new_zeros(rows.numel(), Wq.shape[1])])
+    if isinstance(values, Tensor):  # stacked (a Runner's cache): one product each
+        rem -= values[:, :, :last].sum(0)  # what the senders leave out of the stream: biases
+        yk, yq = values[:, :, :last] @ Wk, values[:, rows, pos] @ Wq
+    else:
+        for v in values:
+            rem -= v[:, :last]
+        yk = torch.stack([v[:, :last] @ Wk for v in values])
+        yq = torch.stack([v[rows, pos] @ Wq for v in values])
+    rk = rem @ Wk
+    yk = torch.cat([yk, rk[None], torch.zeros_like(rk)[None]])  # [S + 2, b, last, d_head]
+    rq = rem[rows, pos] @ Wq
+    yq = torch.cat([yq, rq[None], torch.zeros_like(rq)[None]])  # [S + 2, n, d_head]
     b = rem.shape[0]
     k = _side(model, layer, head, kv, yk, ck, got, (torch.arange(b, device=dev)[:, None], torch.arange(last, device=dev)[None]), "k")
     q = _side(model, layer, head, kv, yq, cq, got, (rows, pos), "q")  # [S + 2, n, d_head]
