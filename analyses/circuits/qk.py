@@ -11,9 +11,10 @@ position, so the pre-softmax score of query i against key j is
 where Q_a(i) is the query made from sender a's output at i alone (the linear part of the map: the map of
 the output less the map of zero) and the `bias` sender on each side holds the affine constants (the
 norms' biases, b_Q / b_K, through QK-norm with its scale frozen and RoPE) plus the stream's remainder.
-The maps are the layer's own modules (ln1, the head's columns of W_Q / W_K, q_norm / k_norm, the
-rotation) run on a batch whose rows are single senders' outputs, with the norms' scales replaced by the
-run's through their `hook_scale` hook points. Under grouped-query attention the key side is the head's
+The maps are the layer's own modules: ln1 run on the identity with its scale set to 1 (a norm's output
+is linear part / scale + constant, so the run's scale at each position divides the product), the head's
+columns of W_Q / W_K, then q_norm / k_norm and the rotation run on the senders' projections, their scales
+replaced by the run's through their `hook_scale` hook points. Under grouped-query attention the key side is the head's
 KV head. ALiBi's position bias is a term of its own (`alibi`). Soft-capped scores (Gemma 2) are not
 bilinear: the raw score, before the cap, is decomposed (`softcapped` says so).
 
@@ -28,7 +29,7 @@ first-order estimate of the weight's change, reported beside the true change.
     from interp.analyses.circuits.qk import qk_attribution
     qk = qk_attribution(model, tokens, layer=1, head=0, query_pos=-1)
     qk.frame            # prompt, query_pos, key_pos, query_sender, key_sender, term, contrast_term
-    qk.max_error        # max |sum of terms - the model's score| over the prompts' visible keys
+    qk.max_error        # max |sum of terms - the model's score| over the keys decomposed
 """
 
 from __future__ import annotations
@@ -133,8 +134,9 @@ class QKAttribution:
                       the keys query i sees
     score, contrast_score [N, K]: the model's pre-softmax score (from hook_attn_scores; before the soft cap
                       when there is one) and its contrast; pattern [N, K] the attention weight
-    max_error, contrast_max_error: max |sum of the terms - the score| (over every visible key of every
-                      prompt) and the same for the contrast
+    max_error, contrast_max_error: max |sum of the terms - the score| over every (query, key) decomposed,
+                      and the same for the contrast; delta_max_error: the changes of term against the change
+                      of score
     delta, weight_change [N, K, Sq, Sk] (with corrupted tokens): each pair's term in the corrupted run less
                       the clean run's, and its share of the first-order change of the attention weight;
                       weight_first_order / weight_true [N, K]: their sum and the weight's true change"""
@@ -306,7 +308,9 @@ def _projection(model, layer: int, head: int, kv: int, which: str) -> tuple[Tens
     W, b = (attn.W_Q[head], attn.b_Q[head]) if which == "q" else (attn.W_K[kv], attn.b_K[kv])
     d = model.cfg.d_model
     x = torch.cat([torch.eye(d, dtype=W.dtype, device=W.device), W.new_zeros(1, d)])[None]
-    hooks = [(f"blocks.{layer}.ln1.hook_scale", lambda t, hook: torch.ones_like(t))] if hasattr(block.ln1, "hook_scale") else []
+    hooks = []
+    if hasattr(block.ln1, "hook_scale"):
+        hooks.append((f"blocks.{layer}.ln1.hook_scale", lambda t, hook: torch.ones_like(t)))
     with torch.no_grad(), model.hooks(hooks):
         out = block.ln1(x)[0]
     return (out[:-1] - out[-1]) @ W, out[-1] @ W + b
@@ -362,7 +366,8 @@ def _maps(model, layer: int, head: int, kv: int, got: dict, rows: Tensor, pos: T
     rq = rem[rows, pos] @ Wq
     yq = torch.cat([yq, rq[None], torch.zeros_like(rq)[None]])  # [S + 2, n, d_head]
     b = rem.shape[0]
-    k = _side(model, layer, head, kv, yk, ck, got, (torch.arange(b, device=dev)[:, None], torch.arange(last, device=dev)[None]), "k")
+    grid = (torch.arange(b, device=dev)[:, None], torch.arange(last, device=dev)[None])
+    k = _side(model, layer, head, kv, yk, ck, got, grid, "k")
     q = _side(model, layer, head, kv, yq, cq, got, (rows, pos), "q")  # [S + 2, n, d_head]
     return torch.cat([q[:-2] - q[-1:], q[-2:-1]]), torch.cat([k[:-2] - k[-1:], k[-2:-1]])
 
@@ -456,10 +461,11 @@ def qk_attribution(model, tokens: Tensor, layer: int, head: int, query_pos, key_
             c_score = score - score[vis].mean()
             extra = alibi[keys] if alibi is not None else 0
             err = max(err, float((T.sum((1, 2)) + extra - score[keys]).abs().max()))
-            cerr = max(cerr, float((Tc.sum((1, 2)) + (a_c[keys] if a_c is not None else 0) - c_score[keys]).abs().max()))
+            c_extra = a_c[keys] if a_c is not None else 0
+            cerr = max(cerr, float((Tc.sum((1, 2)) + c_extra - c_score[keys]).abs().max()))
             out = results.setdefault(n, {})
-            out.update(keys=keys.cpu(), terms=T.float().cpu(), contrast=Tc.float().cpu(), score=score[keys].float().cpu(),
-                       cscore=c_score[keys].float().cpu(), pattern=pat[keys].float().cpu())
+            out.update(keys=keys.cpu(), terms=T.float().cpu(), contrast=Tc.float().cpu(),
+                       score=score[keys].float().cpu(), cscore=c_score[keys].float().cpu(), pattern=pat[keys].float().cpu())
             if alibi is not None:
                 out.update(alibi=alibi[keys].float().cpu(), alibi_c=a_c[keys].float().cpu())
             if corrupted is not None:
