@@ -248,6 +248,9 @@ class Study:
         with as_user_errors(ValueError):
             return self.check(cfg, settings)[0]
 
+    # Why the study needs the whole model on one device, when it does (None: it runs split by a `device_map`)
+    one_device: ClassVar[str | None] = None
+
     def uses_kv_cache(self, settings) -> bool:
         """Whether the study, with these settings, reads interp's KV cache (decoding, cache policies): refused on
         a model split over several devices (`interp.models.device_map`), whose cache would be on one."""

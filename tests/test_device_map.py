@@ -275,7 +275,11 @@ def test_a_study_split_over_two_devices_is_the_study_on_one(tmp_path, capsys):
             tables.append(pd.read_csv(out / "lengths.csv"))
         assert cli(["kv", "precision", "attn-only-2l", "--seq-len", "96", "--out", str(tmp_path / "kv"), "--no-progress",
                     "--device-map", "0:cuda:0,1:cuda:1"]) == 2
+        err = capsys.readouterr().err
+        assert "KV cache" in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "kv").exists()
+        assert cli(["circuit", "attn-only-2l", "--task", "induction", "--prompts", "4", "--no-progress",
+                    "--out", str(tmp_path / "c"), "--device-map", "0:cuda:0,1:cuda:1"]) == 2
     err = capsys.readouterr().err
-    assert "KV cache" in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "kv").exists()
+    assert "its runner stacks" in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "c").exists()
     assert len(tables[0]) > 20
     pd.testing.assert_frame_equal(tables[0], tables[1], check_exact=True)

@@ -128,6 +128,7 @@ def check_memory(model, task: Task, batch_size: int, available: int | None = Non
 
 class CircuitStudy(Study):
     name, title = "circuit", "Circuit"
+    one_device = "its runner stacks and patches every layer's node values on one device"
     tables = (Table("edges", ("sender", "receiver", "input", "score", "method")),
               Table("nodes", ("node", "layer", "head", "kind", "score", "method", "in_circuit")),
               Table("faithfulness", ("fraction", "edges", "faithfulness"), csv=True),

@@ -187,12 +187,14 @@ def run_command(study, args, settings, *, path=None) -> int:
         if rope is not None:
             rope_scaling_for(target, rope, cfg=cfg)
         settings, notes = study.check(cfg, settings)
-        if device_map is not None and study.uses_kv_cache(settings):
+        why = ("reads interp's KV cache, which holds every layer on one device" if study.uses_kv_cache(settings)
+               else study.one_device)
+        if device_map is not None and why is not None:
             from interp.models.device_map import DeviceMapRefused, is_split, resolve_device_map
 
             if is_split(resolve_device_map(device_map, cfg, device=args.device)):
-                raise DeviceMapRefused(f"interp {study.name} reads interp's KV cache, which holds every layer on one "
-                                       "device, and --device-map splits the model over several: run it on one device")
+                raise DeviceMapRefused(f"interp {study.name} {why}, and --device-map splits the model over several "
+                                       "devices: run it on one device (--device)")
         check_folder(study, args.out, force=args.force)
 
     import interp
