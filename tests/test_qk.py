@@ -224,3 +224,15 @@ def test_the_runner_reads_its_cached_runs_and_gets_what_a_fresh_run_gets(name):
     assert torch.equal(cached.key_pos, fresh.key_pos) and cached.terms.shape[0] == task.n_answers
     for field in ("terms", "contrast", "score", "delta", "weight_change"):
         torch.testing.assert_close(getattr(cached, field), getattr(fresh, field), atol=5e-5, rtol=1e-4)
+
+
+def test_an_offloaded_model_gives_what_the_whole_model_gives(tmp_path):
+    model = build(OWN_CONFIGS["rotary-rms-swiglu-gqa"])
+    model.save(tmp_path / "m")
+    whole, offloaded = interp.load(tmp_path / "m"), interp.load(tmp_path / "m", offload="cpu")
+    assert offloaded.offload is not None
+    tokens = torch.randint(model.cfg.d_vocab, (2, 8), generator=torch.Generator().manual_seed(0))
+    a = qk_attribution(whole, tokens, 1, 2, 7, corrupted=tokens.flip(1))
+    b = qk_attribution(offloaded, tokens, 1, 2, 7, corrupted=tokens.flip(1))
+    for field in ("terms", "contrast", "score", "weight_change"):
+        torch.testing.assert_close(getattr(a, field), getattr(b, field))

@@ -444,7 +444,8 @@ def qk_attribution(model, tokens: Tensor, layer: int, head: int, query_pos, key_
         for which, toks in runs:
             got[which] = _capture(model, toks[part], layer, head, kv,
                                   given=given(which, part) if given is not None else None)
-            maps[which] = _maps(model, layer, head, kv, got[which], qr, qi)
+            with model.holding(layer):  # an offloaded model's block, held while its weights are read
+                maps[which] = _maps(model, layer, head, kv, got[which], qr, qi)
         for m, n in enumerate(queries):
             r, i = int(qr[m]), int(qi[m])
             c = _query(model, layer, head, got["clean"], maps["clean"], m, r, i)
