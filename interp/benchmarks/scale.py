@@ -10,7 +10,8 @@ The folders are written once under `$INTERP_SCALE_DIR` (default ~/.cache/interp-
 16 GB) and reused: tensor names and shapes from a meta-device `LlamaForCausalLM`, each tensor drawn
 (std 0.02, norms 1.0) and written shard by shard, so the writer never holds more than a shard; the folder
 is written under a temporary name, checked by loading it with transformers, then renamed.
-`INTERP_SCALE_SIZES` (1b,8b: the default) and `INTERP_SCALE_PARTS` (load,analyze: the default) choose.
+`INTERP_SCALE_SIZES` (1b,8b: the default) and `INTERP_SCALE_PARTS` (load,analyze: the default) choose;
+`INTERP_SCALE_TIMEOUT` (default 900) limits each process, in seconds: a timeout is a row, not a crash.
 
 Each cell runs in a fresh process, which reports its wall time and, from /proc/self/status, the peak
 resident set (VmHWM), what is resident after the step split into anonymous memory (RssAnon: what the
@@ -243,8 +244,9 @@ def load_cell(which: str, dtype: str, path: Path, threads: int, forward_tokens: 
     lines, problem = _run_cell(_LOAD_SCRIPT, [which, dtype, str(path), str(forward_tokens)], threads, timeout)
     cell = {line["phase"]: line for line in lines}  # the last "sample": the peaks so far, if it timed out
     cell["problem"] = problem
-    if "load" not in cell and problem:
-        raise RuntimeError(f"loading with {which} {dtype} failed: {problem}")
+    if "load" not in cell:  # refused or failed: the row says why (its last stderr line)
+        err = [x for x in cell.get("stderr", {}).get("text", "").splitlines() if x.strip()]
+        cell["problem"] = (problem or "failed") if not err or (problem or "").startswith("timeout") else err[-1]
     return cell
 
 
@@ -352,6 +354,10 @@ def section(opts: Options) -> Section:
                     c = load_cell(which, dtype, paths[s], threads, FORWARD_TOKENS)
                     measured[s][(which, dtype)] = c
                     ld, fw = c.get("load"), c.get("forward")
+                    if not ld:
+                        load_rows.append([spec.label, which, dtype, c["problem"], "-", "-", "-", "-"])
+                        fwd_rows.append([spec.label, which, dtype, "not run (no load)", "-", "-", "-", "-"])
+                        continue
                     load_rows.append([spec.label, which, dtype, _secs(ld), _gib(ld["VmHWM"]), _gib(ld["peak_RssAnon"]),
                                       _gib(ld["RssAnon"]), _gib(ld["RssFile"])])
                     if fw:
@@ -361,7 +367,7 @@ def section(opts: Options) -> Section:
                     else:
                         fwd_rows.append([spec.label, which, dtype, c["problem"] or "failed", "-", "-", "-", "-"])
             i, t = measured[s].get(("interp", "bfloat16")), measured[s].get(("transformers", "bfloat16"))
-            if i and t:
+            if i and t and i.get("load") and t.get("load"):
                 line = (f"{spec.label} bf16: interp loads in {i['load']['seconds']:.1f} s "
                         f"({i['load']['seconds'] / t['load']['seconds']:.2f}x transformers), peak "
                         f"{_gib(i['load']['VmHWM'])} (transformers {_gib(t['load']['VmHWM'])})")
