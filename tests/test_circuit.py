@@ -15,27 +15,15 @@ import interp
 from interp.analyses import circuits as C
 from interp.analyses.circuits import runner as circuit_runner
 from interp.analyses.circuits import Graph, Runner, Task, prune_dangling, select
-from interp.analyses.circuits.tasks import file_task, induction_task, read_task_file, token_metric
+from interp.analyses.circuits.tasks import file_task, induction_task, read_task_file
 from interp.analyses.store import read_table
 from interp.cli import main as cli
 
+from circuit_tasks import random_task
 from core_models import OWN_CONFIGS, build
 from smol import needs_smol
 
 NAMES = sorted(OWN_CONFIGS)
-
-
-def random_task(model, n: int = 3, p: int = 7, seed: int = 0) -> Task:
-    """Random clean / corrupted tokens; the answer at the last two positions is a random token, the wrong
-    one another."""
-    g = torch.Generator().manual_seed(seed)
-    V = model.cfg.d_vocab
-    clean, corrupted = torch.randint(V, (n, p), generator=g), torch.randint(V, (n, p), generator=g)
-    rows = torch.arange(n).repeat_interleave(2)
-    positions = torch.tensor([p - 2, p - 1]).repeat(n)
-    answers = torch.randint(V, (2 * n, 1), generator=g).tolist()
-    wrongs = torch.randint(V, (2 * n, 1), generator=g).tolist()
-    return Task("random", clean, corrupted, rows, positions, token_metric("logit-diff", answers, wrongs), "logit-diff")
 
 
 def by_hand_metric(model, task: Task, fwd_hooks=()) -> float:

@@ -16,6 +16,7 @@ from interp.errors import UserError
 from interp.models import memory
 from interp.models.offload import OffloadRefused, named_weights
 
+from circuit_tasks import random_task
 from core_models import OWN_CONFIGS, build
 from smol import SMOL, needs_smol
 
@@ -118,7 +119,6 @@ def test_one_block_at_a_time_by_accounting(tmp_path):
 def test_ablation_sweep_and_circuit_patching_match(tmp_path):
     from interp.analyses.ablation import AblationRunner
     from interp.analyses.circuits.runner import Runner
-    from test_circuit import random_task
 
     build(OWN_CONFIGS["rotary-rms-swiglu-gqa"]).save(tmp_path / "m")
     whole, off = _pair(tmp_path / "m")

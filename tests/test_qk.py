@@ -19,7 +19,7 @@ from interp.cli import main as cli
 
 from arch_cases import ARCHITECTURES, builder, native_case
 from core_models import OWN_CONFIGS, build, small
-from test_circuit import random_task
+from circuit_tasks import random_task
 
 NATIVE = [t for t in ARCHITECTURES if native_case(t) is not None]
 

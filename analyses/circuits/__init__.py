@@ -37,7 +37,8 @@ faithfulness), `tasks` (induction, IOI, greater-than, JSON lines), `study` (`int
 
 from .graph import (FRACTIONS, IG_ON, METHODS, SELECTIONS, Graph, Task, areas, greedy_edges, prune_dangling, select,
                     top_edges)
-from .runner import Runner, faithfulness_curve, graph_mode
+from .passes import graph_mode
+from .runner import Runner, faithfulness_curve
 
 __all__ = ["FRACTIONS", "IG_ON", "METHODS", "SELECTIONS", "Graph", "Runner", "Task", "areas", "faithfulness_curve",
            "graph_mode", "greedy_edges", "prune_dangling", "select", "top_edges"]

@@ -46,7 +46,7 @@ from torch import Tensor
 from interp.models.device import to_numpy
 
 from .graph import Graph
-from .runner import _Pass
+from .passes import _Pass
 
 BIAS, ALIBI = "bias", "alibi"
 
@@ -250,7 +250,7 @@ def _chain_end(attn) -> tuple[str, str]:
 
 
 def _capture(model, tokens: Tensor, layer: int, head: int, kv: int, given=None) -> dict:
-    """One forward up to `layer`: the senders' values below it (`runner._Pass`'s, S of [b, p, d]), the stream
+    """One forward up to `layer`: the senders' values below it (`passes._Pass`'s, S of [b, p, d]), the stream
     entering it, the norms' scales, the rotation, the head's scores, pattern and final q / k. `given`: (values,
     stream entering `layer`) from a run already made (a `Runner`'s cache): then only block `layer` runs."""
     g = Graph(model.cfg)
