@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from interp.errors import UserError
-from .tensor_files import release_pages
+from .tensor_files import Joined, release_pages
 
 OFFLOADS = ("cpu", "disk")
 UNIT_MODULES = ("embed", "pos_embed", "unembed")  # top-level modules offloaded whole (besides the blocks)
@@ -75,7 +75,10 @@ class _Slot:
     def take(self, device: torch.device) -> None:
         if self.holds == 0:
             t = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=device)
-            t.copy_(self.source, non_blocking=device.type == "cuda")
+            if isinstance(self.source, Joined):  # a fused weight's parts, joined into the block's memory only
+                self.source.copy_into(t, non_blocking=device.type == "cuda")
+            else:
+                t.copy_(self.source, non_blocking=device.type == "cuda")
             self.module._parameters[self.name] = nn.Parameter(t, requires_grad=False)
         self.holds += 1
 
@@ -139,7 +142,7 @@ class Offload:
         the compute dtype (cpu; pinned when the compute device is a GPU)."""
         if self.kind == "disk" or not tensor.is_floating_point():
             return tensor
-        kept = tensor.to("cpu", self.dtype).contiguous()
+        kept = tensor.to(device="cpu", dtype=self.dtype).contiguous()
         return kept.pin_memory() if self.device.type == "cuda" else kept
 
     def attach(self, model: nn.Module, sources: dict[str, Tensor], specs: dict[str, Tensor],

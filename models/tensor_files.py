@@ -53,6 +53,48 @@ def save_model(model: "HookedTransformer", path, dtype: torch.dtype | None = Non
     return path
 
 
+class Joined:
+    """Tensors joined along `dim`, not joined yet: a family's fused weight (W_qkv from separate q, k, v
+    projections) made of views of a checkpoint's mapped files. Joining copies; held this way, a model that
+    offloads its blocks (`interp.models.offload`) keeps the parts in the files and joins them into the block's
+    memory only while it runs, and a model held whole joins each as it adopts it, one at a time. It answers
+    what the loader asks of a tensor (shape, dtype, `to`, strides: a contiguous result's) and nothing else."""
+
+    def __init__(self, parts: list[Tensor], dim: int) -> None:
+        self.parts, self.dim = list(parts), dim
+        first = self.parts[0]
+        shape = list(first.shape)
+        shape[dim] = sum(p.shape[dim] for p in self.parts)
+        self.shape, self.dtype, self.device = torch.Size(shape), first.dtype, first.device
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def stride(self) -> tuple:
+        return torch.empty(self.shape, device="meta").stride()
+
+    def to(self, *args, **kwargs) -> Tensor:
+        """The joined tensor, each part moved or cast first (as `Tensor.to` takes them): the values of
+        casting the joined tensor, since a cast is elementwise."""
+        return torch.cat([p.to(*args, **kwargs) for p in self.parts], dim=self.dim)
+
+    def copy_into(self, dest: Tensor, non_blocking: bool = False) -> Tensor:
+        """Write the joined tensor into `dest` (any layout, dtype, device), part by part: no joined copy."""
+        start = 0
+        for p in self.parts:
+            dest.narrow(self.dim, start, p.shape[self.dim]).copy_(p, non_blocking=non_blocking)
+            start += p.shape[self.dim]
+        return dest
+
+
+def tensors_of(t) -> list[Tensor]:
+    """The tensors a loaded weight is made of: itself, or a `Joined`'s parts."""
+    return t.parts if isinstance(t, Joined) else [t]
+
+
 def read_state_dict(path: Path) -> dict[str, Tensor]:
     """All tensors of a checkpoint directory, with errors that name the file. Safetensors files are
     memory-mapped (`mapped_safetensors`): each tensor is a view of the file's bytes, read from disk when
@@ -200,7 +242,7 @@ def release_pages(tensors) -> None:
     written page would be lost): a load calls it on what it has only read. Others are left alone."""
     if not _LIVE or not hasattr(mmap, "MADV_DONTNEED"):
         return
-    for t in tensors:
+    for t in (p for x in tensors for p in tensors_of(x)):
         storage = t.untyped_storage()
         start = storage.data_ptr()
         if not _in_live_mapping(start, storage.nbytes()):  # anonymous memory: never (it would be zeroed)

@@ -40,7 +40,7 @@ def fingerprint(model) -> dict:
         h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
         flat = t.reshape(-1).contiguous()
         if flat.numel():
-            h.update(to_numpy(flat.view(torch.uint8)).tobytes())  # one tensor on the host at a time
+            h.update(memoryview(to_numpy(flat.view(torch.uint8))))  # one tensor on the host at a time, not copied again
         if flat.is_floating_point() and flat.numel():
             k = min(per, flat.numel())  # evenly spaced, in integers: float32 cannot name every index of a big tensor
             index = torch.arange(k, device=flat.device, dtype=torch.int64) * (flat.numel() - 1) // max(k - 1, 1)

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from ..config import ModelConfig, RopeScaling
+from ..tensor_files import Joined
 
 # get(name, *alternatives) returns the checkpoint tensor called `name` (or the first alternative
 # present) or raises a CheckpointError naming the file and the tensor.
@@ -116,13 +117,15 @@ def rotary_from_hf(d: dict[str, Any], head_dim: int, n_ctx: int) -> dict[str, An
 
 
 def t(x: Tensor) -> Tensor:
-    """A Linear weight [out, in] in our input-major layout [in, out]."""
-    return x.T.contiguous()
+    """A Linear weight [out, in] in our input-major layout [in, out]: a transposed view (no copy here: the
+    loader lays it out as the parameter is, one tensor at a time, or an offloaded block when it runs)."""
+    return x.T
 
 
-def qkv(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Three Linear weights [out, in] -> our fused W_qkv [d_model, (head + 2 kv_head) * d_head]."""
-    return torch.cat([q.T, k.T, v.T], dim=1).contiguous()
+def qkv(q: Tensor, k: Tensor, v: Tensor) -> Joined:
+    """Three Linear weights [out, in] -> our fused W_qkv [d_model, (head + 2 kv_head) * d_head], joined when
+    the loader adopts it (`tensor_files.Joined`: no copy of the three here)."""
+    return Joined([q.T, k.T, v.T], dim=1)
 
 
 def layernorm_decoder(d: dict[str, Any], model_type: str, *, sizes: Mapping[str, str], **fields: Any) -> ModelConfig:

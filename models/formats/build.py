@@ -18,7 +18,7 @@ from interp.errors import CheckpointError, UserError
 from ..positions import Rotary, alibi_slopes, sinusoidal_table
 from ..offload import Offload
 from .. import device_map as device_maps
-from ..tensor_files import release_pages
+from ..tensor_files import Joined, release_pages
 from ..transformer import HookedTransformer
 
 
@@ -134,7 +134,10 @@ def check_finite(sd: dict[str, Tensor], source: str) -> None:
 
 
 def non_finite(name: str, t: Tensor) -> list[str]:
-    """["name (count of numel)"] when `t` holds NaN or inf, else []."""
+    """["name (count of numel)"] when `t` holds NaN or inf, else []. A `Joined` weight is checked part by part."""
+    if isinstance(t, Joined):
+        counts = [int(found.rsplit(" (", 1)[1].split(" of ")[0]) for p in t.parts for found in non_finite(name, p)]
+        return [f"{name} ({sum(counts)} of {t.numel()})"] if counts else []
     # A NaN or inf anywhere makes the sum NaN or inf (IEEE arithmetic), and a sum reads the tensor once
     # in place, as it lies (a memory-mapped file's view, transposed or not), with no temporary: 0.2 s a
     # billion bf16 weights, where isfinite took 7 s. A sum that is not finite (a real NaN, or finite
