@@ -237,3 +237,11 @@ def test_kv_policies_rounds_start_from_the_same_cache(policy):
         model(toks[:, :30], kv_cache=again)
         want = torch.cat([model(toks[:, i : i + 1], kv_cache=again) for i in range(30, 36)], dim=1)
     assert torch.equal(runs[0], want)
+
+
+def test_the_gpu_placement_step_runs_on_the_cpu():
+    """Step 4 of the GPU section (whole, offloaded to host and disk, device_map), run on the CPU: every
+    placement gives the logits of the model held whole."""
+    table = gpu.placement_table(Options.quick_config(), device="cpu", n=16)
+    assert [r[0] for r in table.rows] == ["whole", "offload cpu", "offload disk", "device_map auto"]
+    assert all(r[3] == 0.0 for r in table.rows), table.rows

@@ -4,7 +4,7 @@ working tree first, ``pip install --no-deps --no-build-isolation -e .``):
 
     interp bench --sections gpu --out GPU.md
 
-Three steps, each with a time limit (`STEP_SECONDS`; a cell that would start past it is reported as
+Four steps, each with a time limit (`STEP_SECONDS`; a cell that would start past it is reported as
 skipped, not run), each step's failure reported on the page without stopping the others:
 
 1. **kernel**: one attention problem [batch 1, 8 heads, n, d] per row, n 4,096 to 65,536, d 64 and 128,
@@ -20,6 +20,9 @@ skipped, not run), each step's failure reported on the page without stopping the
    on the device, float32 and bf16 / fp16 inputs, GQA, a window, left padding, ALiBi; the fused route also
    with its fused call written in torch ops (`interp.kernels.stats.fused._attend_math`), in case the device's kernel
    is the inexact part.
+4. **placement**: a SmolLM2-shaped bf16 checkpoint held whole on the GPU, offloaded to pinned host memory and
+   to its mapped files (each block brought to the GPU when it runs), and split by `device_map="auto"`: forward
+   time, peak device memory and the logits' difference from the model held whole.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from .timing import compare_times
 HEADS, D_HEADS, WINDOW = 8, (64, 128), 4096
 SEQS = (4096, 8192, 16384, 32768, 65536)
 DTYPES = (torch.bfloat16, torch.float16)
-STEP_SECONDS = 240.0  # per step (three steps: at most ~12 minutes); a cell that would start past it is skipped
+STEP_SECONDS = 200.0  # per step (four steps: at most ~13 minutes); a cell that would start past it is skipped
 MODEL_SEQ = 8192
 NO_MAX = ("sink", "previous", "duplicate", "induction", "entropy", "distance")
 
@@ -237,7 +240,59 @@ def exactness_table(device: str = "cuda", *, backends=("fused", "torch", "triton
                  ["case", "input dtype"] + methods, rows)
 
 
-STEPS = (("kernel", kernel_table), ("model", model_table), ("exactness", exactness_table))
+def placement_table(opts: Options, device: str = "cuda", *, n: int | None = None,
+                    deadline: Deadline | None = None) -> Table:
+    """Step 4: where the weights live. A SmolLM2-shaped bf16 checkpoint (random weights, written to a temporary
+    folder) loaded whole on `device`, then `offload="cpu"` (pinned host memory), `offload="disk"` (the mapped
+    files) and `device_map="auto"` (every CUDA device torch sees): a forward of 1 x `n` tokens each, its time,
+    the device's peak memory, and the largest logit difference from the model held whole (0 expected:
+    each is the same computation)."""
+    import tempfile
+
+    import interp
+
+    from .models import build_hf
+
+    n = n or (64 if opts.quick else 2048)
+    deadline = deadline or Deadline(float("inf"))
+    shape = ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+        intermediate_size=1536, vocab_size=49152, max_position_embeddings=max(n, 64), tie_word_embeddings=True))
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        build_hf(shape).to(torch.bfloat16).save_pretrained(folder)
+        tokens = torch.randint(1, 49152, (1, n), generator=torch.Generator().manual_seed(0))
+        reference = None
+        for label, kwargs in (("whole", {}), ("offload cpu", dict(offload="cpu")), ("offload disk", dict(offload="disk")),
+                              ("device_map auto", dict(device_map="auto"))):
+            if deadline.left() <= 0:
+                rows.append([label, "skipped: step time limit", "-", "-"])
+                continue
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            where = {} if "device_map" in kwargs else dict(device=device)
+            model = interp.load(folder, dtype=torch.bfloat16, **where, **kwargs)
+            ids = tokens.to(model.device)
+
+            def forward(model=model, ids=ids):
+                with torch.no_grad():
+                    return model(ids)
+
+            times, _ = compare_times({"f": forward}, opts.repeats, opts.warmup, min(opts.budget, deadline.left()),
+                                     opts.min_repeats, "wall")
+            logits = forward().float().cpu()
+            reference = logits if reference is None else reference
+            peak = torch.cuda.max_memory_allocated() / 2**20 if device.startswith("cuda") else "-"
+            rows.append([label, round(1e3 * times["f"], 2), peak if peak == "-" else round(peak, 1),
+                         float((logits - reference).abs().max())])
+            del model
+    return Table(f"Where the weights live: a SmolLM2-shaped bf16 checkpoint, 1 x {n:,} tokens, on {device}",
+                 ["placement", "forward ms", "peak device MiB", "max |logits - whole|"], rows)
+
+
+STEPS = (("kernel", kernel_table), ("model", model_table), ("exactness", exactness_table),
+         ("placement", placement_table))
 
 
 def section(opts: Options, others: dict | None = None, selected=()) -> Section:
@@ -250,8 +305,9 @@ def section(opts: Options, others: dict | None = None, selected=()) -> Section:
     gpu_opts = opts.replace(device="cuda", clock="wall")
     s = Section("gpu", f"GPU: {torch.cuda.get_device_name()}", intro=(
         "The sections above, rerun on the GPU (float32; memory = `torch.cuda.max_memory_allocated`), then the "
-        f"head statistics on the device in three steps of at most {STEP_SECONDS:.0f} s each: the kernel table, "
-        "`model.attention_stats` against the fused forward, and exactness against the float64 oracle."
+        f"head statistics on the device in four steps of at most {STEP_SECONDS:.0f} s each: the kernel table, "
+        "`model.attention_stats` against the fused forward, exactness against the float64 oracle, and where the "
+        "weights live (whole, offloaded, device_map)."
     ))
     for key, fn in (others or {}).items():
         if key not in selected:
@@ -281,6 +337,9 @@ def section(opts: Options, others: dict | None = None, selected=()) -> Section:
             if ratios:
                 s.headline.append(f"GPU: attention_stats (fused) / SDPA forward = {min(ratios):.2f}-{max(ratios):.2f} "
                                   "at n >= 4,096")
+        if key == "placement" and table.rows:
+            worst = max((r[3] for r in table.rows if isinstance(r[3], float)), default=None)
+            s.headline.append(f"GPU: offloaded and device-mapped logits differ from the model held whole by at most {worst}")
         if key == "model" and table.rows:
             s.headline.append(f"GPU: model.attention_stats / fused forward = {table.rows[0][2]:.2f} at 1 x {MODEL_SEQ:,}")
     return s
