@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from interp.errors import UserError
+from .device_map import unit_of
 from .tensor_files import Joined, release_pages
 
 OFFLOADS = ("cpu", "disk")
@@ -132,10 +133,8 @@ class Offload:
     @staticmethod
     def unit_of(key: str) -> str | None:
         """The unit a state-dict key belongs to ("blocks.3", "embed", ...), or None (stays resident)."""
-        head, _, rest = key.partition(".")
-        if head == "blocks":
-            return f"blocks.{rest.partition('.')[0]}"
-        return head if head in UNIT_MODULES else None
+        unit = unit_of(key)  # device_map's units; offload holds the blocks and the big matrices
+        return unit if unit.startswith("blocks.") or (unit in UNIT_MODULES and key.startswith(unit + ".")) else None
 
     def source(self, tensor: Tensor) -> Tensor:
         """What the offload keeps of a checkpoint tensor: the mapped view itself (disk), or a host copy in

@@ -392,6 +392,28 @@ def _query(model, layer: int, head: int, got: dict, maps, n: int, r: int, i: int
 
 
 @torch.no_grad()
+def _checked(model, tokens, layer: int, head: int, query_pos, key_pos, top_keys: int, corrupted, rows):
+    """`qk_attribution`'s inputs checked, each bad one in one line before any run: (tokens [batch, pos], the row
+    of each query, query positions, key positions or None)."""
+    check_model(model)
+    check_head(model.cfg, layer, head)
+    tokens = torch.as_tensor(tokens)
+    if tokens.dim() == 1:
+        tokens = tokens[None]
+    if tokens.dim() != 2 or tokens.is_floating_point():
+        raise ValueError(f"tokens: token ids [batch, pos], got shape {tuple(tokens.shape)} ({tokens.dtype})")
+    if corrupted is not None and tuple(corrupted.shape) != tuple(tokens.shape):
+        raise ValueError(f"corrupted tokens {tuple(corrupted.shape)} differ in shape from the clean {tuple(tokens.shape)}")
+    if top_keys < 1:
+        raise ValueError(f"top_keys must be at least 1, got {top_keys}")
+    B, P = tokens.shape
+    rows = torch.as_tensor(torch.arange(B) if rows is None else rows, dtype=torch.long).flatten()
+    if rows.numel() == 0 or bool(((rows < 0) | (rows >= B)).any()):
+        raise ValueError(f"rows: the row of each query, in 0 .. {B - 1}, got {rows.tolist()[:8]}")
+    q_pos, k_pos = _positions(query_pos, key_pos, rows.numel(), P, model.blocks[layer].attn.window)
+    return tokens, rows, q_pos, k_pos
+
+
 def qk_attribution(model, tokens: Tensor, layer: int, head: int, query_pos, key_pos=None, top_keys: int = 3,
                    corrupted: Tensor | None = None, batch_size: int = 16, rows: Sequence[int] | Tensor | None = None,
                    given=None) -> QKAttribution:
@@ -407,26 +429,9 @@ def qk_attribution(model, tokens: Tensor, layer: int, head: int, query_pos, key_
     given      (which, chunk slice) -> (senders' values [S, b, p, d], stream entering `layer` [b, p, d]) or
                None: runs already made, for `which` "clean" or "corrupted" (a `Runner`'s cache)
     See the module's docstring."""
-    check_model(model)
-    check_head(model.cfg, layer, head)
-    tokens = torch.as_tensor(tokens)
-    if tokens.dim() == 1:
-        tokens = tokens[None]
-    if tokens.dim() != 2 or tokens.is_floating_point():
-        raise ValueError(f"tokens: token ids [batch, pos], got shape {tuple(tokens.shape)} ({tokens.dtype})")
-    if corrupted is not None and tuple(corrupted.shape) != tuple(tokens.shape):
-        raise ValueError(f"corrupted tokens {tuple(corrupted.shape)} differ in shape from the clean {tuple(tokens.shape)}")
-    if top_keys < 1:
-        raise ValueError(f"top_keys must be at least 1, got {top_keys}")
+    tokens, rows, q_pos, k_pos = _checked(model, tokens, layer, head, query_pos, key_pos, top_keys, corrupted, rows)
     attn = model.blocks[layer].attn
-    B, P = tokens.shape
-    if rows is None:
-        rows = torch.arange(B)
-    rows = torch.as_tensor(rows, dtype=torch.long).flatten()
-    if rows.numel() == 0 or bool(((rows < 0) | (rows >= B)).any()):
-        raise ValueError(f"rows: the row of each query, in 0 .. {B - 1}, got {rows.tolist()[:8]}")
-    N = rows.numel()
-    q_pos, k_pos = _positions(query_pos, key_pos, N, P, attn.window)
+    B, N = tokens.shape[0], rows.numel()
     kv = head // (attn.n_heads // attn.n_kv_heads)
     g = Graph(model.cfg)
     senders = [s for s, l in zip(g.senders, g.sender_layer) if l < layer] + [BIAS]

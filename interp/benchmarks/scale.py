@@ -376,35 +376,7 @@ def section(opts: Options) -> Section:
                              f"{t['forward']['seconds']:.1f} s")
                 headline.append(line)
     if "analyze" in parts:
-        has_offload = offload_available()
-        for s in sizes:
-            spec, n_layers = SIZES[s], SIZES[s].config["num_hidden_layers"]
-            for offload in (None, "disk"):
-                mode = "--offload disk" if offload else "in memory"
-                if offload and not has_offload:
-                    analyze_rows.append([spec.label, mode, "not run: `interp analyze` has no --offload yet",
-                                         "-", "-", "-", "-", "-"])
-                    continue
-                c = analyze_cell(paths[s], scale_dir() / f"analyze-{s}-{'offload' if offload else 'memory'}",
-                                 threads, offload)
-                measured[s][("analyze", offload)] = c
-                if c.get("rc") == 0 and not c["problem"]:
-                    result = "ok"
-                else:
-                    lines = [x for x in c["stderr"].splitlines() if x.strip()]
-                    result = c["problem"] or (lines[-1] if lines else f"exit {c.get('rc')}")
-                    if c.get("rc") not in (0, None) and lines:
-                        result = lines[-1]
-                ok = result == "ok"
-                if c["problem"] and c["problem"].startswith("timeout") and "elapsed" in c:
-                    result += f" (peaks until {c['elapsed']:.0f} s)"
-                analyze_rows.append([spec.label, mode, result, _secs(c) if ok else "-",
-                                     f"{c['seconds'] / n_layers:.2f}" if ok else "-",
-                                     _gib(c.get("VmHWM")), _gib(c.get("peak_RssAnon")), _gib(c.get("peak_RssFile"))])
-                if offload and ok:
-                    headline.append(f"{spec.label} `interp analyze --offload disk` (3 analyses, 2 x 512 tokens): "
-                                    f"{c['seconds']:.0f} s ({c['seconds'] / n_layers:.1f} s/layer), peak RssAnon "
-                                    f"{_gib(c['peak_RssAnon'])}, VmHWM {_gib(c['VmHWM'])}")
+        analyze_rows = _analyze_rows(sizes, paths, threads, measured, headline)
     notes += _extrapolation(measured, sizes)
     tables = [Table("The folders: size, shards, one block's parameters and bf16 bytes, a cold read of the largest shard",
                     ["model", "params", "on disk", "shards", "params/layer", "bytes/layer (bf16)", "disk read"],
@@ -425,6 +397,42 @@ def section(opts: Options) -> Section:
     s = Section("scale", title, intro=__doc__.split("\n\n", 2)[2].strip(), tables=tables, notes=notes)
     s.headline = headline
     return s
+
+
+def _analyze_rows(sizes, paths: dict, threads: int, measured: dict, headline: list) -> list[list]:
+    """The `interp analyze` table's rows, in memory and offloaded for each size; each cell's numbers go into
+    `measured`, an offloaded success into `headline`."""
+    rows = []
+    has_offload = offload_available()
+    for s in sizes:
+        spec, n_layers = SIZES[s], SIZES[s].config["num_hidden_layers"]
+        for offload in (None, "disk"):
+            mode = "--offload disk" if offload else "in memory"
+            if offload and not has_offload:
+                rows.append([spec.label, mode, "not run: `interp analyze` has no --offload yet",
+                         "-", "-", "-", "-", "-"])
+                continue
+            c = analyze_cell(paths[s], scale_dir() / f"analyze-{s}-{'offload' if offload else 'memory'}",
+                             threads, offload)
+            measured[s][("analyze", offload)] = c
+            if c.get("rc") == 0 and not c["problem"]:
+                result = "ok"
+            else:
+                lines = [x for x in c["stderr"].splitlines() if x.strip()]
+                result = c["problem"] or (lines[-1] if lines else f"exit {c.get('rc')}")
+                if c.get("rc") not in (0, None) and lines:
+                    result = lines[-1]
+            ok = result == "ok"
+            if c["problem"] and c["problem"].startswith("timeout") and "elapsed" in c:
+                result += f" (peaks until {c['elapsed']:.0f} s)"
+            rows.append([spec.label, mode, result, _secs(c) if ok else "-",
+                         f"{c['seconds'] / n_layers:.2f}" if ok else "-",
+                         _gib(c.get("VmHWM")), _gib(c.get("peak_RssAnon")), _gib(c.get("peak_RssFile"))])
+            if offload and ok:
+                headline.append(f"{spec.label} `interp analyze --offload disk` (3 analyses, 2 x 512 tokens): "
+                                f"{c['seconds']:.0f} s ({c['seconds'] / n_layers:.1f} s/layer), peak RssAnon "
+                                f"{_gib(c['peak_RssAnon'])}, VmHWM {_gib(c['VmHWM'])}")
+    return rows
 
 
 def _extrapolation(measured: dict, sizes: tuple[str, ...]) -> list[str]:
