@@ -241,7 +241,7 @@ def test_the_command_writes_its_tables_and_report(tmp_path):
 @pytest.mark.parametrize("argv, says", [
     (["--task", "parity"], "unknown task 'parity'"),
     (["--task", "ioi", "--steps", "0"], "--steps must be at least 1"),
-    (["--task", "ioi", "--metric", "kl"], "unknown metric 'kl'"),
+    (["--task", "ioi", "--metric", "accuracy"], "unknown metric 'accuracy'"),
     (["--task", "ioi", "--size", "0"], "--size is a fraction"),
 ])
 def test_bad_settings_are_one_line_before_loading(tmp_path, capsys, monkeypatch, argv, says):

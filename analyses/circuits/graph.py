@@ -112,9 +112,13 @@ class Task:
 
     clean, corrupted  [batch, pos] token ids (right padding is harmless under causal attention: the
                       answers never read it)
-    rows, positions   [n] the prompt and position of each answer (the logits there are read)
+    rows, positions   [n] the prompt and position of each answer (the logits there are read); a prompt may
+                      appear in several rows (answers at several positions: induction, a file's "answers");
+                      positions count from 0 in the padded prompt (`tasks.tensor_task` resolves negative ones
+                      against each prompt's own length)
     metric            (logits [n, vocab], index [n] into the answers) -> [n] per-answer values; the
-                      task's metric is their mean. `name`: what it is ("logit-diff", "prob", "loss", ...)"""
+                      task's metric is their mean over all answers of all prompts. `name`: what it is
+                      ("logit-diff", "logit", "prob", "loss", "prob-diff", "kl"; `tasks` says which way each goes)"""
 
     name: str
     clean: Tensor
@@ -132,6 +136,14 @@ class Task:
         if self.clean.shape != self.corrupted.shape:
             raise ValueError(f"clean {tuple(self.clean.shape)} and corrupted {tuple(self.corrupted.shape)} tokens "
                              "differ in shape")
+        if self.rows.shape != self.positions.shape or self.rows.dim() != 1:
+            raise ValueError(f"rows {tuple(self.rows.shape)} and positions {tuple(self.positions.shape)} must both be "
+                             "[n], one per answer")
+        b, p = self.clean.shape
+        if self.rows.numel() and not (0 <= int(self.rows.min()) and int(self.rows.max()) < b
+                                      and 0 <= int(self.positions.min()) and int(self.positions.max()) < p):
+            raise ValueError(f"answer rows must lie in 0 .. {b - 1} and positions in 0 .. {p - 1} (the prompts are "
+                             f"[{b}, {p}]; tasks.tensor_task takes negative positions)")
 
     @property
     def n_answers(self) -> int:

@@ -19,6 +19,10 @@ from .passes import _Pass, graph_mode
 from .qk import parse_head, qk_attribution
 
 
+EAP_KL = ("EAP takes the metric's gradient at the clean run, where KL from the clean run is least (gradient 0, every "
+          "score 0): use EAP-IG or exact patching (--method eap-ig or patching) with the kl metric")
+
+
 def _check_sandwich(model) -> None:
     if model.cfg.sandwich_norms and not all(type(b.ln1_post).__name__ == "RMSNorm" for b in model.blocks):
         raise NotImplementedError("circuits: sandwich norms other than RMSNorm are not split into head shares")
@@ -128,7 +132,10 @@ class Runner:
 
     # -- scores --
     def eap(self) -> Tensor:
-        """EAP edge scores [S, R]: (corrupted - clean value of s) . d metric / d input_r at the clean run."""
+        """EAP edge scores [S, R]: (corrupted - clean value of s) . d metric / d input_r at the clean run.
+        Refused for the kl metric, whose gradient at the clean run is 0 (every score would be 0)."""
+        if self.task.metric_name == "kl":
+            raise ValueError(EAP_KL)
         return self._attribution([None])
 
     def eap_ig(self, steps: int = 5, on: str = "inputs") -> Tensor:

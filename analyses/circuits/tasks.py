@@ -1,14 +1,26 @@
 """The tasks circuits are found for, offline: induction on repeated random tokens, indirect-object
 identification (IOI, Wang et al. 2022) with names drawn from the model's own single tokens,
-greater-than on years (Hanna et al. 2023), and a user's JSON lines. Each builds a `circuit.Task`:
-clean and corrupted prompts of equal token length and a per-answer metric.
+greater-than on years (Hanna et al. 2023), a user's JSON lines (`read_task_file`, `file_task`) and a
+user's tensors (`tensor_task`). Each builds a `circuit.Task`: clean and corrupted prompts of equal token
+length, the (prompt, position) pairs where the logits are read, and a per-position metric.
 
-Metrics (mean over prompts and answer positions):
-  logit-diff  mean logit of the answer token(s) - mean logit of the wrong one(s)
-  prob        probability of the answer token(s) (summed)
-  loss        -log of that probability
+Metrics: each is read at every answer position (the logits there, which predict the token after it) and
+the task's metric is their mean over all positions of all prompts (a prompt with more positions weighs
+more). Which way each goes, for the clean run against a corrupted one that destroys the behaviour:
+  logit-diff  mean logit of the answer token(s) - mean logit of the wrong one(s); higher is more of the
+              behaviour (the clean run's is higher)
+  logit       mean logit of the answer token(s); higher is more
+  prob        probability of the answer token(s) (summed); higher is more
+  loss        -log of that probability; LOWER is more (the clean run's is lower)
   prob-diff   probability of the answers - probability of the wrong ones (greater-than: years after
-              the start year minus years up to it)
+              the start year minus years up to it); higher is more
+  kl          KL(clean || run): the KL divergence of this run's next-token distribution from the clean
+              run's at the same position, in nats; 0 on the clean run and HIGHER is further from it. It
+              needs no answers. Its gradient at the clean run is 0 (KL is least there), so EAP, which takes
+              the gradient there, scores every edge 0 and is refused; EAP-IG and exact patching read it.
+Scores are metric(patched) - metric(clean) whatever the metric, so their sign follows the metric's
+direction (an edge that carries the behaviour scores negative under logit, prob and logit-diff, positive
+under loss and kl); faithfulness is signless (1 the model, 0 the corrupted run).
 """
 
 from __future__ import annotations
@@ -25,7 +37,8 @@ from .graph import Task
 from ..heads import repeated_random_tokens
 
 TASKS = ("ioi", "induction", "greater-than")
-METRICS = ("logit-diff", "prob", "loss", "prob-diff")
+METRICS = ("logit-diff", "logit", "prob", "loss", "prob-diff", "kl")
+NEEDS_WRONG = ("logit-diff", "prob-diff")  # the metrics that read wrong answers
 
 # First names (common in English text); a model keeps those that are one token after a space.
 NAMES = ("Mary John Alice Bob Sarah James Emma Michael Anna David Laura Daniel Kate Paul Lisa Mark Susan Peter Linda "
@@ -53,10 +66,14 @@ GT_TEMPLATE = "The {noun} lasted from the year {century}{yy} to the year {centur
 
 def token_metric(kind: str, answers: Sequence[Sequence[int]], wrongs: Sequence[Sequence[int]] | None = None):
     """The per-answer metric (logits [n, vocab], index [n]) -> [n] of `kind` (see the module docstring)
-    for answers[i] (token ids) and, for logit-diff and prob-diff, wrongs[i]."""
+    for answers[i] (token ids) and, for logit-diff and prob-diff, wrongs[i]. (kl reads the clean run, not
+    answers: `kl_metric`.)"""
     if kind not in METRICS:
         raise ValueError(f"unknown metric {kind!r}: choose one of {', '.join(METRICS)}")
-    if kind in ("logit-diff", "prob-diff") and (wrongs is None or not all(wrongs)):
+    if kind == "kl":
+        raise ValueError("the kl metric compares with the clean run, not with answers: build it with kl_metric(model, "
+                         "clean, rows, positions)")
+    if kind in NEEDS_WRONG and (wrongs is None or not all(wrongs)):
         raise ValueError(f"the {kind} metric needs wrong answers for every prompt")
     a_ids, a_on = _padded(answers)
     w_ids, w_on = _padded(wrongs) if wrongs is not None and all(wrongs) else (None, None)
@@ -65,9 +82,11 @@ def token_metric(kind: str, answers: Sequence[Sequence[int]], wrongs: Sequence[S
         logits = logits.float()  # scores in float32 whatever the weights' dtype (bf16 models)
         index = index.to(a_ids.device)
         ai, ao = a_ids[index].to(logits.device), a_on[index].to(logits.device)
+        mean = lambda ids, on: (logits.gather(1, ids) * on).sum(1) / on.sum(1)  # noqa: E731
+        if kind == "logit":
+            return mean(ai, ao)
         if kind == "logit-diff":
             wi, wo = w_ids[index].to(logits.device), w_on[index].to(logits.device)
-            mean = lambda ids, on: (logits.gather(1, ids) * on).sum(1) / on.sum(1)
             return mean(ai, ao) - mean(wi, wo)
         logp = logits.log_softmax(-1)
         answer = (logp.gather(1, ai) + (ao - 1) * 1e30).logsumexp(1)  # log of the answers' summed probability
@@ -79,6 +98,42 @@ def token_metric(kind: str, answers: Sequence[Sequence[int]], wrongs: Sequence[S
         return answer.exp() - (logp.gather(1, wi).exp() * wo).sum(1)
 
     return metric
+
+
+def kl_metric(model, clean: Tensor, rows: Tensor, positions: Tensor, *, batch_size: int = 16):
+    """The per-answer metric (logits [n, vocab], index [n]) -> [n] KL(clean || run) at each answer position
+    (rows[i], positions[i]) of the `clean` prompts [batch, pos], in nats. It keeps the clean run's final
+    residual stream at those positions ([n, d_model], from a plain forward now) and unembeds it when it
+    compares, rather than holding [n, vocab] log-probabilities."""
+    L = model.cfg.n_layers
+    kept = []
+    with torch.no_grad():
+        for start in range(0, clean.shape[0], batch_size):
+            on = (rows >= start) & (rows < start + batch_size)
+            final = model(clean[start:start + batch_size].to(model.device), stop_at_layer=L)
+            kept.append(final[(rows[on] - start).to(final.device), positions[on].to(final.device)])
+    reference = torch.cat(kept)  # in chunk order; put back in the answers' order
+    order = torch.cat([((rows >= s) & (rows < s + batch_size)).nonzero().flatten()
+                       for s in range(0, clean.shape[0], batch_size)])
+    reference = reference[order.argsort().to(reference.device)]
+
+    def metric(logits: Tensor, index: Tensor) -> Tensor:
+        with torch.no_grad():
+            ref = model(reference[index.to(reference.device)][:, None], "logits", start_at_layer=L)[:, 0]
+            ref = ref.float().log_softmax(-1).to(logits.device)
+        logp = logits.float().log_softmax(-1)
+        return (ref.exp() * (ref - logp)).sum(-1)
+
+    return metric
+
+
+def task_metric(model, kind: str, clean: Tensor, rows: Tensor, positions: Tensor, answers=None, wrongs=None):
+    """`kl_metric` for "kl", else `token_metric`: the metric of any kind for a task's answer positions."""
+    if kind == "kl":
+        return kl_metric(model, clean, rows, positions)
+    if answers is None or not all(a is not None for a in answers):
+        raise ValueError(f"the {kind} metric needs an answer at every position (only kl reads none)")
+    return token_metric(kind, answers, wrongs)
 
 
 def _padded(lists: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:
@@ -120,28 +175,120 @@ def single_tokens(model, words: Sequence[str]) -> dict[str, int]:
 
 def _pairs_task(model, name: str, clean: list[str], corrupted: list[str], answers, wrongs, metric: str,
                 description: str, where: Sequence[str] | None = None) -> Task:
-    """A task from texts: tokenised whole (the model's BOS rule), lengths checked pair by pair against each
-    other and against the model's context (a longer prompt is refused, never cut: its metric would be read at
-    the wrong token), right-padded. `where` names each pair in a refusal ("pair 3", "tasks.jsonl:7")."""
-    c_rows, x_rows = [_encode(model, t) for t in clean], [_encode(model, t) for t in corrupted]
-    n_ctx = model.cfg.n_ctx
+    """A task from texts, answered at each prompt's last token: tokenised whole (the model's BOS rule), then
+    `_token_task`. `where` names each pair in a refusal ("pair 3", "tasks.jsonl:7")."""
+    spots = [[(-1, answers[i], wrongs[i] if wrongs else None)] for i in range(len(clean))]
+    return _token_task(model, name, [_encode(model, t) for t in clean], [_encode(model, t) for t in corrupted], spots,
+                       metric, description, where, texts=list(zip(clean, corrupted)))
+
+
+def _check_prompts(at: str, c: list[int], x: list[int], n_ctx: int | None, vocab: int | None, texts=None) -> None:
+    """One line for a pair of token-id prompts that cannot be read: longer than the context (refused, never
+    cut: the metric would be read at the wrong token), of other lengths, or holding ids outside the vocabulary."""
+    if n_ctx is not None and max(len(c), len(x)) > n_ctx:
+        which, n = ("clean", len(c)) if len(c) >= len(x) else ("corrupted", len(x))
+        raise ValueError(f"{at}: the {which} prompt is {n} tokens, longer than the model's context of {n_ctx} "
+                         "tokens: shorten it (nothing is cut for you: the metric would be read at the wrong token)")
+    if len(c) != len(x):
+        shown = f" ({texts[0]!r} vs {texts[1]!r})" if texts else ""
+        raise ValueError(f"{at}: the corrupted prompt is {len(x)} tokens and the clean one {len(c)}{shown}; corrupted "
+                         "prompts must have the clean ones' token lengths")
+    if vocab is not None:
+        for which, ids in (("clean", c), ("corrupted", x)):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{at}: the {which} prompt's token id {bad[0]} is outside the model's vocabulary "
+                                 f"(ids 0 to {vocab - 1})")
+
+
+def _resolve(at: str, position: int, n: int) -> int:
+    """A position as Python indexes (negative: from the end) -> 0 .. n - 1, or one line naming `at`."""
+    if not -n <= position < n:
+        raise ValueError(f"{at}: position {position} is outside the prompt of {n} tokens (0 to {n - 1}, or -{n} to "
+                         "-1 from the end)")
+    return position % n
+
+
+def _check_spot(at: str, position: int, answer, wrong, metric: str, vocab: int) -> None:
+    """One line for an answer position that `metric` cannot read: no answer (only kl reads none), no wrong
+    answer (logit-diff, prob-diff), or answer ids outside the vocabulary."""
+    if metric != "kl" and not answer:
+        raise ValueError(f"{at}: position {position} has no answer; the {metric} metric needs one at every position "
+                         "(kl alone reads none)")
+    if metric in NEEDS_WRONG and not wrong:
+        raise ValueError(f"{at}: position {position} has no wrong answer; the {metric} metric needs one at every "
+                         "position (or choose --metric logit, prob, loss or kl)")
+    for which, ids in (("answer", answer), ("wrong answer", wrong)):
+        bad = [t for t in ids or () if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{at}: the {which} id {bad[0]} at position {position} is outside the model's "
+                             f"vocabulary (ids 0 to {vocab - 1})")
+
+
+def _token_task(model, name: str, c_rows: list[list[int]], x_rows: list[list[int]], spots, metric: str,
+                description: str, where: Sequence[str] | None = None, texts=None) -> Task:
+    """A task from token ids: `spots[i]` lists prompt i's answer positions as (position, answer ids or None,
+    wrong ids or None), a position as Python indexes the prompt (negative: from its own end). Every pair and
+    position is checked first (`_check_prompts`, `_resolve`, `_check_spot`: one line naming `where[i]`, default
+    "pair i + 1"); prompts are right-padded; the metric is `task_metric`'s."""
+    if metric not in METRICS:
+        raise ValueError(f"unknown metric {metric!r}: choose one of {', '.join(METRICS)}")
+    n_ctx, vocab = model.cfg.n_ctx, model.cfg.d_vocab
+    rows, positions, answers, wrongs = [], [], [], []
     for i, (c, x) in enumerate(zip(c_rows, x_rows)):
         at = where[i] if where else f"pair {i + 1}"
-        if max(len(c), len(x)) > n_ctx:
-            which, n = ("clean", len(c)) if len(c) >= len(x) else ("corrupted", len(x))
-            raise ValueError(f"{at}: the {which} prompt is {n} tokens, longer than the model's context of {n_ctx} "
-                             "tokens: shorten it (nothing is cut for you: the metric would be read at the wrong token)")
-        if len(c) != len(x):
-            raise ValueError(f"{at}: the corrupted prompt is {len(x)} tokens and the clean one {len(c)} "
-                             f"({clean[i]!r} vs {corrupted[i]!r}); corrupted prompts must have the clean ones' "
-                             "token lengths")
+        _check_prompts(at, c, x, n_ctx, vocab, texts[i] if texts else None)
+        for position, answer, wrong in spots[i]:
+            _check_spot(at, position, answer, wrong, metric, vocab)
+            rows.append(i)
+            positions.append(_resolve(at, position, len(c)))
+            answers.append(list(answer) if answer else None)
+            wrongs.append(list(wrong) if wrong else None)
     pad = _pad_id(model)
-    rows = torch.arange(len(c_rows))
-    positions = torch.tensor([len(c) - 1 for c in c_rows])
-    return Task(name, _right_padded(c_rows, pad), _right_padded(x_rows, pad), rows, positions,
-                token_metric(metric, answers, wrongs), metric, description, prompts=list(clean),
-                answer_tokens=torch.tensor([a[0] for a in answers]),
-                wrong_tokens=torch.tensor([w[0] for w in wrongs]) if wrongs else None)
+    clean, rows, positions = _right_padded(c_rows, pad), torch.tensor(rows), torch.tensor(positions)
+    has_wrong = all(w is not None for w in wrongs)
+    fn = task_metric(model, metric, clean, rows, positions, answers, wrongs if has_wrong else None)
+
+    def first(lists):  # each answer's first token, where every position has one
+        return torch.tensor([a[0] for a in lists]) if all(a is not None for a in lists) else None
+
+    return Task(name, clean, _right_padded(x_rows, pad), rows, positions, fn, metric, description,
+                prompts=[t[0] if t else "" for t in texts] if texts else [], answer_tokens=first(answers),
+                wrong_tokens=first(wrongs))
+
+
+def tensor_task(model, clean: Tensor, corrupted: Tensor, positions, answers=None, wrongs=None, *,
+                metric: str = "logit", name: str = "tensors", description: str = "") -> Task:
+    """A task from tensors. clean, corrupted: [batch, pos] token ids (the model's input exactly: nothing is
+    prepended); positions: [k] (the same for every prompt) or [batch, k], Python-style (-1 the last token);
+    answers, wrongs: None, [batch, k] (one token each) or [batch, k, a] (several: a mean of logits, a sum of
+    probabilities). Refusals name the row ("row 3: position 9 is outside the prompt of 8 tokens ...")."""
+    clean, corrupted = torch.as_tensor(clean), torch.as_tensor(corrupted)
+    if clean.dim() != 2 or clean.shape != corrupted.shape:
+        raise ValueError(f"clean {tuple(clean.shape)} and corrupted {tuple(corrupted.shape)} token ids must both be "
+                         "[batch, pos]")
+    b = clean.shape[0]
+    pos = torch.as_tensor(positions).long()
+    pos = pos.expand(b, -1) if pos.dim() == 1 else pos
+    if pos.shape[0] != b:
+        raise ValueError(f"positions {tuple(pos.shape)}: give [k] or [batch={b}, k]")
+
+    def per_spot(t, what: str):
+        if t is None:
+            return [[None] * pos.shape[1] for _ in range(b)]
+        t = torch.as_tensor(t).long()
+        shape = tuple(t.shape)
+        t = t[..., None] if t.dim() == 2 else t
+        if t.dim() != 3 or t.shape[:2] != pos.shape:
+            raise ValueError(f"{what} {shape}: give [batch, k] or [batch, k, a] to match positions "
+                             f"{tuple(pos.shape)}")
+        return t.tolist()
+
+    a, w = per_spot(answers, "answers"), per_spot(wrongs, "wrongs")
+    spots = [list(zip(pos[i].tolist(), a[i], w[i])) for i in range(b)]
+    return _token_task(model, name, clean.tolist(), corrupted.tolist(), spots, metric,
+                       description or f"{b} prompts of {clean.shape[1]} tokens, {pos.shape[1]} positions each",
+                       [f"row {i}" for i in range(b)])
 
 
 def ioi_task(model, n_prompts: int = 64, *, seed: int = 0, metric: str = "logit-diff") -> Task:
@@ -232,12 +379,90 @@ def greater_than_task(model, n_prompts: int = 64, *, seed: int = 0, metric: str 
 
 # ---- a user's file ------------------------------------------------------------------------------------
 LINE = "_line"  # where a pair of a task file stands ("tasks.jsonl:7"), named by a refusal
+NEEDS = ('each line needs "clean", "corrupted" and "answer" (or "clean_ids", "corrupted_ids" and "answer_ids"; '
+         '"answers" for several positions)')
+ONE_POSITION = ("position", "answer", "answer_ids", "wrong", "wrong_ids")
+
+
+def _is_id(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _prompt(row: dict, key: str, at: str):
+    """A line's clean or corrupted prompt: its text (str) or its token ids (list of int)."""
+    ids = f"{key}_ids"
+    if key in row and ids in row:
+        raise ValueError(f'{at}: give "{key}" (text) or "{ids}" (token ids), not both')
+    if key not in row and ids not in row:
+        raise ValueError(f"{at}: {NEEDS}")
+    if key in row:
+        if not isinstance(row[key], str):
+            raise ValueError(f'{at}: "clean" and "corrupted" must be strings (token ids go in "clean_ids", '
+                             '"corrupted_ids")')
+        return row[key]
+    v = row[ids]
+    if not (isinstance(v, list) and v and all(_is_id(t) for t in v)):
+        raise ValueError(f'{at}: "{ids}" must be a non-empty list of token ids (integers from 0)')
+    return v
+
+
+def _answer(entry: dict, key: str, at: str):
+    """An answer (or wrong answer) of a position: ("text", [str]), ("ids", [int]) or None when not given."""
+    ids = f"{key}_ids"
+    if key in entry and ids in entry:
+        raise ValueError(f'{at}: give "{key}" (text) or "{ids}" (token ids), not both')
+    if key in entry:
+        v = [entry[key]] if isinstance(entry[key], str) else entry[key]
+        if not (isinstance(v, list) and v and all(isinstance(x, str) for x in v)):
+            raise ValueError(f'{at}: "{key}" must be a string or a list of strings')
+        return "text", v
+    if ids in entry:
+        v = [entry[ids]] if _is_id(entry[ids]) else entry[ids]
+        if not (isinstance(v, list) and v and all(_is_id(x) for x in v)):
+            raise ValueError(f'{at}: "{ids}" must be a token id or a non-empty list of them (integers from 0)')
+        return "ids", v
+    return None
+
+
+def _spot(entry, at: str, default: int | None):
+    """(position, answer, wrong) of one answer position (`_answer`'s forms)."""
+    if not isinstance(entry, dict):
+        raise ValueError(f'{at}: each of "answers" must be an object: {{"position": -1, "answer": " Paris"}}')
+    position = entry.get("position", default)
+    if position is None:
+        raise ValueError(f'{at}: each of "answers" needs a "position"')
+    if not isinstance(position, int) or isinstance(position, bool):
+        raise ValueError(f'{at}: "position" must be an integer (negative: from the end, as Python indexes)')
+    return position, _answer(entry, "answer", at), _answer(entry, "wrong", at)
+
+
+def parse_pair(row: dict, at: str) -> tuple:
+    """One line (or a Python dict of the same form) -> (clean, corrupted, spots): each prompt its text or its
+    ids, spots a list of `_spot`s. What needs no model is checked here: the fields' forms, and, where both
+    prompts are ids, their lengths and the positions."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{at}: {NEEDS}")
+    clean, corrupted = _prompt(row, "clean", at), _prompt(row, "corrupted", at)
+    if "answers" in row:
+        if any(k in row for k in ONE_POSITION):
+            raise ValueError(f'{at}: give "answers" (several positions) or "answer" at one "position", not both')
+        if not (isinstance(row["answers"], list) and row["answers"]):
+            raise ValueError(f'{at}: "answers" must be a non-empty list of {{"position": ..., "answer": ...}}')
+        spots = [_spot(e, f"{at}: answers[{j}]", None) for j, e in enumerate(row["answers"])]
+    elif "answer" in row or "answer_ids" in row:
+        spots = [_spot(row, at, -1)]
+    else:
+        raise ValueError(f"{at}: {NEEDS}")
+    if isinstance(clean, list) and isinstance(corrupted, list):
+        _check_prompts(at, clean, corrupted, None, None)
+        for position, _, _ in spots:
+            _resolve(at, position, len(clean))
+    return clean, corrupted, spots
 
 
 def read_task_file(path) -> list[dict]:
-    """The pairs of a JSON-lines file: one object per line with "clean", "corrupted", "answer" (a string or
-    a list of strings) and optionally "wrong" (the same). Checked before any model loads; one line says
-    what is wrong and where."""
+    """The pairs of a JSON-lines file (the format: `parse_pair`, docs/circuits.md). Checked before any model
+    loads; one line says what is wrong and where ("tasks.jsonl:7: ...")."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such task file (a JSON-lines file, or one of {', '.join(TASKS)})")
@@ -245,7 +470,7 @@ def read_task_file(path) -> list[dict]:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save the task file as UTF-8") from None
-    pairs = []
+    pairs, first = [], None  # first: whether the file's first position has a wrong answer
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -255,44 +480,57 @@ def read_task_file(path) -> list[dict]:
             raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
         except RecursionError:  # [[[[...]]]] a hundred thousand deep
             raise ValueError(f"{path}:{n}: JSON nested too deeply to be a pair (one object per line)") from None
-        if not isinstance(row, dict) or not {"clean", "corrupted", "answer"} <= row.keys():
-            raise ValueError(f'{path}:{n}: each line needs "clean", "corrupted" and "answer" (and may give "wrong")')
-        for key in ("answer", "wrong"):
-            if key in row:
-                v = row[key]
-                if isinstance(v, str):
-                    row[key] = [v]
-                elif not (isinstance(v, list) and v and all(isinstance(x, str) for x in v)):
-                    raise ValueError(f'{path}:{n}: "{key}" must be a string or a list of strings')
-        if not all(isinstance(row[k], str) for k in ("clean", "corrupted")):
-            raise ValueError(f'{path}:{n}: "clean" and "corrupted" must be strings')
+        spots = parse_pair(row, f"{path}:{n}")[2]
         row[LINE] = f"{path.name}:{n}"
         pairs.append(row)
+        wrong = [w is not None for _, _, w in spots]
+        first = wrong[0] if first is None else first
+        if any(w != first for w in wrong):
+            raise ValueError(f'{path}:{n}: a position {"without" if first else "with"} a wrong answer, where the '
+                             f'first has {"one" if first else "none"}: give "wrong" at every position or at none')
     if not pairs:
         raise ValueError(f"{path} holds no pairs")
-    if len({"wrong" in p for p in pairs}) > 1:
-        raise ValueError(f'{path}: give "wrong" on every line or on none')
     return pairs
 
 
+def default_metric(pairs: list[dict]) -> str:
+    """A file's metric when none is asked for: logit-diff when every position has wrong answers, else loss
+    when every one has answers, else kl."""
+    spots = [s for n, p in enumerate(pairs, 1) for s in parse_pair(p, p.get(LINE, f"pair {n}"))[2]]
+    return "logit-diff" if all(w for _, _, w in spots) else "loss" if all(a for _, a, _ in spots) else "kl"
+
+
 def file_task(model, pairs: list[dict], *, metric: str | None = None, name: str = "file") -> Task:
-    """A task from `read_task_file`'s pairs. Metric default: logit-diff when wrong answers are given,
-    else loss."""
-    has_wrong = "wrong" in pairs[0]
-    metric = metric or ("logit-diff" if has_wrong else "loss")
+    """A task from `read_task_file`'s pairs (or dicts of the same form); metric default `default_metric`."""
+    where = [p.get(LINE, f"pair {n}") if isinstance(p, dict) else f"pair {n}" for n, p in enumerate(pairs, 1)]
+    parsed = [parse_pair(p, at) for p, at in zip(pairs, where)]
+    metric = metric or default_metric(pairs)
+    if metric not in METRICS:
+        raise ValueError(f"unknown metric {metric!r}: choose one of {', '.join(METRICS)}")
 
-    def one(s: str, n: int, key: str) -> int:
-        ids = model.to_tokens(s, prepend_bos=False)[0]
-        if ids.numel() != 1:
-            raise ValueError(f'pair {n}: the {key} {s!r} is {ids.numel()} tokens; answers must be single tokens '
-                             f'(often with a leading space: " Paris")')
-        return int(ids)
+    def ids(answer, at: str, key: str):
+        if answer is None or answer[0] == "ids":
+            return None if answer is None else answer[1]
+        return [_single(model, s, at, key) for s in answer[1]]
 
-    answers = [[one(s, n, "answer") for s in p["answer"]] for n, p in enumerate(pairs, 1)]
-    wrongs = [[one(s, n, "wrong answer") for s in p["wrong"]] for n, p in enumerate(pairs, 1)] if has_wrong else None
-    return _pairs_task(model, name, [p["clean"] for p in pairs], [p["corrupted"] for p in pairs], answers, wrongs,
-                       metric, f"{len(pairs)} pairs from {name}",
-                       where=[p.get(LINE, f"pair {n}") for n, p in enumerate(pairs, 1)])
+    def tokens(prompt):
+        return _encode(model, prompt) if isinstance(prompt, str) else list(prompt)
+
+    spots = [[(p, ids(a, at, "answer"), ids(w, at, "wrong answer")) for p, a, w in ss]
+             for (_, _, ss), at in zip(parsed, where)]
+    texts = [(c, x) if isinstance(c, str) and isinstance(x, str) else None for c, x, _ in parsed]
+    n = sum(len(s) for s in spots)
+    description = f"{len(pairs)} pairs from {name}" + (f", {n} answer positions" if n > len(pairs) else "")
+    return _token_task(model, name, [tokens(c) for c, _, _ in parsed], [tokens(x) for _, x, _ in parsed], spots,
+                       metric, description, where, texts=texts)
+
+
+def _single(model, s: str, at: str, key: str) -> int:
+    ids = model.to_tokens(s, prepend_bos=False)[0]
+    if ids.numel() != 1:
+        raise ValueError(f'{at}: the {key} {s!r} is {ids.numel()} tokens; answers must be single tokens (often with a '
+                         'leading space: " Paris"; or give their ids: "answer_ids")')
+    return int(ids)
 
 
 def build_task(model, task: str, *, n_prompts: int | None = None, seed: int = 0, metric: str | None = None) -> Task:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from . import checks
 
 # the choices of interp.analyses.circuits (METHODS, IG_ON, SELECTIONS), here so that --help does not import torch
@@ -15,6 +17,8 @@ EPILOG = """examples:
   interp circuit attn-only-2l --task induction --method patching --out out/ind
   interp circuit gemma3-270m --task greater-than --method eap --out out/gt
   interp circuit MODEL --task pairs.jsonl --out out/mine   # {"clean": ..., "corrupted": ..., "answer": " Paris", "wrong": " Rome"}
+  interp circuit MODEL --task ids.jsonl --metric kl --method eap-ig --out out/kl
+      # {"clean_ids": [..], "corrupted_ids": [..], "answers": [{"position": -1, "answer_ids": 42}, {"position": 5}]}
   interp circuit attn-only-2l --task induction --qk 1.0 --out out/ind      # and why L1H0 attends where it does
 
 The graph: senders (embed, each head's output, each MLP's), receivers (each head's q, k and v inputs,
@@ -23,7 +27,10 @@ metric(edge patched from the corrupted run) - metric(clean); EAP and EAP-IG esti
 gradients. Circuits at MIB's sizes (0.1% .. 100% of the edges) are judged by faithfulness, (metric of
 the circuit - corrupted) / (clean - corrupted). Writes DIR/edges.parquet, nodes.parquet,
 faithfulness.csv, settings.json and a report that draws the circuit, its faithfulness curve and its
-heads' patterns on the task. --qk L.H[,L.H]: also each head's score from the answer position split into
+heads' patterns on the task. A task file's lines may give token ids ("clean_ids", "corrupted_ids",
+"answer_ids", "wrong_ids") and answers at several positions ("answers": [{"position": -2, ...}, ...]);
+the metric is a mean over every answer position (docs/circuits.md has the format).
+--qk L.H[,L.H]: also each head's score from the answer position split into
 (query-side sender, key-side sender) terms (DIR/qk.parquet, a report section per head).
 """
 
@@ -32,9 +39,13 @@ def add_arguments(p) -> None:
     p.add_argument("model", help="a checkpoint folder, .gguf file, real-model name or zoo name")
     g = p.add_argument_group("the task")
     g.add_argument("--task", required=True, help="ioi, induction, greater-than, or a JSON-lines file of clean / "
-                                                 "corrupted prompts and answers")
+                                                 "corrupted prompts (text or token ids) and answers (at one position "
+                                                 "or several)")
     g.add_argument("--prompts", type=int, default=None, help="prompts (default 64; a file: all of its pairs)")
-    g.add_argument("--metric", default=None, help="logit-diff, prob, loss or prob-diff (default: the task's own)")
+    g.add_argument("--metric", default=None,
+                   help="logit-diff, logit (the answer's), prob, loss, prob-diff or kl (from the clean run's "
+                        "distribution; not with --method eap), averaged over every answer position (default: the "
+                        "task's own; a file's: logit-diff with wrong answers, loss with answers, else kl)")
     g.add_argument("--seed", type=int, default=0, help="seed of the prompts (default 0)")
     m = p.add_argument_group("the scores and the circuit")
     m.add_argument("--method", default="eap-ig", choices=METHODS, help="default eap-ig")
@@ -62,9 +73,22 @@ def run(args) -> int:
     from interp.analyses.circuits.study import CircuitSettings, CircuitStudy  # start-up time: torch
 
     def settings():
+        _refuse_eap_with_kl(args)
         return CircuitSettings(**checks.common(args), task=args.task, method=args.method, steps=args.steps,
                                ig=args.ig, metric=args.metric, prompts=args.prompts, seed=args.seed,
                                batch_size=args.batch_size, select=args.select, size=args.size, oracle=args.oracle,
                                qk=args.qk, qk_keys=args.qk_keys)
 
     return checks.run_command(CircuitStudy(), args, settings)
+
+
+def _refuse_eap_with_kl(args) -> None:
+    """EAP with the kl metric (asked for, or a task file's default) is one line before the model loads."""
+    if args.method != "eap" or args.metric not in (None, "kl"):
+        return
+    from interp.analyses.circuits.runner import EAP_KL
+    from interp.analyses.circuits.tasks import TASKS, default_metric, read_task_file
+
+    if args.metric == "kl" or (args.task not in TASKS and Path(args.task).is_file()
+                               and default_metric(read_task_file(args.task)) == "kl"):
+        raise ValueError(EAP_KL)
