@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "lengths": "interp.commands.lengths",
     "extrapolate": "interp.commands.extrapolate",
     "circuit": "interp.commands.circuit",
+    "sinks": "interp.commands.sinks",
     "report": "interp.commands.report",
     "kv": "interp.commands.kv",
     "bench": "interp.commands.bench",

@@ -34,6 +34,8 @@ COMMANDS = {
     "circuit": ["circuit", "attn-only-2l", "--task", "induction", "--prompts", "4", "--method", "eap", "--no-progress"],
     "extrapolate": ["extrapolate", "rope-gqa-4l", "--lengths", "256,320", "--scalings", "none,yarn", "--depths", "0.5",
                     "--buckets", "2", "--no-progress"],
+    "sinks": ["sinks", "rope-gqa-4l", "--n-seqs", "2", "--seq-len", "32", "--interventions", "massive_dims,early_mlp",
+              "--mlp-layers", "0", "--no-progress"],
     "sweep": ["analyze", "attn-only-2l", "--analyses", "sinks", "--n-seqs", "2", "--seq-len", "32", "--no-progress",
               "--no-report"],
 }
@@ -41,7 +43,8 @@ COMMANDS = {
 
 # the study each command writes (its settings.json "study")
 STUDY = {"precision": "kv-precision", "passkey": "kv-policies", "select": "kv-roles", "lengths": "lengths",
-         "circuit": "circuit", "extrapolate": "extrapolate", "sweep": "sweep"}
+         "circuit": "circuit", "extrapolate": "extrapolate", "sinks": "sinks",
+         "sweep": "sweep"}
 
 
 def every_study() -> list[type[Study]]:
