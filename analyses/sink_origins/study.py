@@ -62,12 +62,11 @@ class SinksSettings(StudySettings):
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class SinksMeasured(Measured):
-    """Beside the tables: where the massive dimensions were zeroed (layer, dims, whether they meet the
-    criterion), whether the model has learned sink logits, how many sequences had a delimiter, whether every
+    """Beside the tables: the first token's massive dimensions by the layer where each appears (and whether they
+    meet the criterion), whether the model has learned sink logits, how many sequences had a delimiter, whether every
     sequence starts with the same token (a BOS: then key_direction sets that key to zero)."""
 
-    massive_layer: int
-    massive_dims: list[int]
+    massive: dict[int, list[int]]
     massive_found: bool
     learned: bool
     with_delimiter: int
@@ -109,8 +108,8 @@ class SinksStudy(Study):
         common = dict(kinds=kinds, first_delim=first_delim, backend=s.backend)
         base = stage("the unmodified model: sinks, massive activations, loss", lambda: sink_pass(
             model, tokens, reference=True, mlp_layers=s.mlp_layers, top_k=s.top_k, **common))
-        layer, dims, found = choose_massive(base.first_magnitude, base.medians, s.massive_min, s.massive_ratio)
-        ref = Reference(layer, dims, found, base.mlp_means, base.key_dirs)
+        massive, found = choose_massive(base.first_magnitude, base.medians, s.massive_min, s.massive_ratio)
+        ref = Reference(massive, found, base.mlp_means, base.key_dirs)
         runs = [("none", "the unmodified model", base)]
         for name, l in progress(expand(s.interventions, s.mlp_layers), desc="interventions", enabled=s.progress):
             res = stage(label(name, l), lambda: sink_pass(model, tokens, hooks=hooks_for(model, name, l, ref), **common))
@@ -118,7 +117,7 @@ class SinksStudy(Study):
         tables = {"heads": heads_table(base, kinds, s.epsilon),
                   "massive": massive_table(model, base, tokens, s.massive_min, s.massive_ratio),
                   **run_tables(runs, s.epsilon)}
-        return SinksMeasured(tables=tables, massive_layer=layer, massive_dims=dims, massive_found=found,
+        return SinksMeasured(tables=tables, massive=massive, massive_found=found,
                              learned="learned" in base.heads, with_delimiter=int((first_delim >= 0).sum()),
                              same_first=bool((tokens[:, 0] == tokens[0, 0]).all()))
 
@@ -127,7 +126,8 @@ class SinksStudy(Study):
         return {"interventions": list(s.interventions), "mlp_layers": list(s.mlp_layers), "epsilon": s.epsilon,
                 "n_sequences": s.data.rows, "seq_len": s.data.length, "sequences_with_delimiter": m.with_delimiter,
                 "massive_criterion": {"min": s.massive_min, "ratio": s.massive_ratio},
-                "massive_zeroed": {"layer": m.massive_layer, "dims": m.massive_dims, "meets_criterion": m.massive_found},
+                "massive_first_token": {"dims_by_layer": {str(l): d for l, d in m.massive.items()},
+                                        "meets_criterion": m.massive_found},
                 "learned_sinks": m.learned,
                 "sink_mass": {k: round(float(v), 5) for k, v in runs["sink_mass"].items()},
                 "loss": {k: round(float(v), 5) for k, v in runs["loss"].items()}}
@@ -138,8 +138,8 @@ class SinksStudy(Study):
 
 # ---- tables ------------------------------------------------------------------------------------------------
 def heads_table(base, kinds: torch.Tensor, epsilon: float) -> pd.DataFrame:
-    """One row per head: its sink masses, which is largest (first, delimiter, other) and whether it passes
-    `epsilon`."""
+    """One row per head: its sink masses, which is largest (first, delimiter, other, or learned: the learned sink
+    logit's share) and whether it passes `epsilon`."""
     h = base.heads
     n_layers, n_heads = h["first"].shape
     where = h["_other_where"]  # [layer, batch, head]
@@ -151,7 +151,7 @@ def heads_table(base, kinds: torch.Tensor, epsilon: float) -> pd.DataFrame:
                           "head": list(range(n_heads)) * n_layers, **cols,
                           "other_is_delimiter": to_numpy(is_delim.reshape(-1))})
     frame["learned"] = to_numpy(h["learned"].reshape(-1)) if "learned" in h else float("nan")
-    masses = frame[["first", "delimiter", "other"]].fillna(-1.0)
+    masses = frame[["first", "delimiter", "other", "learned"]].fillna(-1.0)  # learned: NaN without sink logits
     frame["sink"] = masses.idxmax(axis=1)
     frame["sink_mass"] = masses.max(axis=1)
     frame["is_sink"] = frame["sink_mass"] > epsilon
@@ -248,8 +248,8 @@ def _summary(model_name: str, m: SinksMeasured, record: dict) -> Section:
 
 
 def _sinks_section(heads: pd.DataFrame, record: dict) -> Section:
-    long = heads.melt(id_vars=["layer", "head"], value_vars=["first", "delimiter"], var_name="kind",
-                      value_name="alpha")
+    shown = ["first", "delimiter"] + (["learned"] if heads["learned"].notna().any() else [])
+    long = heads.melt(id_vars=["layer", "head"], value_vars=shown, var_name="kind", value_name="alpha")
     by_layer = heads.groupby("layer")[["first", "delimiter", "other", "learned"]].mean()
     by_layer = by_layer.dropna(axis=1, how="all")
     sinks = heads[heads["is_sink"]].groupby(["layer", "sink"]).size().unstack(fill_value=0)
@@ -269,10 +269,10 @@ def _massive_section(massive: pd.DataFrame, m: SinksMeasured, record: dict) -> S
     per_kind = massive.groupby(["layer", "kind"], as_index=False)["magnitude"].max()
     shown = massive.assign(token=massive["token"].map(repr))  # a newline token shown as '\n'
     top = shown[shown["rank"] == 0][["layer", "dim", "kind", "token", "value", "median", "ratio", "massive"]]
-    zeroed = (f"The massive_dims intervention zeroes dimension(s) {', '.join(map(str, m.massive_dims))} of the first "
-              f"token after layer {m.massive_layer}" + ("." if m.massive_found else
-                                                        ": no first-token activation meets the criterion, so its "
-                                                        "largest relative to the median."))
+    where = "; ".join(f"{', '.join(map(str, d))} after layer {l}" for l, d in m.massive.items())
+    zeroed = (f"The first token's massive dimensions, by the layer where each appears: {where}" if m.massive_found else
+              f"No first-token activation meets the criterion; its largest relative to the median: {where}") + (
+        " (the massive_dims and massive_held interventions zero these).")
     return Section("massive", "Massive activations").add(
         "The largest |activation| of the residual stream after each layer (Sun et al. 2024), one per dimension and "
         f"token kind; massive: |a| > {crit['min']:g} and at least {crit['ratio']:g} x the layer's median |a|. "

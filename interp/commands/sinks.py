@@ -6,7 +6,8 @@ from __future__ import annotations
 from . import checks
 
 # interp.analyses.sink_origins.interventions.INTERVENTIONS and MLP_LAYERS, here so that --help does not import torch
-INTERVENTIONS, MLP_LAYERS = ("massive_dims", "query_bias", "early_mlp", "key_direction"), (0, 1, 2)
+INTERVENTIONS = ("massive_dims", "massive_held", "query_bias", "early_mlp", "key_direction")
+MLP_LAYERS = (0, 1, 2)
 SEQ_LEN, N_SEQS = 256, 4
 
 HELP = "attention sinks: where they sit, the massive activations, and which component makes them (interventions)"
@@ -24,7 +25,7 @@ logit's exact share. Per layer: the residual stream's largest activations (Sun e
 activations: dimension, token, magnitude, ratio to the median |activation|). Then each intervention
 ({', '.join(INTERVENTIONS)}; default: every one the model has), each reporting the sink mass per layer
 and the loss beside the unmodified model's: massive_dims zeroes the first token's massive dimensions
-where they appear; query_bias removes the query bias (refused for a model without one); early_mlp
+where each appears (massive_held: and after every later layer); query_bias removes the query bias (refused for a model without one); early_mlp
 mean-ablates each MLP of --mlp-layers at the first position; key_direction projects the first token's
 mean key direction out of its key. Writes heads, massive, interventions (.parquet and .csv),
 intervention_layers.parquet, settings.json and a report.
