@@ -135,7 +135,8 @@ def test_holding_massive_dims_at_zero_zeroes_each_from_where_it_appears_on():
     for l in (1, 2):
         r = mod[f"blocks.{l}.hook_resid_post"]
         assert (r[:, 0, [3, 17]] == 0).all() and (r[:, 0] != 0).sum() == r.shape[0] * (r.shape[-1] - 2)
-    once = _cached(model, toks, hooks_for(model, "massive_dims", None, Reference(massive={0: [3], 1: [17]}, found=True)))
+    ref = Reference(massive={0: [3], 1: [17]}, found=True)
+    once = _cached(model, toks, hooks_for(model, "massive_dims", None, ref))
     assert (once["blocks.1.hook_resid_post"][:, 0, 17] == 0).all()
     assert (once["blocks.2.hook_resid_post"][:, 0, [3, 17]] != 0).all()  # zeroed once: the later layers write again
 
@@ -245,7 +246,8 @@ def _settings(**kw):
 
 
 @pytest.mark.parametrize("kw, said", [
-    (dict(interventions=("zero_all",)), "the valid ones are massive_dims, massive_held, query_bias, early_mlp, key_direction"),
+    (dict(interventions=("zero_all",)),
+     "the valid ones are massive_dims, massive_held, query_bias, early_mlp, key_direction"),
     (dict(epsilon=1.5), "--epsilon must be between 0 and 1"),
     (dict(epsilon=-0.1), "--epsilon must be >= 0"),
     (dict(epsilon=float("nan")), "--epsilon must be a finite number"),

@@ -112,7 +112,8 @@ class SinksStudy(Study):
         ref = Reference(massive, found, base.mlp_means, base.key_dirs)
         runs = [("none", "the unmodified model", base)]
         for name, l in progress(expand(s.interventions, s.mlp_layers), desc="interventions", enabled=s.progress):
-            res = stage(label(name, l), lambda: sink_pass(model, tokens, hooks=hooks_for(model, name, l, ref), **common))
+            hooks = hooks_for(model, name, l, ref)
+            res = stage(label(name, l), lambda: sink_pass(model, tokens, hooks=hooks, **common))
             runs.append((label(name, l), describe(name, l, ref), res))
         tables = {"heads": heads_table(base, kinds, s.epsilon),
                   "massive": massive_table(model, base, tokens, s.massive_min, s.massive_ratio),

@@ -25,10 +25,10 @@ logit's exact share. Per layer: the residual stream's largest activations (Sun e
 activations: dimension, token, magnitude, ratio to the median |activation|). Then each intervention
 ({', '.join(INTERVENTIONS)}; default: every one the model has), each reporting the sink mass per layer
 and the loss beside the unmodified model's: massive_dims zeroes the first token's massive dimensions
-where each appears (massive_held: and after every later layer); query_bias removes the query bias (refused for a model without one); early_mlp
-mean-ablates each MLP of --mlp-layers at the first position; key_direction projects the first token's
-mean key direction out of its key. Writes heads, massive, interventions (.parquet and .csv),
-intervention_layers.parquet, settings.json and a report.
+where each appears (massive_held: and after every later layer); query_bias removes the query bias
+(refused for a model without one); early_mlp mean-ablates each MLP of --mlp-layers at the first
+position; key_direction projects the first token's mean key direction out of its key. Writes heads,
+massive, interventions (.parquet and .csv), intervention_layers.parquet, settings.json and a report.
 """
 
 
@@ -40,7 +40,8 @@ def add_arguments(p) -> None:
     g.add_argument("--mlp-layers", default=None,
                    help=f"the early MLPs early_mlp ablates, one at a time (default {','.join(map(str, MLP_LAYERS))})")
     g.add_argument("--epsilon", type=float, default=0.3,
-                   help="a head is a sink head when its sink mass exceeds this share, in [0, 1] (default 0.3, Gu et al.)")
+                   help="a head is a sink head when its sink mass exceeds this share, in [0, 1] (default 0.3, "
+                        "Gu et al.)")
     g.add_argument("--top-k", type=int, default=4, help="massive-activation rows per layer (default 4)")
     checks.add_text_options(p, SEQ_LEN, "the text every pass reads")
     p.add_argument("--n-seqs", type=int, default=N_SEQS, help=f"sequences of the text (default {N_SEQS})")
