@@ -131,6 +131,9 @@ class Task:
     prompts: list[str] = field(default_factory=list)
     answer_tokens: Tensor | None = None  # [n] each answer's (first) token, to see which heads attend to it
     wrong_tokens: Tensor | None = None
+    # named token positions for position-resolved edges (`positions.task_classes`): a dict class -> each
+    # prompt's position (or positions), or a label tensor [batch, pos] of class ids; IOI names S1, S2, IO, END
+    position_classes: dict[str, list] | Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.clean.shape != self.corrupted.shape:

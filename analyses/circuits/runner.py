@@ -97,12 +97,17 @@ class Runner:
         if touched.numel() == 0:
             return self.clean_metric
         start = min(g.receiver_layer[r] for r in touched.tolist())
+        return self._patched_run(lambda i, part, corrupted: _Patching(g, mask, corrupted), start, show_progress)
+
+    def _patched_run(self, patching, start: int, show_progress: bool | None = False) -> float:
+        """The metric with each chunk's receivers changed by `patching(i, part, corrupted values)` (a
+        `receive`), resumed from the clean stream at layer `start`."""
+        g = self.graph
         total = 0.0
         with torch.no_grad(), graph_mode(self.model):
             for i, (part, answers) in progress(list(enumerate(self.chunks)), desc="patched run", enabled=show_progress):
                 clean, resid, final = self._cache[i]["clean"]
-                corrupted = self._cache[i]["corrupted"][0]
-                receive = _Patching(g, mask, corrupted)
+                receive = patching(i, part, self._cache[i]["corrupted"][0])
                 p = _Pass(self.model, g, receive, given=list(clean), start=min(start, g.n_layers))
                 with self.model.hooks(p.hooks()):
                     if start >= g.n_layers:  # only the logits change
@@ -131,34 +136,41 @@ class Runner:
                               given=given)
 
     # -- scores --
-    def eap(self) -> Tensor:
+    def eap(self, positions=None) -> Tensor:
         """EAP edge scores [S, R]: (corrupted - clean value of s) . d metric / d input_r at the clean run.
-        Refused for the kl metric, whose gradient at the clean run is 0 (every score would be 0)."""
+        Refused for the kl metric, whose gradient at the clean run is 0 (every score would be 0). With
+        `positions` (`positions.Positions`): [S, R, C], the sum kept apart per position class."""
         if self.task.metric_name == "kl":
             raise ValueError(EAP_KL)
-        return self._attribution([None])
+        return self._attribution([None], positions)
 
-    def eap_ig(self, steps: int = 5, on: str = "inputs") -> Tensor:
+    def eap_ig(self, steps: int = 5, on: str = "inputs", positions=None) -> Tensor:
         """EAP-IG edge scores [S, R] with `steps` midpoints between the corrupted and the clean run, on the
-        embeddings (`on="inputs"`) or on every receiver's input at once (`"activations"`)."""
+        embeddings (`on="inputs"`) or on every receiver's input at once (`"activations"`); [S, R, C] with
+        `positions`, as `eap`."""
         if on not in IG_ON:
             raise ValueError(f"EAP-IG interpolates 'inputs' or 'activations', got {on!r}")
         if steps < 1:
             raise ValueError(f"EAP-IG needs at least one step, got {steps}")
-        return self._attribution([((k + 0.5) / steps, on) for k in range(steps)])
+        return self._attribution([((k + 0.5) / steps, on) for k in range(steps)], positions)
 
-    def _attribution(self, points: list) -> Tensor:
+    def _attribution(self, points: list, positions=None) -> Tensor:
         g, model = self.graph, self.model
-        scores = torch.zeros(len(g.senders), len(g.receivers), dtype=torch.float64)
+        extra = () if positions is None else (positions.n_classes,)
+        scores = torch.zeros(len(g.senders), len(g.receivers), *extra, dtype=torch.float64)
         jobs = [(i, point) for i in range(len(self.chunks)) for point in points]
         with frozen_params(model), graph_mode(model):
             for i, point in progress(jobs, desc="attribution", enabled=self.show_progress):
                 part, answers = self.chunks[i]
                 grads = self._gradients(i, part, answers, point)
                 clean = self._cache[i]["clean"][0]
-                diff = (self._cache[i]["corrupted"][0] - clean).flatten(1).float()  # [S, b*p*d]
-                scores += to_host(diff @ grads.flatten(1).float().T).double() / len(points)
-        return (scores * g.allowed).float()
+                if positions is not None:  # [S, b, p, d] . [R, b, p, d] summed per class: [S, R, C]
+                    part_scores = positions.contract(part, self._cache[i]["corrupted"][0] - clean, grads)
+                else:
+                    diff = (self._cache[i]["corrupted"][0] - clean).flatten(1).float()  # [S, b*p*d]
+                    part_scores = diff @ grads.flatten(1).float().T
+                scores += to_host(part_scores).double() / len(points)
+        return (scores * g.allowed.reshape(g.allowed.shape + (1,) * len(extra))).float()
 
     def _gradients(self, i: int, part: slice, answers: Tensor, point) -> Tensor:
         """d (sum of this chunk's metric values / all answers) / d input_r, stacked [R, b, p, d]."""

@@ -29,6 +29,8 @@ from interp.errors import as_user_errors
 
 from .._common import spearman
 from .graph import FRACTIONS, IG_ON, METHODS, SELECTIONS, Graph, Task, areas, select
+from .positions import check_mode as check_positions, measure as measure_positions, positions_for
+from .positions import record as position_record, section as position_section
 from .qk import check_model, parse_heads
 from .runner import Runner, cache_bytes, faithfulness_curve
 from .tasks import METRICS, TASKS, build_task, read_task_file
@@ -55,7 +57,10 @@ class CircuitSettings(StudySettings):
     oracle   "none", "nodes" (exact node patching: one run per node), "edges" (exact edge patching), to
              report how the fast scores agree (Spearman of |score| ranks)
     qk       None, or heads ("1.0,L1H2"): decompose each one's scores from the answer position into sender
-             pairs (`qk.qk_attribution`), at the `qk_keys` keys it attends to most"""
+             pairs (`qk.qk_attribution`), at the `qk_keys` keys it attends to most
+    positions "none", or edges resolved by position (`positions`): "each" (a class per position), "classes"
+             (the task's named positions: IOI's S1, S2, IO, END, other) or some class names ("S2,END"); scored
+             by the same method, with a faithfulness curve beside the plain one"""
 
     task: str = "ioi"
     method: str = "eap-ig"
@@ -70,6 +75,7 @@ class CircuitSettings(StudySettings):
     oracle: str = "none"
     qk: str | None = None
     qk_keys: int = 3
+    positions: str = "none"
 
 
 def chosen_size(curve: pd.DataFrame) -> float:
@@ -103,6 +109,7 @@ class CircuitMeasured(Measured):
     patterns: tuple[list[str], np.ndarray, list[str]] | None
     agreement: dict[str, float]
     qk: list = ()  # QKAttribution per head asked for (--qk)
+    positions: tuple = ()  # with --positions: (Positions, positions.measure's dict)
 
 
 def check_memory(model, task: Task, batch_size: int, available: int | None = None) -> None:
@@ -133,7 +140,9 @@ class CircuitStudy(Study):
               Table("nodes", ("node", "layer", "head", "kind", "score", "method", "in_circuit")),
               Table("faithfulness", ("fraction", "edges", "faithfulness"), csv=True),
               Table("qk", ("head", "query_sender", "key_sender", "mean_term", "mean_abs_term", "mean_contrast"),
-                    optional=True))
+                    optional=True),
+              Table("position_edges", ("sender", "receiver", "input", "position", "score"), optional=True),
+              Table("position_faithfulness", ("fraction", "edges", "faithfulness"), optional=True, csv=True))
 
     def check(self, cfg, s: CircuitSettings):
         if s.task not in TASKS:
@@ -158,6 +167,7 @@ class CircuitStudy(Study):
             parse_heads(s.qk, cfg)
         if s.qk_keys < 1:
             raise ValueError(f"--qk-keys must be at least 1, got {s.qk_keys}")
+        check_positions(s.task, s.positions)
         if s.size is not None and not 0 < s.size <= 1:
             raise ValueError(f"--size is a fraction of the edges in (0, 1], got {s.size}")
         n_edges = Graph(cfg).n_edges
@@ -171,6 +181,10 @@ class CircuitStudy(Study):
             if heads:
                 check_model(model)
             task = stage("task", lambda: build_task(model, s.task, n_prompts=s.prompts, seed=s.seed, metric=s.metric))
+            pos = positions_for(task, s.positions)
+            n_patched = Graph(model.cfg).n_edges * (pos.n_classes if pos is not None else 0)
+            if s.method == "patching" and n_patched > MAX_PATCHED_EDGES:
+                raise ValueError(_edge_cost_line(n_patched))
             check_memory(model, task, s.batch_size)
             runner = stage("clean and corrupted", lambda: Runner(model, task, batch_size=s.batch_size,
                                                                  show_progress=s.progress))
@@ -211,12 +225,18 @@ class CircuitStudy(Study):
         if exact_edges is not None and s.method != "patching":
             agreement["edges"] = spearman(scores[s_edges, r_edges].abs(), exact_edges[s_edges, r_edges].abs())
         tables = {"edges": edges, "nodes": nodes, "faithfulness": curve}
+        by_position = ()
+        if pos is not None:
+            measured = stage("positions", lambda: measure_positions(runner, pos, s.method, s.steps, s.ig, FRACTIONS,
+                                                                    s.progress))
+            tables["position_edges"], tables["position_faithfulness"] = measured["edges"], measured["curve"]
+            by_position = (pos, measured)
         if qk:
             tables["qk"] = pd.concat([r.pairs().assign(head=r.name) for r in qk], ignore_index=True)[
                 ["head", *qk[0].pairs().columns]]
         return CircuitMeasured(tables=tables, task=task, runner=runner, graph=g, scores=scores, circuit=circuit,
                                drawn=drawn, size=size, roles=roles, movers=movers, patterns=patterns,
-                               agreement=agreement, qk=qk)
+                               agreement=agreement, qk=qk, positions=by_position)
 
     def record(self, s: CircuitSettings, m: CircuitMeasured) -> dict:
         task, runner, curve = m.task, m.runner, m["faithfulness"]
@@ -233,7 +253,8 @@ class CircuitStudy(Study):
                 "roles": {k: v for k, v in m.roles.items()},
                 "movers": None if m.movers is None else m.movers.to_dict("records"),
                 "agreement_spearman": m.agreement,
-                "qk": [_qk_record(r) for r in m.qk] if m.qk else None}
+                "qk": [_qk_record(r) for r in m.qk] if m.qk else None,
+                "positions": position_record(m.positions[0], s.positions, m.positions[1]) if m.positions else None}
 
     def sections(self, s: CircuitSettings, m: CircuitMeasured, record) -> list[Section]:
         return _sections(s, m, record)
@@ -359,6 +380,8 @@ def _sections(s: CircuitSettings, m: CircuitMeasured, record) -> list[Section]:
         sections.append(Section("patterns", "The circuit's heads: patterns").add(
             "Each head of the circuit on the first clean prompt (click a thumbnail; hover a token).",
             Html(view.fragment, "(interactive: open report.html)")))
+    if m.positions:
+        sections.append(position_section(curve, m.positions[1], record["positions"]))
     for r, rec in zip(m.qk, record.get("qk") or []):
         sections.append(_qk_section(r, rec, task, m.runner.model))
     return sections

@@ -310,9 +310,31 @@ def ioi_task(model, n_prompts: int = 64, *, seed: int = 0, metric: str = "logit-
         corrupted.append(t.format(A=c, B=d, S=e, place=place, obj=obj))
         answers.append([ids[a]])
         wrongs.append([ids[b]])
-    return _pairs_task(model, "ioi", clean, corrupted, answers, wrongs, metric,
+    task = _pairs_task(model, "ioi", clean, corrupted, answers, wrongs, metric,
                        f"IOI, {n_prompts} prompts in {len(IOI_TEMPLATES)} templates, {len(names)} single-token names; "
                        "corrupted: three other names (ABC)")
+    task.position_classes = ioi_classes(task.clean, [a[0] for a in answers], [w[0] for w in wrongs], task.rows,
+                                        task.positions)
+    return task
+
+
+IOI_CLASSES = ("S1", "S2", "IO", "END")
+
+
+def ioi_classes(clean: Tensor, io: Sequence[int], subject: Sequence[int], rows: Tensor, ends: Tensor) -> dict:
+    """Each IOI prompt's named positions (the position classes of `positions`): S1 and S2 the subject's first
+    and second token, IO the indirect object's, END the answer position (the last token)."""
+    out: dict[str, list[int]] = {name: [] for name in IOI_CLASSES}
+    end = dict(zip(rows.tolist(), ends.tolist()))
+    for i, prompt in enumerate(clean.tolist()):
+        s_at = [p for p, t in enumerate(prompt) if t == subject[i]]
+        io_at = [p for p, t in enumerate(prompt) if t == io[i]]
+        if len(s_at) != 2 or len(io_at) != 1:
+            raise ValueError(f"IOI prompt {i}: the subject's token appears {len(s_at)} times and the indirect "
+                             f"object's {len(io_at)} (2 and 1 expected)")
+        for name, at in zip(IOI_CLASSES, (s_at[0], s_at[1], io_at[0], end[i])):
+            out[name].append(at)
+    return out
 
 
 def induction_task(model, n_prompts: int = 64, seq_len: int = 20, *, seed: int = 0, metric: str = "logit-diff") -> Task:

@@ -20,6 +20,7 @@ EPILOG = """examples:
   interp circuit MODEL --task ids.jsonl --metric kl --method eap-ig --out out/kl
       # {"clean_ids": [..], "corrupted_ids": [..], "answers": [{"position": -1, "answer_ids": 42}, {"position": 5}]}
   interp circuit attn-only-2l --task induction --qk 1.0 --out out/ind      # and why L1H0 attends where it does
+  interp circuit smollm2-135m --task ioi --positions classes --out out/ioi  # edges per S1, S2, IO, END, other
 
 The graph: senders (embed, each head's output, each MLP's), receivers (each head's q, k and v inputs,
 each MLP's input, the logits), an edge where a sender writes before a receiver reads. Scores are
@@ -59,6 +60,11 @@ def add_arguments(p) -> None:
                         "sizes with faithfulness >= 0.8, else 0.05)")
     m.add_argument("--oracle", default="none", choices=("none", "nodes", "edges"),
                    help="also patch every node (or edge) exactly and report the agreement (default none)")
+    m.add_argument("--positions", default="none", metavar="none|classes|each|S2,END",
+                   help="also resolve every edge by where it acts: each (a class per token position), classes (the "
+                        "task's named positions: ioi's S1, S2, IO, END, other) or some of them by name (the rest "
+                        "join other); scored by --method, with a faithfulness curve beside the plain one "
+                        "(position_edges.parquet, position_faithfulness.csv). Default none")
     m.add_argument("--batch-size", type=int, default=16, help="prompts per forward (default 16)")
     q = p.add_argument_group("why a head attends where it does")
     q.add_argument("--qk", default=None, metavar="L.H[,L.H]",
@@ -77,7 +83,7 @@ def run(args) -> int:
         return CircuitSettings(**checks.common(args), task=args.task, method=args.method, steps=args.steps,
                                ig=args.ig, metric=args.metric, prompts=args.prompts, seed=args.seed,
                                batch_size=args.batch_size, select=args.select, size=args.size, oracle=args.oracle,
-                               qk=args.qk, qk_keys=args.qk_keys)
+                               qk=args.qk, qk_keys=args.qk_keys, positions=args.positions)
 
     return checks.run_command(CircuitStudy(), args, settings)
 
