@@ -78,6 +78,39 @@ class Attention(nn.Module):
         self.hook_z = HookPoint()
         self.hook_result = HookPoint()
 
+    # TransformerLens 3's ungroup_grouped_query_attention (the model's `set_ungroup_grouped_query_attention`):
+    # keys and values, and their split inputs, per query head instead of per KV head.
+    ungroup: bool = False
+
+    @property
+    def kv_inputs(self) -> int:
+        """How many key (and value) heads the hooks see: `n_kv_heads`, or `n_heads` when ungrouped."""
+        return self.n_heads if self.ungroup else self.n_kv_heads
+
+    def _per_query_head(self, *kv: Tensor, dim: int = 2) -> list[Tensor]:
+        """[batch, pos, kv_head, ...] -> [batch, pos, head, ...] (the KV head axis `dim`), each KV head copied
+        for its group."""
+        group = self.n_heads // self.n_kv_heads
+        return [t.repeat_interleave(group, dim=dim) for t in kv]
+
+    def _as_expanded(self, *kv: Tensor) -> list[Tensor]:
+        """Per-query-head keys / values [batch, head, pos, d_head] for the backend: while each is its KV head's
+        copies (no hook made them differ), as the backends expand KV heads themselves (`_AsExpanded`), so the
+        outputs are the grouped ones bit for bit; else as they are."""
+        group = self.n_heads // self.n_kv_heads
+        if all(torch.equal(t, t[:, ::group].repeat_interleave(group, dim=1)) for t in kv):
+            return [_AsExpanded.apply(t, group) for t in kv]
+        return [t.contiguous() for t in kv]
+
+    def _regrouped(self, *kv: Tensor) -> list[Tensor]:
+        """The per-query-head keys / values back to one per KV head, for the KV cache that holds those."""
+        group = self.n_heads // self.n_kv_heads
+        out = [t[:, ::group] for t in kv]  # [batch, head, pos, d_head]
+        if any(not torch.equal(t, o.repeat_interleave(group, dim=1)) for t, o in zip(kv, out)):
+            raise ValueError(f"layer {self.layer}: a KV cache holds one key and value per KV head, but a hook made the "
+                             "query heads' copies differ (ungroup_grouped_query_attention); run without the cache")
+        return out
+
     @property
     def scoring(self) -> Scoring:
         """How this layer scores a (query, key) pair, for the statistics kernels (`interp.kernels.Scoring`):
@@ -150,8 +183,9 @@ class Attention(nn.Module):
         """x: [batch, pos, d_model] -> [batch, pos, d_model].
 
         per_head: instead of x, the normalised inputs of each query head [batch, pos, head, d_model]
-        and of each KV head (keys, values) [batch, pos, kv_head, d_model], for TransformerLens's
-        split-input hooks (`set_use_split_qkv_input`, `set_use_attn_in`); x is then ignored."""
+        and of each KV head (keys, values) [batch, pos, kv_head, d_model] (of each query head when
+        ungrouped), for TransformerLens's split-input hooks (`set_use_split_qkv_input`,
+        `set_use_attn_in`); x is then ignored."""
         h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
         if per_head is None:
             b, p, _ = x.shape
@@ -160,12 +194,17 @@ class Attention(nn.Module):
             ).view(b, p, -1)
             q, k, v = self._split(qkv)
             q, k, v = q.view(b, p, h, dh), k.view(b, p, kv, dh), v.view(b, p, kv, dh)
+            if self.ungroup and kv != h:
+                k, v = self._per_query_head(k, v)
         else:
             xq, xk, xv = per_head
             b, p = xq.shape[:2]
+            W_K, b_K, W_V, b_V = self.W_K, self.b_K, self.W_V, self.b_V
+            if xk.shape[2] != kv:  # ungrouped: one key / value input per query head
+                W_K, b_K, W_V, b_V = self._per_query_head(W_K, b_K, W_V, b_V, dim=0)
             q = torch.einsum("bphm,hmd->bphd", xq, self.W_Q) + self.b_Q
-            k = torch.einsum("bphm,hmd->bphd", xk, self.W_K) + self.b_K
-            v = torch.einsum("bphm,hmd->bphd", xv, self.W_V) + self.b_V
+            k = torch.einsum("bphm,hmd->bphd", xk, W_K) + b_K
+            v = torch.einsum("bphm,hmd->bphd", xv, W_V) + b_V
         q = self.hook_q(q)
         k = self.hook_k(k)
         v = self.hook_v(v)
@@ -177,6 +216,8 @@ class Attention(nn.Module):
             q = self.hook_rot_q(self.rotate(q, cos, sin))
             k = self.hook_rot_k(self.rotate(k, cos, sin))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [batch, head, pos, d_head]
+        if k.shape[1] != kv and kv_cache is None:
+            k, v = self._as_expanded(k, v)
         backend = self.backend_now(q.device, mask.n_sink)  # asked once per call
         hooks = {}
         if backend.gives_pattern:
@@ -193,6 +234,8 @@ class Attention(nn.Module):
         if kv_cache is None:
             z = run(q, k, v, mask)
         else:  # the cache writes this call's keys/values and runs the backend over what it holds
+            if k.shape[1] != kv:
+                k, v = self._regrouped(k, v)
             z = kv_cache.attend(self.layer, q, k, v, mask, run, scale=self.scale, window=self.window,
                                 own_window=self.cfg.window(self.layer),
                                 hooked=any(h is not None for h in hooks.values()))
@@ -207,6 +250,23 @@ class Attention(nn.Module):
         if b_O is None:
             return torch.matmul(z, self.W_O_flat)
         return torch.addmm(b_O, z.view(b * p, -1), self.W_O_flat).view(b, p, -1)
+
+
+class _AsExpanded(torch.autograd.Function):
+    """The identity on per-query-head keys or values [batch, head, pos, d_head] that are copies of their KV
+    heads, laid out as the backends' own expansion of the KV heads lays them (`kernels.attention._expand_kv`:
+    a copy per group, a broadcast view for one KV head), since a matmul's bits follow its operands' layout.
+    The gradient passes through per query head, so each copy keeps its own."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: int) -> Tensor:
+        first = x[:, ::group].clone()  # [batch, kv_head, pos, d_head]
+        b, kv, n, d = first.shape
+        return first[:, :, None].expand(b, kv, group, n, d).reshape(b, kv * group, n, d)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
 
 
 def scoring_of(attn) -> Scoring:

@@ -146,7 +146,7 @@ class HookedModel(TextMixin, HookedRootModule):
         reads them off `model.cfg`. Called by every change of either."""
         if self._core not in self._modules or "cfg" not in self.__dict__:
             return  # still being built
-        self.cfg = self.cfg.with_view(self.runtime.view(self.cfg, self.device, self.dtype))
+        self.cfg = self.cfg.with_view(self.runtime.view(self.cfg, self.device, self.dtype, owner=self))
 
     @property
     def tokenizer(self):

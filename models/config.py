@@ -89,11 +89,21 @@ _ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM", "
                   }
 
 
+# TransformerLens's switches that code sets by assigning to `model.cfg` (`model.cfg.use_split_qkv_input =
+# True`, as EAP-IG does): the assignment calls the model's `set_<name>` and reading follows the model.
+SWITCHES = ("use_split_qkv_input", "use_attn_in", "use_hook_mlp_in", "use_attn_result",
+            "ungroup_grouped_query_attention")
+
+
 @dataclass(frozen=True)
 class TLView:
     """What TransformerLens reads off `model.cfg` that describes the model holding the config rather
     than its shape: where it is, its text defaults, its hook switches. Built by `model.runtime.view`
-    (`interp.models.runtime`); never stored, compared or serialised."""
+    (`interp.models.runtime`); never stored, compared or serialised.
+
+    `owner` is a weak reference to that model: the switches are read from it as they are now (a config
+    kept from before a `set_use_*` call reads as TransformerLens's shared config does), and assigning one
+    calls the model's `set_<name>`. A copy or pickle drops it (the copy belongs to no model)."""
 
     device: str
     dtype: Any
@@ -104,7 +114,21 @@ class TLView:
     use_split_qkv_input: bool = False
     use_attn_in: bool = False
     use_hook_mlp_in: bool = False
+    ungroup_grouped_query_attention: bool = False
     processed_fold_ln: bool = False
+    owner: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    def model(self):
+        """The model holding this view, or None (none given, gone, or this view copied)."""
+        return self.owner() if self.owner is not None else None
+
+    def flag(self, name: str) -> bool:
+        """The switch `name` (`HOOK_FLAGS` of `interp.models.runtime`) as the model has it now."""
+        model = self.model()
+        return bool(model.runtime.hook_flags.get(name, False)) if model is not None else getattr(self, name)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "owner": None}  # a weak reference neither pickles nor belongs to a copy
 
 
 @dataclass(frozen=True)
@@ -385,7 +409,11 @@ class ModelConfig:
 
     @property
     def default_padding_side(self) -> str:
-        """Where `to_tokens` pads texts of different lengths by default: the tokenizer's side, else right."""
+        """Where `to_tokens` pads texts of different lengths by default: the tokenizer's side (as it is now),
+        else right."""
+        model = self.view.model() if self.view is not None else None
+        if model is not None:
+            return model.runtime.padding_side()
         return self.view.default_padding_side if self.view is not None else "right"
 
     attention_dir = "causal"
@@ -437,17 +465,24 @@ class ModelConfig:
         """Whether text gets BOS first by default: `prepend_bos` resolved against the model's tokenizer."""
         return self.view.default_prepend_bos if self.view is not None else bool(self.prepend_bos)
 
+    # The switches (`SWITCHES`): settable as TransformerLens's, `model.cfg.use_split_qkv_input = True`
+    # calling `model.set_use_split_qkv_input(True)` (see `_assign` below the class).
     @property
     def use_split_qkv_input(self) -> bool:
-        return self.view.use_split_qkv_input if self.view is not None else False
+        return self.view.flag("use_split_qkv_input") if self.view is not None else False
 
     @property
     def use_attn_in(self) -> bool:
-        return self.view.use_attn_in if self.view is not None else False
+        return self.view.flag("use_attn_in") if self.view is not None else False
 
     @property
     def use_hook_mlp_in(self) -> bool:
-        return self.view.use_hook_mlp_in if self.view is not None else False
+        return self.view.flag("use_hook_mlp_in") if self.view is not None else False
+
+    @property
+    def ungroup_grouped_query_attention(self) -> bool:
+        """Under GQA, whether k / v and their inputs are given per query head (`set_ungroup_grouped_query_attention`)."""
+        return self.view.flag("ungroup_grouped_query_attention") if self.view is not None else False
 
     @property
     def n_key_value_heads(self) -> int | None:
@@ -598,4 +633,21 @@ class ModelConfig:
         return dataclasses.replace(self, **{"view": None, **changes})
 
 
-__all__ = ["ModelConfig", "RopeScaling", "TLView"]
+_frozen_setattr = ModelConfig.__setattr__  # the dataclass's: "cannot assign to field 'n_layers'"
+
+
+def _assign(self: ModelConfig, name: str, value: Any) -> None:
+    """`model.cfg.<switch> = value` is `model.set_<switch>(value)`, as assigning TransformerLens's config
+    switches it; every other field stays frozen."""
+    if name not in SWITCHES:
+        return _frozen_setattr(self, name, value)
+    model = self.view.model() if self.view is not None else None
+    if model is None:
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}: this config is not held by a model "
+                                              f"(a copy, or made alone); call model.set_{name}({value!r})")
+    getattr(model, f"set_{name}")(value)
+
+
+ModelConfig.__setattr__ = _assign  # after the class: a frozen dataclass may not define its own
+
+__all__ = ["ModelConfig", "RopeScaling", "TLView", "SWITCHES"]

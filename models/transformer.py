@@ -98,9 +98,10 @@ class TransformerBlock(nn.Module):
 
     def _per_head_inputs(self, resid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The residual stream copied once per head (TransformerLens's hook_q_input / k / v, or one
-        hook_attn_in whose first kv_head copies feed keys and values), each normalised by ln1."""
+        hook_attn_in whose first kv_head copies feed keys and values; k / v per query head when
+        ungrouped, `set_ungroup_grouped_query_attention`), each normalised by ln1."""
         b, p, d = resid.shape
-        h, kv = self.attn.n_heads, self.attn.n_kv_heads
+        h, kv = self.attn.n_heads, self.attn.kv_inputs
         if self.split_input == "qkv":
             xq = self.hook_q_input(resid[:, :, None].expand(b, p, h, d).clone())
             xk = self.hook_k_input(resid[:, :, None].expand(b, p, kv, d).clone())
@@ -258,6 +259,18 @@ class HookedTransformer(WeightViews, HookedModel):
         if use_hook_mlp_in and self.cfg.attn_only:
             raise ValueError("this model is attention-only: it has no MLP, so no hook_mlp_in")
         self._set_hook_flag("use_hook_mlp_in", use_hook_mlp_in, lambda b, on: b.set_mlp_in(on))
+
+    def set_ungroup_grouped_query_attention(self, ungroup_grouped_query_attention: bool) -> None:
+        """Under grouped-query attention, give keys and values per query head, as TransformerLens 3's switch of
+        this name: `attn.hook_k` / `hook_v` (and `hook_rot_k`, `hook_k_normed`) [batch, pos, head, d_head], and
+        with `set_use_split_qkv_input` `hook_k_input` / `hook_v_input` [batch, pos, head, d_model]. Each query
+        head's are copies of its KV head's, so the outputs are unchanged, and an edit of one head's copy reaches
+        that query head alone. Without GQA it changes nothing (as in TransformerLens)."""
+        on = bool(ungroup_grouped_query_attention)
+        if on and self.cfg.qk_norm and self.cfg.qk_norm_over == "projection" and self.cfg.kv_heads != self.cfg.n_heads:
+            raise ValueError("ungroup_grouped_query_attention: this model's QK-norm spans the whole key projection of its "
+                             "KV heads, so keys cannot be normalised per query head")
+        self._set_hook_flag("ungroup_grouped_query_attention", on, lambda b, on: setattr(b.attn, "ungroup", on))
 
     def _set_hook_flag(self, flag: str, on: bool, apply) -> None:
         on = bool(on)

@@ -10,7 +10,11 @@ Saved beside a checkpoint as `tokenizer.json`:
     {"type": "bytes", "version": 1, "bos_token_id": 256, "pad_token_id": 256, "vocab_size": 257}
 
 `load_tokenizer(dir)` reads that file back (and returns None for any other tokenizer.json, so the
-caller can fall back to Hugging Face's AutoTokenizer).
+caller can fall back to Hugging Face's AutoTokenizer). A tokenizer set to pad on the left also writes
+`"padding_side": "left"` (right, the default, writes nothing, so older files read as they always did).
+
+`padding_side` ("right" or "left") is where a model's `to_tokens` pads texts of different lengths by
+default, as a Hugging Face tokenizer's is (TransformerLens code sets and reads `model.tokenizer.padding_side`).
 """
 
 from __future__ import annotations
@@ -30,13 +34,25 @@ class ByteTokenizer:
 
     n_bytes = 256
 
-    def __init__(self, bos_token_id: int = 256, pad_token_id: int | None = None) -> None:
+    def __init__(self, bos_token_id: int = 256, pad_token_id: int | None = None, padding_side: str = "right") -> None:
         if bos_token_id < self.n_bytes:
             raise ValueError(f"bos_token_id must be >= 256 (ids 0..255 are the bytes), got {bos_token_id}")
         self.bos_token_id = bos_token_id
         self.eos_token_id = bos_token_id
         self.pad_token_id = bos_token_id if pad_token_id is None else pad_token_id
         self.vocab_size = max(self.bos_token_id, self.pad_token_id) + 1
+        self.padding_side = padding_side
+
+    @property
+    def padding_side(self) -> str:
+        """Where texts of different lengths are padded: "right" (the default) or "left"."""
+        return self._padding_side
+
+    @padding_side.setter
+    def padding_side(self, side: str) -> None:
+        if side not in ("right", "left"):
+            raise ValueError(f"padding_side must be 'right' or 'left', got {side!r}")
+        self._padding_side = side
 
     def __len__(self) -> int:
         return self.vocab_size
@@ -66,8 +82,9 @@ class ByteTokenizer:
         return "".join(out)
 
     def to_dict(self) -> dict:
-        return {"type": _FORMAT, "version": _VERSION, "bos_token_id": self.bos_token_id,
-                "pad_token_id": self.pad_token_id, "vocab_size": self.vocab_size}
+        out = {"type": _FORMAT, "version": _VERSION, "bos_token_id": self.bos_token_id,
+               "pad_token_id": self.pad_token_id, "vocab_size": self.vocab_size}
+        return out if self.padding_side == "right" else {**out, "padding_side": self.padding_side}
 
     def save_pretrained(self, path) -> Path:
         """Write `tokenizer.json` into the directory `path` (created if missing)."""
@@ -82,7 +99,8 @@ class ByteTokenizer:
             raise ValueError(f"not a byte tokenizer: type={data.get('type')!r}")
         if data.get("version", _VERSION) > _VERSION:
             raise ValueError(f"byte tokenizer format version {data['version']} is newer than this interp ({_VERSION})")
-        return cls(bos_token_id=data["bos_token_id"], pad_token_id=data.get("pad_token_id"))
+        return cls(bos_token_id=data["bos_token_id"], pad_token_id=data.get("pad_token_id"),
+                   padding_side=data.get("padding_side", "right"))
 
     def __repr__(self) -> str:
         return f"ByteTokenizer(vocab_size={self.vocab_size}, bos_token_id={self.bos_token_id})"

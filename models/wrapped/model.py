@@ -225,6 +225,7 @@ class WrappedModel(HookedModel):
     save = native_only_method("saving in interp's format (save the transformers model with model.hf.save_pretrained)")
     set_use_split_qkv_input = set_use_attn_in = set_use_hook_mlp_in = native_only_method(
         "TransformerLens's split-input hook points (hook_q_input / hook_attn_in / hook_mlp_in)")
+    set_ungroup_grouped_query_attention = native_only_method("keys and values per query head (ungroup_grouped_query_attention)")
 
     def rescale_rope_(self, scaling) -> "WrappedModel":
         """Native models only: transformers applies a wrapped model's own rope_parameters."""
