@@ -78,6 +78,22 @@ def test_assignment_refuses_what_the_setter_refuses_and_other_fields_stay_frozen
     assert model.cfg.use_attn_in is True
 
 
+def test_a_wrapped_model_refuses_the_assignment_as_its_setter():
+    pytest.importorskip("transformers")
+    from interp.models.base import NativeOnly
+    from wrapped_cases import build_wrapped_hf
+
+    wrapped = interp.from_hf(build_wrapped_hf("starcoder2"))
+    assert not wrapped.native and wrapped.cfg.use_split_qkv_input is False
+    for switch in ("use_split_qkv_input", "use_hook_mlp_in", "ungroup_grouped_query_attention"):
+        with pytest.raises(NativeOnly):
+            getattr(wrapped, f"set_{switch}")(True)
+        with pytest.raises(NativeOnly):
+            setattr(wrapped.cfg, switch, True)
+        assert getattr(wrapped.cfg, switch) is False
+    wrapped.cfg.use_attn_result = True  # accepted there too
+
+
 def test_assignment_matches_the_bridge():
     """TransformerLens 4's bridge routes `cfg.<switch> = ...` through its setters too: the same hook
     points, shapes and values come out of both."""
