@@ -367,3 +367,15 @@ def test_gemma3_massive_dimensions_and_the_mlp_that_makes_its_sink(tmp_path):
     dims = record["massive_first_token"]["dims_by_layer"]
     assert 400 in dims["0"] and 163 in dims["3"]
     assert record["sink_mass"]["early_mlp:1"] < 0.5 * record["sink_mass"]["none"]
+
+
+def test_offloaded_the_study_gives_the_same_numbers(tmp_path):
+    from interp.analyses.store import read_table
+
+    base = ["sinks", "rope-gqa-4l", "--n-seqs", "2", "--seq-len", "24", "--interventions", "massive_held,key_direction",
+            "--no-progress"]
+    assert cli([*base, "--out", str(tmp_path / "whole")]) == 0
+    assert cli([*base, "--offload", "cpu", "--out", str(tmp_path / "off")]) == 0
+    for table, cols in (("interventions", ["sink_mass", "loss"]), ("heads", ["first", "delimiter", "other"])):
+        whole, off = read_table(tmp_path / "whole", table), read_table(tmp_path / "off", table)
+        assert (whole[cols] - off[cols]).abs().max().max() < 1e-6, table

@@ -199,8 +199,9 @@ def plot_by_layer(frame: pd.DataFrame, value: str, hue: str, ylabel: str, logy: 
     fig = Figure(figsize=(9, 4))
     ax = fig.subplots()
     for i, (name, part) in enumerate(frame.groupby(hue, sort=False)):
-        ax.plot(part["layer"], part[value], marker="o", ms=3, color=f"C{i % 10}", label=str(name),
-                ls="-" if i < 10 else "--")
+        plain = name == "none"  # the unmodified model, drawn first and darkest
+        ax.plot(part["layer"], part[value], marker="o", ms=3, color="black" if plain else f"C{i % 10}",
+                lw=2.2 if plain else 1.2, label=str(name), ls="-" if i < 10 else "--")
     if logy:
         ax.set_yscale("log")
     ax.set_xlabel("layer")
