@@ -32,7 +32,8 @@ it patched at once (exact), or the sum of its edges' scores (EAP, EAP-IG: the sa
 estimate).
 
 The room: `graph` (the graph, the task, choosing circuits), `runner` (patching, EAP, EAP-IG,
-faithfulness), `tasks` (induction, IOI, greater-than, JSON lines), `study` (`interp circuit`).
+faithfulness), `positions` (edges resolved by token position or named position class), `tasks` (induction,
+IOI, greater-than, JSON lines), `study` (`interp circuit`).
 """
 
 from .graph import (FRACTIONS, IG_ON, METHODS, SELECTIONS, Graph, Task, areas, greedy_edges, prune_dangling, select,
