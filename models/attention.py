@@ -48,6 +48,12 @@ class Attention(nn.Module):
         # Learned sink logits (gpt-oss), one per head: each joins its head's softmax denominator and gives no
         # value (`cfg.learned_sinks`; the backends' `sink_logits`). None: none.
         self.sinks = nn.Parameter(torch.zeros(h)) if cfg.learned_sinks else None
+        # Gated attention (`cfg.attn_output_gate`, Qiu et al. 2025): z * sigmoid(x W_gate_attn) per head before W_O.
+        if cfg.attn_output_gate:
+            self.W_gate_attn = nn.Parameter(torch.empty(cfg.d_model, h * dh))
+            self.hook_attn_gate = HookPoint()  # the gate sigmoid(x W_gate_attn) [batch, pos, head, d_head]
+        else:
+            self.W_gate_attn = None
         self.rotary = cfg.positional == "rotary"
         self.rotate = rotation(cfg)  # rotate half, or adjacent pairs (GPT-J)
         # Gemma 2's soft-capping of the scores (cap * tanh(scores / cap)); None: none.
@@ -240,7 +246,10 @@ class Attention(nn.Module):
                                 own_window=self.cfg.window(self.layer),
                                 hooked=any(h is not None for h in hooks.values()))
 
-        z = self.hook_z(z.transpose(1, 2))  # [batch, pos, head, d_head]
+        z = z.transpose(1, 2)  # [batch, pos, head, d_head]
+        if self.W_gate_attn is not None:
+            z = z * self.hook_attn_gate(self._gate(x, per_head, h, dh))
+        z = self.hook_z(z)
         if self.hook_result.active:
             result = self.hook_result(torch.einsum("bphd,hdm->bphm", z, self.W_O))
             out, b_O = result.sum(2), stored(self, "b_O")
@@ -250,6 +259,13 @@ class Attention(nn.Module):
         if b_O is None:
             return torch.matmul(z, self.W_O_flat)
         return torch.addmm(b_O, z.view(b * p, -1), self.W_O_flat).view(b, p, -1)
+
+    def _gate(self, x: Tensor, per_head: tuple[Tensor, Tensor, Tensor] | None, h: int, dh: int) -> Tensor:
+        """sigmoid(x W_gate_attn) [batch, pos, head, d_head]; with split inputs, each head's from its query input."""
+        if per_head is None:
+            return torch.sigmoid(torch.matmul(x, self.W_gate_attn)).unflatten(-1, (h, dh))
+        W = self.W_gate_attn.unflatten(-1, (h, dh)).permute(1, 0, 2)  # [head, d_model, d_head]
+        return torch.sigmoid(torch.einsum("bphm,hmd->bphd", per_head[0], W))
 
 
 class _AsExpanded(torch.autograd.Function):

@@ -209,6 +209,11 @@ class ModelConfig:
     # exp(s_ij)), so a row of hook_pattern sums to less than 1 (as Hugging Face's eager attention shows
     # it). Not StreamingLLM's sink keys (a KV cache's n_sink), which are real tokens kept past a window.
     learned_sinks: bool = False
+    # Gated attention (Qiu et al., NeurIPS 2025): each head's output is multiplied elementwise by
+    # sigmoid(x W_gate_attn) before W_O, x the attention's (normalised) input, `attn.W_gate_attn`
+    # [d_model, n_heads * d_head], the gate at `attn.hook_attn_gate` [batch, pos, head, d_head]; hook_z holds the
+    # gated output (what W_O reads). No shipped architecture has it; the zoo's sink twins do. False: no gate.
+    attn_output_gate: bool = False
     unembed_bias: bool = False
     tie_embeddings: bool = False
     # Token embeddings are multiplied by this (Gemma: sqrt(d_model)), rounded to the embedding's dtype first
@@ -542,6 +547,7 @@ class ModelConfig:
                  experts, num_experts of those + the router d_model * num_experts (+ num_experts bias) + the
                  shared expert (an MLP of d_mlp_shared) and its gate (d_model)
         sinks  = n_heads per block with learned_sinks
+        gate   = d_model * n_heads * d_head per block with attn_output_gate
         norm   = 2 * d_model for LayerNorm, d_model for RMSNorm; two per block (one if attn-only), one final;
                  twice that per block with sandwich norms, none before attention / MLP without pre_norms;
                  + 2 * d_head per block with QK-norm per head, (n_heads + kv_heads) * d_head over the projections;
@@ -555,7 +561,7 @@ class ModelConfig:
         norms = int(self.pre_norms) + int(self.sandwich_norms)
         qk = 2 * dh if self.qk_norm_over == "head" else (h + kv) * dh
         block = attn + norms * norm + qk * self.qk_norm
-        block += h * self.learned_sinks
+        block += h * self.learned_sinks + d * h * dh * self.attn_output_gate
         if not self.attn_only:
             n_in = 2 if self.gated_mlp else 1
             mlp = lambda width: (n_in + 1) * d * width + (n_in * width + d) * self.mlp_bias  # noqa: E731

@@ -63,7 +63,48 @@ ALIBI_GQA_4L = dataclasses.replace(
     model=dataclasses.replace(ROPE_GQA_4L.model, positional="alibi"),
 )
 
-RECIPES: dict[str, Recipe] = {r.name: r for r in (ATTN_ONLY_2L, ROPE_GQA_4L, ALIBI_GQA_4L)}
+# ---- the sink twins (issue 58, part 4): one recipe, data, seed and step-0 weights, three kinds of attention ----
+SINKS_SOFTMAX_4L = Recipe(
+    name="sinks-softmax-4l",
+    description=(
+        "rope-gqa-4l's architecture with 8 query / 4 key-value heads of 16 dims and 128-token windows, a constant "
+        "learning rate and weight decay 0.1 (Gu et al. 2024: sinks grow with training and weight decay), checkpointed "
+        "densely to see attention sinks form (`interp sinks RUN --over-checkpoints`); the softmax twin of "
+        "sinks-learned-4l and sinks-gated-4l. Short (400 steps) to train three twins on a shared 2-core CPU."
+    ),
+    model=dataclasses.replace(ROPE_GQA_4L.model, n_heads=8, n_kv_heads=4, d_head=16, n_ctx=128),
+    steps=400,
+    # constant after warm-up, so a longer run passes through the same checkpoints
+    checkpoints=(0, 25, 50, 75, 100, 150, 200, 250, 300, 400),
+    batch_size=16, lr=3e-3, warmup_steps=25, schedule="constant",
+    betas=(0.9, 0.95), weight_decay=0.1, copy_prob=0.5, copy_span=(16, 48), random_span_prob=0.5,
+    eval_windows=128, probe_len=50,
+)
+
+SINKS_LEARNED_4L = dataclasses.replace(
+    SINKS_SOFTMAX_4L,
+    name="sinks-learned-4l",
+    description=(
+        "sinks-softmax-4l's twin with a learned sink logit per head in every softmax denominator (gpt-oss style, "
+        "`learned_sinks`): the same data, seed and step-0 weights for every shared parameter (`init_like`)."
+    ),
+    model=dataclasses.replace(SINKS_SOFTMAX_4L.model, learned_sinks=True),
+    init_like=SINKS_SOFTMAX_4L.model,
+)
+
+SINKS_GATED_4L = dataclasses.replace(
+    SINKS_SOFTMAX_4L,
+    name="sinks-gated-4l",
+    description=(
+        "sinks-softmax-4l's twin with a sigmoid gate on each head's output before W_O (gated attention, Qiu et al. "
+        "2025, `attn_output_gate`): the same data, seed and step-0 weights for every shared parameter (`init_like`)."
+    ),
+    model=dataclasses.replace(SINKS_SOFTMAX_4L.model, attn_output_gate=True),
+    init_like=SINKS_SOFTMAX_4L.model,
+)
+SINK_TWINS = (SINKS_SOFTMAX_4L, SINKS_LEARNED_4L, SINKS_GATED_4L)
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in (ATTN_ONLY_2L, ROPE_GQA_4L, ALIBI_GQA_4L, *SINK_TWINS)}
 
 
 def get_recipe(name: str) -> Recipe:
@@ -74,4 +115,5 @@ def get_recipe(name: str) -> Recipe:
         raise KeyError(f"no zoo recipe {name!r}; known recipes: {sorted(RECIPES)}") from None
 
 
-__all__ = ["ALIBI_GQA_4L", "ATTN_ONLY_2L", "RECIPES", "ROPE_GQA_4L", "get_recipe"]
+__all__ = ["ALIBI_GQA_4L", "ATTN_ONLY_2L", "RECIPES", "ROPE_GQA_4L", "SINKS_GATED_4L", "SINKS_LEARNED_4L",
+           "SINKS_SOFTMAX_4L", "SINK_TWINS", "get_recipe"]

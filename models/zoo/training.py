@@ -88,6 +88,10 @@ class Recipe:
     probe_len: int = 100  # length of each half of the repeated random sequence
     probe_batch: int = 32
     description: str = ""
+    # A twin's base (the sink twins): the parameters this config's model shares with the recipe's start from the
+    # weights the base draws from the seed, so twins that add parameters (learned sinks, an attention gate) still
+    # start from identical shared weights. None: the recipe's model is initialised from the seed alone.
+    init_like: ModelConfig | None = None
 
     def checkpoint_steps(self, steps: int | None = None) -> list[int]:
         """The checkpoint steps of a run of `steps` (default `self.steps`): those <= steps, plus steps."""
@@ -106,6 +110,10 @@ class Recipe:
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["model"] = self.model.to_dict()
+        if self.init_like is None:
+            out.pop("init_like")
+        else:
+            out["init_like"] = self.init_like.to_dict()
         return out
 
 
@@ -334,7 +342,7 @@ def train(recipe: Recipe, out_dir: str | Path, *, steps: int | None = None, seed
         torch.manual_seed(seed)
         corpus = corpus or load_corpus()
         cfg = recipe.model
-        model = HookedTransformer(cfg, seed=seed, tokenizer=ByteTokenizer())
+        model = initial_model(recipe, seed)
         decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
@@ -398,6 +406,18 @@ def train(recipe: Recipe, out_dir: str | Path, *, steps: int | None = None, seed
         torch.set_num_threads(saved_threads)
 
 
+def initial_model(recipe: Recipe, seed: int) -> HookedTransformer:
+    """The recipe's model at step 0: initialised from `seed`; with `recipe.init_like`, every parameter it shares
+    with that base (same name and shape) then copied from the base's own initialisation from `seed`."""
+    model = HookedTransformer(recipe.model, seed=seed, tokenizer=ByteTokenizer())
+    if recipe.init_like is not None:
+        base = HookedTransformer(recipe.init_like, seed=seed).state_dict()
+        own = model.state_dict()
+        shared = {k: v for k, v in base.items() if k in own and own[k].shape == v.shape}
+        model.load_state_dict(shared, strict=False)
+    return model
+
+
 _SUMMARY = ("step", "loss", "eval_loss", "icl", "induction", "previous")
 
 
@@ -452,6 +472,7 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 __all__ = [
-    "BOS", "Batch", "BatchSampler", "Corpus", "Recipe", "copy_span", "eval_windows", "icl_score", "load_corpus",
+    "BOS", "Batch", "BatchSampler", "Corpus", "Recipe", "copy_span", "eval_windows", "icl_score", "initial_model",
+    "load_corpus",
     "probe_scores", "repeated_random_tokens", "stdlib_files", "train",
 ]
