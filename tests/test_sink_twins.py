@@ -6,6 +6,7 @@ pattern rows sum to 1 - its share (softmax over [scores, b] by hand); the onset 
 from __future__ import annotations
 
 import dataclasses
+import math
 import numpy as np
 import pandas as pd
 import pytest
@@ -148,3 +149,28 @@ def test_onset_step_on_a_hand_made_series():
     assert got == {"sink_share": 100, "massive_ratio": 200, "induction": 800}
     with pytest.raises(ValueError, match="no column"):
         onset_steps(frame.drop(columns="induction"))
+
+
+# ---- StreamingLLM on the twins, and the CLI -----------------------------------------------------------------------
+def test_streaming_losses_window_covering_everything_is_the_full_cache():
+    from interp.analyses.sink_origins.twins import streaming_losses
+
+    model = HookedTransformer(ModelConfig(**TINY, attn_output_gate=True), seed=4).eval()
+    with torch.no_grad():  # attention that matters: at init the context barely moves a tiny model's logits
+        for b in model.blocks:
+            b.attn.W_qkv.mul_(8)
+            b.attn.W_O_flat.mul_(20)
+    ids = tokens(3, batch=2, n=24)
+    got = streaming_losses(model, ids, windows=(20, 4), prefix=8, chunk=4)
+    assert math.isclose(got["stream_loss_w20_s4"], got["stream_loss_full"], rel_tol=1e-5)  # sinks + window cover all 24
+    assert not math.isclose(got["stream_loss_w4_s4"], got["stream_loss_w4_s0"], rel_tol=1e-3)  # the sinks count
+    assert not math.isclose(got["stream_loss_w4_s0"], got["stream_loss_full"], rel_tol=1e-3)  # evicts
+
+
+def test_over_checkpoints_refuses_bad_input_in_one_line(capsys):
+    from interp.cli import main as cli
+
+    assert cli(["sinks", "no-such-run", "--over-checkpoints", "--out", "/tmp/never-written"]) != 0
+    assert cli(["sinks", "attn-only-2l", "--over-checkpoints", "--epsilon", "1.5", "--out", "/tmp/never-written"]) != 0
+    err = capsys.readouterr().err
+    assert "no-such-run" in err and "--epsilon" in err and len(err.strip().splitlines()) == 2

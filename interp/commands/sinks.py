@@ -17,6 +17,7 @@ EPILOG = f"""examples:
   interp sinks smollm2-135m --interventions massive_dims,key_direction --out out/s-sinks-2
   interp sinks smollm2-135m --mlp-layers 0,1,2,3 --seq-len 512 --out out/s-sinks-512
   interp sinks MODEL --offload disk --out out/big-sinks       # a model past memory, layer by layer
+  interp sinks sinks-softmax-4l --over-checkpoints --out out/sink-onset   # when sinks form, over a run
 
 Per head: the attention on the first token, on the first delimiter (the first newline, period, comma, ...
 token) and on the largest other key (Gu et al.'s alpha, from the streaming statistics and each row's
@@ -43,12 +44,20 @@ def add_arguments(p) -> None:
                    help="a head is a sink head when its sink mass exceeds this share, in [0, 1] (default 0.3, "
                         "Gu et al.)")
     g.add_argument("--top-k", type=int, default=4, help="massive-activation rows per layer (default 4)")
+    g.add_argument("--over-checkpoints", action="store_true",
+                   help="MODEL is a training run (a zoo name or run folder): at every checkpoint, the share of sink "
+                        "heads, the largest residual activation over its layer's median and the induction score on "
+                        "the zoo's held-out text, and the step each first crosses its threshold (onset.csv, "
+                        "onset_steps.csv, onset.png; analyses/sink_origins/onset.py); --n-seqs windows of the "
+                        "model's context")
     checks.add_text_options(p, SEQ_LEN, "the text every pass reads")
     p.add_argument("--n-seqs", type=int, default=N_SEQS, help=f"sequences of the text (default {N_SEQS})")
     checks.add_output_options(p)
 
 
 def run(args) -> int:
+    if args.over_checkpoints:
+        return _over_checkpoints(args)
     from interp.analyses.sink_origins.study import SinksSettings, SinksStudy  # start-up time: torch
     from interp.errors import as_user_errors
     from interp.models.runs.names import resolve_run
@@ -65,3 +74,32 @@ def run(args) -> int:
                              mlp_layers=layers, epsilon=args.epsilon, top_k=args.top_k)
 
     return checks.run_command(SinksStudy(), args, settings, path=path)
+
+
+def _over_checkpoints(args) -> int:
+    """`--over-checkpoints`: `sink_onset` over the run's checkpoints, its onset steps and figure, into --out."""
+    from pathlib import Path
+
+    from interp.errors import as_user_errors
+
+    with as_user_errors(ValueError, FileNotFoundError):
+        if not 0 <= args.epsilon <= 1:
+            raise ValueError(f"--epsilon must be in [0, 1], got {args.epsilon}")
+        if args.n_seqs < 1:
+            raise ValueError(f"--n-seqs must be at least 1, got {args.n_seqs}")
+        out = Path(args.out)
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out {out} is a file, not a folder")
+        from interp.analyses.sink_origins.onset import onset_steps, plot_onset, sink_onset
+        from interp.models.runs.discover import discover
+
+        discover(args.model)  # an unknown run in one line, before any model is loaded
+    frame = sink_onset(args.model, n_seqs=args.n_seqs, epsilon=args.epsilon, progress=not args.no_progress)
+    onsets = onset_steps(frame)
+    out.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(out / "onset.csv", index=False)
+    onsets.to_csv(out / "onset_steps.csv", index=False)
+    plot_onset(frame).savefig(out / "onset.png", dpi=120)
+    print(onsets.to_string(index=False))
+    print(f"wrote {out / 'onset.csv'}, {out / 'onset_steps.csv'}, {out / 'onset.png'}")
+    return 0
