@@ -14,7 +14,7 @@ import torch
 
 from interp import HookedTransformer, ModelConfig
 from interp.analyses.sink_origins.onset import onset_step, onset_steps
-from interp.models.zoo.recipes import SINK_TWINS, SINKS_SOFTMAX_4L
+from interp.models.zoo.recipes import ATTN_ONLY_2L, ATTN_ONLY_2L_TWINS, SINK_TWINS, SINKS_SOFTMAX_4L
 from interp.models.zoo.training import BatchSampler, initial_model
 
 TINY = dict(n_layers=2, d_model=40, n_heads=4, n_kv_heads=2, d_head=10, d_vocab=31, n_ctx=24, d_mlp=56,
@@ -27,9 +27,9 @@ def tokens(seed=0, batch=3, n=17) -> torch.Tensor:
 
 
 # ---- the twins differ only in their attention ---------------------------------------------------------------
-def test_twin_recipes_differ_only_in_attention():
-    base = SINKS_SOFTMAX_4L
-    for twin in SINK_TWINS[1:]:
+@pytest.mark.parametrize("base, twins", [(SINKS_SOFTMAX_4L, SINK_TWINS[1:]), (ATTN_ONLY_2L, ATTN_ONLY_2L_TWINS)])
+def test_twin_recipes_differ_only_in_attention(base, twins):
+    for twin in twins:
         mine = dataclasses.replace(twin, name=base.name, description=base.description, init_like=None,
                                    model=dataclasses.replace(twin.model, learned_sinks=False, attn_output_gate=False))
         assert mine == base, twin.name  # recipe (steps, lr, data, seed, checkpoints) and model otherwise equal
@@ -143,10 +143,10 @@ def test_onset_step_on_a_hand_made_series():
     assert onset_step(steps, [0.0, 0.1, 0.29, 0.2, 0.1, 0.0], 0.3) is None
     assert onset_step(steps, [float("nan"), 0.5, 0.0, 0.0, 0.0, 0.0], 0.3) == 50
     assert onset_step([400, 0, 100], [0.9, 0.0, 0.4], 0.3) == 100  # by step, not by row
-    frame = pd.DataFrame(dict(step=steps, sink_share=[0, 0, 0.25, 0.5, 0.5, 0.5],
+    frame = pd.DataFrame(dict(step=steps, sink_share=[0, 0, 0.25, 0.5, 0.5, 0.5], sink_mass_max=[0.1, 0.3] + [0.9] * 4,
                               massive_ratio=[5, 20, 80, 120, 300, 900], induction=[0.01] * 5 + [0.6]))
     got = onset_steps(frame).set_index("series")["onset_step"].to_dict()
-    assert got == {"sink_share": 100, "massive_ratio": 200, "induction": 800}
+    assert got == {"sink_mass_max": 50, "sink_share": 100, "massive_ratio": 200, "induction": 800}
     with pytest.raises(ValueError, match="no column"):
         onset_steps(frame.drop(columns="induction"))
 

@@ -28,10 +28,11 @@ import pandas as pd
 import torch
 
 EPSILON = 0.3  # a sink head: first-token sink mass above this (Gu et al. 2024)
-# The threshold each series' onset is read at: a quarter of the heads are sink heads; the largest activation
-# is 100 x its layer's median (a tenth of Sun et al.'s 1000: our small models stay far below theirs);
-# an induction head attends 0.3 to the induction token.
-ONSET_THRESHOLDS: dict[str, float] = {"sink_share": 0.25, "massive_ratio": 100.0, "induction": 0.3}
+# The threshold each series' onset is read at: the first sink head (a head's first-token mass reaches epsilon);
+# a quarter of the heads are sink heads; the largest activation is 100 x its layer's median (a tenth of Sun et
+# al.'s 1000: our small models stay far below theirs); an induction head attends 0.3 to the induction token.
+ONSET_THRESHOLDS: dict[str, float] = {"sink_mass_max": EPSILON, "sink_share": 0.25, "massive_ratio": 100.0,
+                                      "induction": 0.3}
 
 
 def onset_step(steps: Sequence[int], values: Sequence[float], threshold: float) -> int | None:
@@ -54,7 +55,9 @@ def onset_steps(frame: pd.DataFrame, thresholds: Mapping[str, float] | None = No
         raise ValueError(f"the frame has no column {missing}; it has {list(frame.columns)}")
     rows = [dict(series=k, threshold=t, onset_step=onset_step(frame["step"].tolist(), frame[k].tolist(), t))
             for k, t in thresholds.items()]
-    return pd.DataFrame(rows)
+    frame = pd.DataFrame(rows)
+    frame["onset_step"] = frame["onset_step"].astype("Int64")  # <NA>: never
+    return frame
 
 
 def heldout_windows(n_ctx: int, n: int, seed: int = 1) -> torch.Tensor:
@@ -115,18 +118,18 @@ def sink_onset(run: str, *, steps: Sequence[int] | None = None, n_seqs: int = 8,
 
 
 def plot_onset(frame: pd.DataFrame, thresholds: Mapping[str, float] | None = None, title: str = ""):
-    """Step on x; sink-head share, induction score (left axis, [0, 1]) and the massive ratio (right axis, log),
-    each threshold dashed."""
+    """Step on x; the largest head sink mass, the sink-head share, the induction score (left axis, [0, 1]) and the
+    massive ratio (right axis, log), each threshold dashed."""
     import matplotlib.pyplot as plt
 
     thresholds = dict(ONSET_THRESHOLDS if thresholds is None else thresholds)
     fig, ax = plt.subplots(figsize=(7, 4))
     x = frame["step"]
-    for key, color in (("sink_share", "C0"), ("induction", "C2")):
+    for key, color in (("sink_mass_max", "C1"), ("sink_share", "C0"), ("induction", "C2")):
         ax.plot(x, frame[key], "o-", color=color, label=key)
         ax.axhline(thresholds[key], color=color, ls="--", lw=0.8)
     ax.set_xlabel("step")
-    ax.set_ylabel("share of heads / score")
+    ax.set_ylabel("sink mass / share of heads / score")
     ax.set_ylim(0, 1)
     ax2 = ax.twinx()
     ax2.plot(x, frame["massive_ratio"], "s-", color="C3", label="massive ratio")

@@ -104,7 +104,19 @@ SINKS_GATED_4L = dataclasses.replace(
 )
 SINK_TWINS = (SINKS_SOFTMAX_4L, SINKS_LEARNED_4L, SINKS_GATED_4L)
 
-RECIPES: dict[str, Recipe] = {r.name: r for r in (ATTN_ONLY_2L, ROPE_GQA_4L, ALIBI_GQA_4L, *SINK_TWINS)}
+# attn-only-2l grows a sink head with its induction head (~step 1350: the induction head parks on <bos> where the
+# text repeats nothing); its twins differ only in attention, as above. Not shipped: ~9 minutes each on an idle core.
+ATTN_ONLY_2L_TWINS = tuple(
+    dataclasses.replace(
+        ATTN_ONLY_2L, name=f"attn-only-2l-{kind}", model=dataclasses.replace(ATTN_ONLY_2L.model, **{option: True}),
+        init_like=ATTN_ONLY_2L.model,
+        description=f"attn-only-2l's twin with {what}: the same data, seed and step-0 weights for every shared parameter.",
+    )
+    for kind, option, what in (("learned", "learned_sinks", "a learned sink logit per head (gpt-oss style)"),
+                               ("gated", "attn_output_gate", "a sigmoid gate on each head's output (Qiu et al. 2025)"))
+)
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in (ATTN_ONLY_2L, ROPE_GQA_4L, ALIBI_GQA_4L, *SINK_TWINS, *ATTN_ONLY_2L_TWINS)}
 
 
 def get_recipe(name: str) -> Recipe:
@@ -115,5 +127,5 @@ def get_recipe(name: str) -> Recipe:
         raise KeyError(f"no zoo recipe {name!r}; known recipes: {sorted(RECIPES)}") from None
 
 
-__all__ = ["ALIBI_GQA_4L", "ATTN_ONLY_2L", "RECIPES", "ROPE_GQA_4L", "SINKS_GATED_4L", "SINKS_LEARNED_4L",
+__all__ = ["ALIBI_GQA_4L", "ATTN_ONLY_2L", "ATTN_ONLY_2L_TWINS", "RECIPES", "ROPE_GQA_4L", "SINKS_GATED_4L", "SINKS_LEARNED_4L",
            "SINKS_SOFTMAX_4L", "SINK_TWINS", "get_recipe"]
