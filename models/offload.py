@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from interp.errors import UserError
 from .device_map import unit_of
-from .tensor_files import Joined, release_pages
+from .tensor_files import Joined, fill, release_pages
 
 OFFLOADS = ("cpu", "disk")
 UNIT_MODULES = ("embed", "pos_embed", "unembed")  # top-level modules offloaded whole (besides the blocks)
@@ -75,13 +75,18 @@ class _Slot:
 
     def take(self, device: torch.device) -> None:
         if self.holds == 0:
-            t = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=device)
-            if isinstance(self.source, Joined):  # a fused weight's parts, joined into the block's memory only
-                self.source.copy_into(t, non_blocking=device.type == "cuda")
-            else:
-                t.copy_(self.source, non_blocking=device.type == "cuda")
+            if self._usable_as_is(device):  # the mapped file's (or host copy's) own memory: nothing copied
+                t = self.source
+            else:  # a cast, a move, or a fused weight's parts joined into the block's memory only
+                t = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=device)
+                fill(t, self.source, non_blocking=device.type == "cuda")
             self.module._parameters[self.name] = nn.Parameter(t, requires_grad=False)
         self.holds += 1
+
+    def _usable_as_is(self, device: torch.device) -> bool:
+        s = self.source
+        return (not isinstance(s, Joined) and s.device == device and s.dtype == self.dtype
+                and tuple(s.shape) == self.shape and tuple(s.stride()) == self.stride)
 
     def give(self, release: bool) -> None:
         self.holds -= 1
@@ -136,13 +141,14 @@ class Offload:
         unit = unit_of(key)  # device_map's units; offload holds the blocks and the big matrices
         return unit if unit.startswith("blocks.") or (unit in UNIT_MODULES and key.startswith(unit + ".")) else None
 
-    def source(self, tensor: Tensor) -> Tensor:
+    def source(self, tensor: Tensor, stride: tuple) -> Tensor:
         """What the offload keeps of a checkpoint tensor: the mapped view itself (disk), or a host copy in
-        the compute dtype (cpu; pinned when the compute device is a GPU)."""
+        the compute dtype and the parameter's layout `stride` (cpu; pinned when the compute device is a GPU)."""
         if self.kind == "disk" or not tensor.is_floating_point():
             return tensor
-        kept = tensor.to(device="cpu", dtype=self.dtype).contiguous()
-        return kept.pin_memory() if self.device.type == "cuda" else kept
+        kept = torch.empty_strided(tuple(tensor.shape), stride, dtype=self.dtype, device="cpu",
+                                   pin_memory=self.device.type == "cuda")
+        return fill(kept, tensor)
 
     def attach(self, model: nn.Module, sources: dict[str, Tensor], specs: dict[str, Tensor],
                strides: dict[str, tuple]) -> None:

@@ -73,12 +73,21 @@ class Joined:
     def numel(self) -> int:
         return self.shape.numel()
 
+    def _out_major(self) -> bool:
+        """Matrices joined along their columns, each the transposed view of a contiguous [out, in] weight
+        (nn.Linear's layout, `builders.t`): the joined matrix is then out-major too, one contiguous block."""
+        return self.dim == 1 and all(p.dim() == 2 and p.stride() == (1, p.shape[0]) for p in self.parts)
+
     def stride(self) -> tuple:
+        if self._out_major():
+            return (1, self.shape[0])
         return torch.empty(self.shape, device="meta").stride()
 
     def to(self, *args, **kwargs) -> Tensor:
-        """The joined tensor, each part moved or cast first (as `Tensor.to` takes them): the values of
-        casting the joined tensor, since a cast is elementwise."""
+        """The joined tensor, each part moved or cast first (as `Tensor.to` takes them), in the layout
+        `stride` reports: the values of casting the joined tensor, since a cast is elementwise."""
+        if self._out_major():
+            return torch.cat([p.to(*args, **kwargs).t() for p in self.parts], dim=0).t()
         return torch.cat([p.to(*args, **kwargs) for p in self.parts], dim=self.dim)
 
     def copy_into(self, dest: Tensor, non_blocking: bool = False) -> Tensor:
@@ -88,6 +97,13 @@ class Joined:
             dest.narrow(self.dim, start, p.shape[self.dim]).copy_(p, non_blocking=non_blocking)
             start += p.shape[self.dim]
         return dest
+
+
+def fill(dest: Tensor, t, non_blocking: bool = False) -> Tensor:
+    """Write `t` (a tensor, or a `Joined` part by part) into `dest`, whatever their layouts."""
+    if isinstance(t, Joined):
+        return t.copy_into(dest, non_blocking=non_blocking)
+    return dest.copy_(t, non_blocking=non_blocking)
 
 
 def tensors_of(t) -> list[Tensor]:
