@@ -21,6 +21,8 @@ def graph_mode(model) -> Iterator[None]:
     try:
         if flags.get("use_attn_in"):
             model.set_use_attn_in(False)
+        if flags.get("ungroup_grouped_query_attention"):  # a KV head's k and v inputs are one receiver here
+            model.set_ungroup_grouped_query_attention(False)
         model.set_use_split_qkv_input(True)
         if model.cfg.d_mlp is not None:
             model.set_use_hook_mlp_in(True)
@@ -31,6 +33,8 @@ def graph_mode(model) -> Iterator[None]:
             model.set_use_hook_mlp_in(flags.get("use_hook_mlp_in", False))
         if flags.get("use_attn_in"):
             model.set_use_attn_in(True)
+        if flags.get("ungroup_grouped_query_attention"):
+            model.set_ungroup_grouped_query_attention(True)
 
 
 class _Pass:
@@ -39,10 +43,14 @@ class _Pass:
     from a cached stream) are given."""
 
     def __init__(self, model, graph: Graph, receive=None, given: list[Tensor] | None = None, start: int = 0,
-                 embed=None) -> None:
+                 embed=None, store: int | None = None) -> None:
+        """`store`: the number of senders, to write their values into one tensor as they come (`Stacked`:
+        `values.stacked` [S, b, p, d]) rather than keep them apart and stack them after (twice the memory)."""
         self.model, self.graph, self.receive, self.embed = model, graph, receive, embed
         below = 0 if start == 0 else sum(1 for l in graph.sender_layer if l < start)  # embed's is -1
-        self.values: list[Tensor] = list(given[:below]) if given is not None else []
+        self.values: list[Tensor] | Stacked = list(given[:below]) if given is not None else []
+        if store is not None:
+            self.values = Stacked(store)
         self.start = start
         self._results: dict[int, Tensor] = {}
         self._scale: dict[int, Tensor] = {}
@@ -106,3 +114,34 @@ class _Pass:
         def hook(x, hook):
             return x if self.receive is None else self.receive((l, kind), x, self.values)
         return hook
+
+
+class Stacked:
+    """Senders' values written into one [S, b, p, d] tensor as they come (what `_Pass.values` holds when
+    asked to store): `append`, `extend`, indexing and `len` as a list's; `stacked` once all S have come."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.count = n, 0
+        self._buffer: Tensor | None = None
+
+    def append(self, x: Tensor) -> None:
+        if self._buffer is None:
+            self._buffer = x.new_empty((self.n,) + tuple(x.shape))
+        self._buffer[self.count].copy_(x)
+        self.count += 1
+
+    def extend(self, xs) -> None:
+        for x in xs:
+            self.append(x)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i):
+        return self._buffer[:self.count][i]
+
+    @property
+    def stacked(self) -> Tensor:
+        if self.count != self.n:
+            raise RuntimeError(f"{self.count} of {self.n} senders' values came")
+        return self._buffer

@@ -15,10 +15,12 @@ from interp.models.memory import per_token_bytes
 
 from .._common import frozen_params, progress
 from .graph import FRACTIONS, IG_ON, Graph, Task, select
+from .layered import SENDER_CHUNK, layered_attribution
 from .passes import _Pass, graph_mode
 from .qk import parse_head, qk_attribution
 
 
+LAYERED_ABOVE = 2 * 2 ** 30  # bytes of the whole graph's receiver gradients past which attribution goes block by block
 EAP_KL = ("EAP takes the metric's gradient at the clean run, where KL from the clean run is least (gradient 0, every "
           "score 0): use EAP-IG or exact patching (--method eap-ig or patching) with the kl metric")
 
@@ -36,21 +38,36 @@ def _final(model, resid: Tensor, task: Task, answers: Tensor, start: int) -> Ten
     return task.metric(logits.float(), answers)
 
 
-def cache_bytes(cfg, graph: Graph, n_prompts: int, positions: int, batch_size: int, element_size: int = 4) -> int:
+def goes_by_layer(graph: Graph, d_model: int, batch: int, positions: int) -> bool:
+    """Whether attribution goes block by block by default (`Runner(layered=None)`): when the whole graph's
+    receiver gradients for a chunk, [R, batch, positions, d_model] in float32, would pass `LAYERED_ABOVE`."""
+    return len(graph.receivers) * batch * positions * d_model * 4 > LAYERED_ABOVE
+
+
+def cache_bytes(cfg, graph: Graph, n_prompts: int, positions: int, batch_size: int, element_size: int = 4,
+                layered: bool = False) -> int:
     """Peak bytes of a `Runner` beyond the model: what it caches for every prompt, clean and corrupted (each
     sender's value and each block's input at every position: 2 (senders + layers + 1) x positions x d_model
-    values), plus one chunk's working set (a forward's activations, and the receivers' inputs and gradients
-    that attribution holds). It grows with the prompts, which is what `interp circuit` checks before it runs."""
+    values), plus one chunk's working set: a forward's activations, and the receivers' inputs and gradients
+    that attribution holds (all of them; `layered`: one block's, and a few senders' differences)."""
     cached = 2 * (len(graph.senders) + graph.n_layers + 1) * positions * cfg.d_model * element_size
-    working = batch_size * positions * (per_token_bytes(cfg) + 2 * (len(graph.senders) + len(graph.receivers))
-                                        * cfg.d_model * 4)
-    return n_prompts * cached + working
+    if layered:
+        per_block = max(sum(len(rs) for (l, _), rs in graph.groups.items() if l == layer)
+                        for layer in range(graph.n_layers + 1))  # one block's receivers
+        held = 2 * (per_block + min(SENDER_CHUNK, len(graph.senders))) * cfg.d_model * 4
+    else:
+        held = 2 * (len(graph.senders) + len(graph.receivers)) * cfg.d_model * 4
+    return n_prompts * cached + batch_size * positions * (per_token_bytes(cfg) + held)
 
 
 class Runner:
     """Clean and corrupted runs of a task on a model, cached per chunk of prompts, and the scores."""
 
-    def __init__(self, model, task: Task, *, batch_size: int = 16, show_progress: bool | None = None) -> None:
+    def __init__(self, model, task: Task, *, batch_size: int = 16, show_progress: bool | None = None,
+                 layered: bool | None = None) -> None:
+        """`layered`: EAP and EAP-IG one block at a time (`layered`: memory that grows with positions x d_model,
+        not with the receivers' gradients); None: so when the whole graph's gradients would pass `LAYERED_ABOVE`
+        bytes (prompts of ~1,000 tokens on SmolLM2)."""
         if not getattr(model, "native", True):
             raise NotImplementedError("circuits need interp's own transformer (per-head inputs and outputs); this "
                                       "model is wrapped (run by transformers): load a natively supported family")
@@ -58,6 +75,10 @@ class Runner:
         self.model, self.task, self.graph = model, task, Graph(model.cfg)
         self.batch_size, self.show_progress = batch_size, show_progress
         self.chunks = list(task.chunks(batch_size))
+        if layered is None:
+            layered = goes_by_layer(self.graph, model.cfg.d_model, min(batch_size, task.clean.shape[0]),
+                                    task.clean.shape[1])
+        self.layered = bool(layered)
         self._cache: dict[int, dict] = {}
         with torch.no_grad():
             clean = self._values("clean")
@@ -77,14 +98,14 @@ class Runner:
         tokens = self.task.clean if which == "clean" else self.task.corrupted
         total = 0.0
         for i, (part, answers) in enumerate(self.chunks):
-            p = _Pass(self.model, self.graph)
+            p = _Pass(self.model, self.graph, store=len(self.graph.senders))
             resid: dict[int, Tensor] = {}
             hooks = p.hooks() + [(f"blocks.{l}.hook_resid_pre", _keeper(resid, l)) for l in range(self.graph.n_layers)]
             with graph_mode(self.model), self.model.hooks(hooks):
                 final = self.model(tokens[part].to(self.model.device), stop_at_layer=self.model.cfg.n_layers)
             values = _final(self.model, final, self.task, answers, part.start)
             total += float(values.double().sum())
-            self._cache.setdefault(i, {})[which] = (torch.stack(p.values), [resid[l] for l in range(self.graph.n_layers)],
+            self._cache.setdefault(i, {})[which] = (p.values.stacked, [resid[l] for l in range(self.graph.n_layers)],
                                                     final)
         return total / self.task.n_answers
 
@@ -162,6 +183,9 @@ class Runner:
         with frozen_params(model), graph_mode(model):
             for i, point in progress(jobs, desc="attribution", enabled=self.show_progress):
                 part, answers = self.chunks[i]
+                if self.layered:  # block by block, contracted as each block's gradients come
+                    layered_attribution(self, i, point, scores, 1 / len(points), positions)
+                    continue
                 grads = self._gradients(i, part, answers, point)
                 clean = self._cache[i]["clean"][0]
                 if positions is not None:  # [S, b, p, d] . [R, b, p, d] summed per class: [S, R, C]
@@ -171,6 +195,9 @@ class Runner:
                     part_scores = diff @ grads.flatten(1).float().T
                 scores += to_host(part_scores).double() / len(points)
         return (scores * g.allowed.reshape(g.allowed.shape + (1,) * len(extra))).float()
+
+    def _final_metric(self, final: Tensor, answers: Tensor, start: int) -> Tensor:
+        return _final(self.model, final, self.task, answers, start)
 
     def _gradients(self, i: int, part: slice, answers: Tensor, point) -> Tensor:
         """d (sum of this chunk's metric values / all answers) / d input_r, stacked [R, b, p, d]."""

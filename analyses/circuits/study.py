@@ -32,12 +32,15 @@ from .graph import FRACTIONS, IG_ON, METHODS, SELECTIONS, Graph, Task, areas, se
 from .positions import check_mode as check_positions, measure as measure_positions, positions_for
 from .positions import record as position_record, section as position_section
 from .qk import check_model, parse_heads
-from .runner import Runner, cache_bytes, faithfulness_curve
+from .runner import Runner, cache_bytes, faithfulness_curve, goes_by_layer
+from .passkey import passkey_task
 from .tasks import METRICS, TASKS, build_task, read_task_file
 from ..document import Html, Section, number, png
 from ..heads import induction_scores
 from ..study import Measured, Study, StudySettings, Table
 
+ALL_TASKS = TASKS + ("passkey",)
+DEFAULT_PASSKEY, MIN_PASSKEY = 1024, 128  # the passkey task's prompt length in tokens: default, shortest
 # exact edge patching is one forward per edge: past this many edges it is refused (with the way round)
 MAX_PATCHED_EDGES = 20_000
 GOOD = 0.8  # the faithfulness a circuit drawn by default reaches, where one of MIB's sizes does
@@ -60,7 +63,9 @@ class CircuitSettings(StudySettings):
              pairs (`qk.qk_attribution`), at the `qk_keys` keys it attends to most
     positions "none", or edges resolved by position (`positions`): "each" (a class per position), "classes"
              (the task's named positions: IOI's S1, S2, IO, END, other) or some class names ("S2,END"); scored
-             by the same method, with a faithfulness curve beside the plain one"""
+             by the same method, with a faithfulness curve beside the plain one
+    length   the passkey task's prompt length in tokens (default 1024; `passkey.passkey_task`); EAP and EAP-IG go
+             block by block past ~1,000 tokens (`layered`), in memory that grows with the length, not its square"""
 
     task: str = "ioi"
     method: str = "eap-ig"
@@ -76,6 +81,7 @@ class CircuitSettings(StudySettings):
     qk: str | None = None
     qk_keys: int = 3
     positions: str = "none"
+    length: int | None = None
 
 
 def chosen_size(curve: pd.DataFrame) -> float:
@@ -112,6 +118,13 @@ class CircuitMeasured(Measured):
     positions: tuple = ()  # with --positions: (Positions, positions.measure's dict)
 
 
+def _task(model, s: CircuitSettings) -> Task:
+    if s.task == "passkey":
+        return passkey_task(model, s.length or DEFAULT_PASSKEY, s.prompts or 2, seed=s.seed,
+                            metric=s.metric or "logit-diff")
+    return build_task(model, s.task, n_prompts=s.prompts, seed=s.seed, metric=s.metric)
+
+
 def check_memory(model, task: Task, batch_size: int, available: int | None = None) -> None:
     """Refuse, in one line naming the most prompts that fit, a task whose cached runs (`runner.cache_bytes`)
     would not fit beside the model on its device; before any run."""
@@ -122,11 +135,13 @@ def check_memory(model, task: Task, batch_size: int, available: int | None = Non
     n, positions = int(task.clean.shape[0]), int(task.clean.shape[1])
     element = next(model.parameters()).element_size()
     fixed = FIXED_BYTES + held_weight_bytes(cfg, element, getattr(model.offload, "kind", None))
-    needed = fixed + cache_bytes(cfg, graph, n, positions, min(batch_size, n), element)
+    layered = goes_by_layer(graph, cfg.d_model, min(batch_size, n), positions)
+    needed = fixed + cache_bytes(cfg, graph, n, positions, min(batch_size, n), element, layered)
     if needed <= available:
         return
-    per_prompt = cache_bytes(cfg, graph, 1, positions, 0, element)
-    most = max(0, (available - fixed - cache_bytes(cfg, graph, 0, positions, batch_size, element)) // per_prompt)
+    per_prompt = cache_bytes(cfg, graph, 1, positions, 0, element, layered)
+    most = max(0, (available - fixed - cache_bytes(cfg, graph, 0, positions, batch_size, element, layered))
+               // per_prompt)
     where = "this machine's" if torch.device(model.device).type == "cpu" else f"{model.device}'s"
     raise ValueError(f"--prompts {n}: about {needed / GiB:.1f} GiB needed for the clean and corrupted runs of {n} "
                      f"prompts of {positions} tokens ({len(graph.senders)} senders cached at every position), more "
@@ -145,10 +160,16 @@ class CircuitStudy(Study):
               Table("position_faithfulness", ("fraction", "edges", "faithfulness"), optional=True, csv=True))
 
     def check(self, cfg, s: CircuitSettings):
-        if s.task not in TASKS:
+        if s.task not in ALL_TASKS:
             if not Path(s.task).suffix and not Path(s.task).exists():
-                raise ValueError(f"unknown task {s.task!r}: choose one of {', '.join(TASKS)}, or give a JSON-lines file")
+                raise ValueError(f"unknown task {s.task!r}: choose one of {', '.join(ALL_TASKS)}, or give a JSON-lines "
+                                 "file")
             read_task_file(s.task)
+        if s.length is not None and s.task != "passkey":
+            raise ValueError(f"--length sets the passkey task's prompt length; the {s.task!r} task sets its own")
+        if s.task == "passkey" and not MIN_PASSKEY <= (s.length or DEFAULT_PASSKEY) <= cfg.n_ctx:
+            raise ValueError(f"--length {s.length}: the passkey prompts need {MIN_PASSKEY} .. {cfg.n_ctx} tokens (the "
+                             "model's context)")
         if s.method not in METHODS:
             raise ValueError(f"unknown method {s.method!r}: choose one of {', '.join(METHODS)}")
         if s.ig not in IG_ON:
@@ -180,7 +201,7 @@ class CircuitStudy(Study):
             heads = parse_heads(s.qk, model.cfg) if s.qk is not None else []
             if heads:
                 check_model(model)
-            task = stage("task", lambda: build_task(model, s.task, n_prompts=s.prompts, seed=s.seed, metric=s.metric))
+            task = stage("task", lambda: _task(model, s))
             pos = positions_for(task, s.positions)
             n_patched = Graph(model.cfg).n_edges * (pos.n_classes if pos is not None else 0)
             if s.method == "patching" and n_patched > MAX_PATCHED_EDGES:

@@ -21,6 +21,7 @@ EPILOG = """examples:
       # {"clean_ids": [..], "corrupted_ids": [..], "answers": [{"position": -1, "answer_ids": 42}, {"position": 5}]}
   interp circuit attn-only-2l --task induction --qk 1.0 --out out/ind      # and why L1H0 attends where it does
   interp circuit smollm2-135m --task ioi --positions classes --out out/ioi  # edges per S1, S2, IO, END, other
+  interp circuit smollm2-135m --task passkey --length 4096 --out out/pk     # a 4k-token circuit, block by block
 
 The graph: senders (embed, each head's output, each MLP's), receivers (each head's q, k and v inputs,
 each MLP's input, the logits), an edge where a sender writes before a receiver reads. Scores are
@@ -39,7 +40,7 @@ the metric is a mean over every answer position (docs/circuits.md has the format
 def add_arguments(p) -> None:
     p.add_argument("model", help="a checkpoint folder, .gguf file, real-model name or zoo name")
     g = p.add_argument_group("the task")
-    g.add_argument("--task", required=True, help="ioi, induction, greater-than, or a JSON-lines file of clean / "
+    g.add_argument("--task", required=True, help="ioi, induction, greater-than, passkey, or a JSON-lines file of clean / "
                                                  "corrupted prompts (text or token ids) and answers (at one position "
                                                  "or several)")
     g.add_argument("--prompts", type=int, default=None, help="prompts (default 64; a file: all of its pairs)")
@@ -48,6 +49,9 @@ def add_arguments(p) -> None:
                         "distribution; not with --method eap), averaged over every answer position (default: the "
                         "task's own; a file's: logit-diff with wrong answers, loss with answers, else kl)")
     g.add_argument("--seed", type=int, default=0, help="seed of the prompts (default 0)")
+    g.add_argument("--length", type=int, default=None,
+                   help="passkey: the prompts' length in tokens (default 1024; 2 prompts unless --prompts): the KV "
+                        "study's passkey prompts, the clean key against another")
     m = p.add_argument_group("the scores and the circuit")
     m.add_argument("--method", default="eap-ig", choices=METHODS, help="default eap-ig")
     m.add_argument("--steps", type=int, default=5, help="EAP-IG's interpolation steps (default 5)")
@@ -83,7 +87,7 @@ def run(args) -> int:
         return CircuitSettings(**checks.common(args), task=args.task, method=args.method, steps=args.steps,
                                ig=args.ig, metric=args.metric, prompts=args.prompts, seed=args.seed,
                                batch_size=args.batch_size, select=args.select, size=args.size, oracle=args.oracle,
-                               qk=args.qk, qk_keys=args.qk_keys, positions=args.positions)
+                               qk=args.qk, qk_keys=args.qk_keys, positions=args.positions, length=args.length)
 
     return checks.run_command(CircuitStudy(), args, settings)
 

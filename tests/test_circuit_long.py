@@ -1,0 +1,109 @@
+"""Circuits over long prompts (issue 57, part 3): attribution block by block (`circuits.layered`) against the
+whole-graph gradients on every configuration of ours, with position classes too; the senders' values
+written into one tensor as they come; the passkey task built from the KV study's prompts; the memory
+estimate and the command's refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import interp
+from interp.analyses.circuits import Graph, Runner
+from interp.analyses.circuits.passes import _Pass, graph_mode
+from interp.analyses.circuits.passkey import passkey_task
+from interp.analyses.circuits.positions import each_position
+from interp.analyses.circuits.runner import LAYERED_ABOVE, cache_bytes, goes_by_layer
+from interp.cli import main as cli
+
+from circuit_tasks import random_task
+from core_models import OWN_CONFIGS, build
+
+NAMES = sorted(OWN_CONFIGS)
+POINTS = {"eap": lambda r: r.eap(), "eap-ig inputs": lambda r: r.eap_ig(2, "inputs"),
+          "eap-ig activations": lambda r: r.eap_ig(2, "activations")}
+
+
+def _both(model, task, batch_size=2):
+    return Runner(model, task, batch_size=batch_size, layered=False), Runner(model, task, batch_size=batch_size,
+                                                                              layered=True)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_block_by_block_attribution_is_the_whole_graphs(name):
+    """The chain rule block by block gives the gradients of one backward through the whole model: every
+    method's scores agree to float32 round-off (the sums' order differs), on every configuration."""
+    model = build(OWN_CONFIGS[name])
+    whole, layered = _both(model, random_task(model, n=3, p=7))
+    for method, score in POINTS.items():
+        want, got = score(whole), score(layered)
+        assert want.abs().max() > 1e-3, method  # something to compare
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6 * float(want.abs().max()), msg=method)
+
+
+def test_block_by_block_keeps_position_classes_apart_as_the_whole_graph_does():
+    model = build(OWN_CONFIGS["rotary-rms-swiglu-gqa"])
+    task = random_task(model, n=2, p=6)
+    whole, layered = _both(model, task)
+    pos = each_position(task)
+    want, got = whole.eap_ig(2, positions=pos), layered.eap_ig(2, positions=pos)
+    assert got.shape == want.shape == (len(whole.graph.senders), len(whole.graph.receivers), 6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6 * float(want.abs().max()))
+    torch.testing.assert_close(got.sum(-1), layered.eap_ig(2), rtol=1e-5, atol=2e-6 * float(want.abs().max()))
+
+
+def test_senders_values_written_as_they_come_are_the_stacked_values():
+    model = build(OWN_CONFIGS["gemma3-like"])  # sandwich norms: head shares computed in the pass
+    task = random_task(model)
+    g = Graph(model.cfg)
+    runs = []
+    for store in (None, len(g.senders)):
+        p = _Pass(model, g, store=store)
+        with torch.no_grad(), graph_mode(model), model.hooks(p.hooks()):
+            model(task.clean, stop_at_layer=model.cfg.n_layers)
+        runs.append(torch.stack(list(p.values)) if store is None else p.values.stacked)
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_the_whole_graph_or_block_by_block_is_chosen_by_the_gradients_size():
+    cfg = OWN_CONFIGS["rotary-rms-swiglu-gqa"]
+    g = Graph(cfg)
+    assert not goes_by_layer(g, cfg.d_model, 16, 20)
+    edge = LAYERED_ABOVE // (len(g.receivers) * cfg.d_model * 4)  # positions at which the gradients reach it
+    assert goes_by_layer(g, cfg.d_model, 1, edge + 1) and not goes_by_layer(g, cfg.d_model, 1, edge)
+    assert not goes_by_layer(g, cfg.d_model, 2, edge // 2) and goes_by_layer(g, cfg.d_model, 2, edge // 2 + 1)
+    # block by block, the working set holds one block's receivers, not the graph's
+    assert cache_bytes(cfg, g, 1, 4096, 1, layered=True) < cache_bytes(cfg, g, 1, 4096, 1, layered=False)
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    return interp.load("rope-gqa-4l")
+
+
+def test_the_passkey_task_differs_only_in_the_key_and_answers_its_first_digit(zoo):
+    task = passkey_task(zoo, 256, 2, seed=1)
+    assert task.clean.shape[1] <= 256 and task.n_answers == 2
+    for i in range(2):
+        clean, corrupted, at = task.clean[i], task.corrupted[i], int(task.positions[i])
+        differ = (clean != corrupted).nonzero().flatten().tolist()
+        assert differ and max(differ) < at, "the keys differ, in the needle only"
+        assert zoo.to_string(clean[:at + 1]).rstrip().endswith("The pass key is")
+        key, other = task.prompts[i].split()[1], task.prompts[i].split()[3]
+        assert zoo.to_string(clean[differ]) == "".join(a for a, b in zip(key * 2, other * 2) if a != b)
+        # the answer read there is the clean key's first digit, the wrong one the other key's
+        assert zoo.to_string(task.answer_tokens[i:i + 1]).strip() == key[0]
+
+
+def test_the_command_refuses_a_length_it_cannot_use_in_one_line(tmp_path, capsys):
+    assert cli(["circuit", "rope-gqa-4l", "--task", "ioi", "--length", "512", "--out", str(tmp_path / "a")]) == 2
+    assert "--length sets the passkey task's prompt length" in capsys.readouterr().err
+    assert cli(["circuit", "rope-gqa-4l", "--task", "passkey", "--length", "4096", "--out", str(tmp_path / "b")]) == 2
+    assert "the passkey prompts need 128 .. 256 tokens" in capsys.readouterr().err
+
+
+def test_a_passkey_circuit_runs_from_the_command(tmp_path):
+    out = tmp_path / "pk"
+    assert cli(["circuit", "rope-gqa-4l", "--task", "passkey", "--length", "256", "--method", "eap", "--prompts", "1",
+                "--out", str(out), "--no-progress"]) == 0
+    assert (out / "edges.parquet").exists() and (out / "faithfulness.csv").exists()
