@@ -21,6 +21,7 @@ from interp.cli import main as cli
 
 from circuit_tasks import random_task
 from core_models import OWN_CONFIGS, build
+from smol import needs_smol
 
 
 def by_hand_metric(model, task, fwd_hooks=()) -> float:
@@ -237,3 +238,17 @@ def test_the_command_writes_the_position_curve_beside_the_plain_one(tmp_path):
     record = json.loads((out / "settings.json").read_text())
     assert record["positions"]["mode"] == "each" and record["positions"]["classes"] == 41
     assert "Position-resolved" in (out / "report.html").read_text()
+
+
+@pytest.mark.slow
+@needs_smol
+def test_smollm2_ioi_classes_decode_to_the_names():
+    model = interp.load("smollm2-135m")
+    task = ioi_task(model, 8)
+    pos = P.task_classes(task)
+    for i in range(8):
+        ids = task.clean[i].tolist()
+        word = {name: model.to_string(torch.tensor([ids[int((pos.labels[i] == c).nonzero()[0])]]))
+                for c, name in enumerate(pos.names[:4])}
+        assert word["S1"] == word["S2"] != word["IO"] and word["END"] == " to"
+        assert model.to_tokens(word["IO"], prepend_bos=False)[0].tolist() == [int(task.answer_tokens[i])]
