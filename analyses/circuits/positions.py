@@ -36,6 +36,7 @@ from interp.models.device import to_numpy
 
 from .._common import progress
 from .graph import FRACTIONS, Graph, Task, prune_dangling
+from .runner import _Patching
 
 MODES = ("none", "classes", "each")
 OTHER = "other"  # the class of every position no named class holds
@@ -151,17 +152,15 @@ def positions_for(task: Task, mode: str) -> Positions | None:
 
 
 # ---- patching ---------------------------------------------------------------------------------------------
-class _PositionPatching:
+class _PositionPatching(_Patching):
     """receive(): input_r[b, p] - sum_s mask[s, r, class of (b, p)] (value_s - value_s corrupted)[b, p]. The
     differences are kept in a buffer, written as each sender computes them, with their running sum; a receiver
     that reads every earlier sender takes whichever of the two forms (the patched senders, or the sum less the
     kept ones) has fewer senders, as `runner._Patching` does."""
 
     def __init__(self, g: Graph, mask: Tensor, labels: Tensor, corrupted: Tensor) -> None:
-        self.g, self.mask, self.labels, self.corrupted = g, mask, labels, corrupted
-        self.diff: Tensor | None = None
-        self.total: Tensor | None = None
-        self.filled = 0
+        super().__init__(g, mask, corrupted)  # the differences' buffer and running sum (`_Patching._fill`)
+        self.labels = labels
 
     def __call__(self, group, x, values):
         rs = self.g.groups[group]
@@ -181,15 +180,6 @@ class _PositionPatching:
         if x.dim() == 4:
             return x - change.permute(1, 2, 0, 3)
         return x - change[0]
-
-    def _fill(self, values, x) -> None:
-        if self.diff is None:
-            self.diff = torch.empty((len(self.g.senders),) + values[0].shape, dtype=x.dtype, device=x.device)
-            self.total = torch.zeros(values[0].shape, dtype=x.dtype, device=x.device)
-        for s in range(self.filled, len(values)):
-            torch.sub(values[s], self.corrupted[s].to(x.dtype), out=self.diff[s])
-            self.total += self.diff[s]
-        self.filled = len(values)
 
     def _product(self, w: Tensor, diff: Tensor, x: Tensor) -> Tensor:
         """sum_m w[m, r, class(b, p)] diff[m, b, p] for each receiver r: [n_receivers, b, p, d]."""
