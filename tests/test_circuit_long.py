@@ -89,7 +89,7 @@ def test_the_passkey_task_differs_only_in_the_key_and_answers_its_first_digit(zo
         differ = (clean != corrupted).nonzero().flatten().tolist()
         assert differ and max(differ) < at, "the keys differ, in the needle only"
         assert zoo.to_string(clean[:at + 1]).rstrip().endswith("The pass key is")
-        key, other = task.prompts[i].split()[1], task.prompts[i].split()[3]
+        key, other = task.prompts[i].split()[1], task.prompts[i].split()[3].rstrip(",")
         assert zoo.to_string(clean[differ]) == "".join(a for a, b in zip(key * 2, other * 2) if a != b)
         # the answer read there is the clean key's first digit, the wrong one the other key's
         assert zoo.to_string(task.answer_tokens[i:i + 1]).strip() == key[0]

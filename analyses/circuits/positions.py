@@ -171,15 +171,7 @@ class _PositionPatching(_Patching):
             return x
         self._fill(values, x)
         allowed = self.g.allowed[:n, rs]
-        kept = allowed[..., None] * (1 - sub)
-        rows = kept.flatten(1).any(1).nonzero().flatten()
-        if bool(allowed.all()) and rows.numel() < senders.numel():
-            change = self.total[None] - self._product(kept[rows], self.diff[rows], x)
-        else:
-            change = self._product(sub[senders], self.diff[senders], x)
-        if x.dim() == 4:
-            return x - change.permute(1, 2, 0, 3)
-        return x - change[0]
+        return self._applied(x, self._buffered(sub, allowed[..., None] * (1 - sub), bool(allowed.all()), senders, x))
 
     def _product(self, w: Tensor, diff: Tensor, x: Tensor) -> Tensor:
         """sum_m w[m, r, class(b, p)] diff[m, b, p] for each receiver r: [n_receivers, b, p, d]."""

@@ -340,12 +340,21 @@ class _Patching:
             change = self._product(sub[picked], diff, x)
         else:
             self._fill(values, x)
-            kept = (1 - sub) * self.g.allowed[:n, rs]
-            rows = kept.any(1).nonzero().flatten()
-            if bool(self.g.allowed[:n, rs].all()) and rows.numel() < senders.numel():
-                change = self.total[None] - self._product(kept[rows], self.diff[rows], x)
-            else:
-                change = self._product(sub[senders], self.diff[senders], x)
+            allowed = self.g.allowed[:n, rs]
+            change = self._buffered(sub, (1 - sub) * allowed, bool(allowed.all()), senders, x)
+        return self._applied(x, change)
+
+    def _buffered(self, sub: Tensor, kept: Tensor, reads_all: bool, senders: Tensor, x: Tensor) -> Tensor:
+        """The change from the buffer of differences: the patched senders' (`sub`), or, for a receiver that reads
+        every earlier sender (`reads_all`), the running sum less the kept ones', whichever has fewer senders."""
+        rows = kept.flatten(1).any(1).nonzero().flatten()
+        if reads_all and rows.numel() < senders.numel():
+            return self.total[None] - self._product(kept[rows], self.diff[rows], x)
+        return self._product(sub[senders], self.diff[senders], x)
+
+    @staticmethod
+    def _applied(x: Tensor, change: Tensor) -> Tensor:
+        """x less the change ([n_receivers, b, p, d]), per head ([b, p, n, d]) or for the one receiver."""
         if x.dim() == 4:
             return x - change.permute(1, 2, 0, 3)
         return x - change[0]
