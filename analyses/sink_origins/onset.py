@@ -95,7 +95,7 @@ def sink_onset(run: str, *, steps: Sequence[int] | None = None, n_seqs: int = 8,
     """The sinks, massive activations and induction at every checkpoint of `run` (a zoo name or run folder;
     `interp.models.runs.discover`), one row per checkpoint: run, checkpoint, step and `checkpoint_row`'s
     numbers. `steps`: only these steps; `n_seqs` windows of `seq_len` tokens (default the model's n_ctx)."""
-    from interp.loading import load
+    from interp.models.formats.checkpoint import load_checkpoint as load  # below interp.loading
     from interp.models.runs.discover import discover
 
     if not 0 <= epsilon <= 1:

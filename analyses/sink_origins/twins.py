@@ -65,7 +65,7 @@ def twin_row(model, tokens: torch.Tensor, stream_tokens: torch.Tensor, windows: 
 def twin_table(runs: Sequence[str], *, n_seqs: int = 8, n_stream: int = 8, windows: Sequence[int] = WINDOWS,
                step: int | None = None) -> pd.DataFrame:
     """One row per twin (a zoo name or run folder each): its last checkpoint (or the one at `step`), `twin_row`."""
-    from interp.loading import load
+    from interp.models.formats.checkpoint import load_checkpoint as load  # below interp.loading
     from interp.models.runs.discover import discover
 
     if not runs:
