@@ -66,9 +66,7 @@ def _through_block(model, g, l: int, x: Tensor, grad: Tensor, substitute):
         inputs[group] = x
         return x
 
-    hooks = [(f"blocks.{l}.hook_{kind}_input", _bound(receive, (l, kind))) for kind in ("q", "k", "v")]
-    if g.has_mlp:
-        hooks.append((f"blocks.{l}.hook_mlp_in", _bound(receive, (l, "mlp"))))
+    hooks = _receiver_hooks(g, [l], receive)
     x_in = x.detach().requires_grad_(True)
     with torch.enable_grad(), graph_mode(model), model.hooks(hooks):
         out = model(x_in, start_at_layer=l, stop_at_layer=l + 1)
@@ -77,6 +75,13 @@ def _through_block(model, g, l: int, x: Tensor, grad: Tensor, substitute):
     received = [(g.groups[key], gr.permute(2, 0, 1, 3) if gr.dim() == 4 else gr[None])  # [n, b, p, d]
                 for key, gr in zip(keys, found[1:]) if gr is not None]
     return found[0], received
+
+
+def _receiver_hooks(g, layers, fn) -> list:
+    """(hook name, hook) for every receiver input of `layers` (q, k, v, and the MLP's), calling fn(x, hook, group)."""
+    kinds = ("q", "k", "v", "mlp") if g.has_mlp else ("q", "k", "v")
+    name = lambda l, kind: f"blocks.{l}.hook_mlp_in" if kind == "mlp" else f"blocks.{l}.hook_{kind}_input"  # noqa: E731
+    return [(name(l, kind), _bound(fn, (l, kind))) for l in layers for kind in kinds]
 
 
 def _bound(fn, group):
@@ -111,11 +116,7 @@ def _stream(runner, i: int, point, substitute) -> tuple[list[Tensor], Tensor]:
         x = cached_resid[0]
     hooks = []
     if on == "activations":
-        hooks = [(f"blocks.{l}.hook_{kind}_input", _bound(lambda x, hook, group: substitute(group, x), (l, kind)))
-                 for l in range(g.n_layers) for kind in ("q", "k", "v")]
-        if g.has_mlp:
-            hooks += [(f"blocks.{l}.hook_mlp_in", _bound(lambda x, hook, group: substitute(group, x), (l, "mlp")))
-                      for l in range(g.n_layers)]
+        hooks = _receiver_hooks(g, range(g.n_layers), lambda x, hook, group: substitute(group, x))
     stream = []
     with torch.no_grad(), graph_mode(model), model.hooks(hooks):
         for l in range(g.n_layers):

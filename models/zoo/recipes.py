@@ -81,27 +81,20 @@ SINKS_SOFTMAX_4L = Recipe(
     eval_windows=128, probe_len=50,
 )
 
-SINKS_LEARNED_4L = dataclasses.replace(
-    SINKS_SOFTMAX_4L,
-    name="sinks-learned-4l",
-    description=(
-        "sinks-softmax-4l's twin with a learned sink logit per head in every softmax denominator (gpt-oss style, "
-        "`learned_sinks`): the same data, seed and step-0 weights for every shared parameter (`init_like`)."
-    ),
-    model=dataclasses.replace(SINKS_SOFTMAX_4L.model, learned_sinks=True),
-    init_like=SINKS_SOFTMAX_4L.model,
-)
+def _sink_twin(name: str, change: str, **model_fields) -> Recipe:
+    """sinks-softmax-4l with only its attention changed (`model_fields`): the same data, seed and step-0
+    weights for every shared parameter (`init_like`)."""
+    return dataclasses.replace(
+        SINKS_SOFTMAX_4L, name=name,
+        description=(f"sinks-softmax-4l's twin with {change}: the same data, seed and step-0 weights for every "
+                     "shared parameter (`init_like`)."),
+        model=dataclasses.replace(SINKS_SOFTMAX_4L.model, **model_fields), init_like=SINKS_SOFTMAX_4L.model)
 
-SINKS_GATED_4L = dataclasses.replace(
-    SINKS_SOFTMAX_4L,
-    name="sinks-gated-4l",
-    description=(
-        "sinks-softmax-4l's twin with a sigmoid gate on each head's output before W_O (gated attention, Qiu et al. "
-        "2025, `attn_output_gate`): the same data, seed and step-0 weights for every shared parameter (`init_like`)."
-    ),
-    model=dataclasses.replace(SINKS_SOFTMAX_4L.model, attn_output_gate=True),
-    init_like=SINKS_SOFTMAX_4L.model,
-)
+
+SINKS_LEARNED_4L = _sink_twin("sinks-learned-4l", "a learned sink logit per head in every softmax denominator "
+                              "(gpt-oss style, `learned_sinks`)", learned_sinks=True)
+SINKS_GATED_4L = _sink_twin("sinks-gated-4l", "a sigmoid gate on each head's output before W_O (gated attention, "
+                            "Qiu et al. 2025, `attn_output_gate`)", attn_output_gate=True)
 SINK_TWINS = (SINKS_SOFTMAX_4L, SINKS_LEARNED_4L, SINKS_GATED_4L)
 
 # attn-only-2l grows a sink head with its induction head (~step 1350: the induction head parks on <bos> where the
