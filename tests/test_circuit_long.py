@@ -52,6 +52,44 @@ def test_block_by_block_keeps_position_classes_apart_as_the_whole_graph_does():
     torch.testing.assert_close(got.sum(-1), layered.eap_ig(2), rtol=1e-5, atol=2e-6 * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("name", ["rotary-rms-swiglu-gqa", "gemma3-like", "rotary-partial-parallel"])
+def test_the_lean_cache_patches_as_the_whole_cache_does(name):
+    """Block by block the runner keeps only each sender's corrupted - clean value and forms the corrupted values
+    again, block by block, for a patched run: every patched run (edges, a circuit's faithfulness, resumed at a
+    late block or only at the logits; nodes; position edges) and the QK attribution equal the full cache's."""
+    from interp.analyses.circuits.positions import patched as position_patched
+
+    model = build(OWN_CONFIGS[name])
+    task = random_task(model, n=3, p=7)
+    whole, lean = _both(model, task)
+    assert lean.lean and not whole.lean and "diff" in lean._cache[0] and lean._cache[0]["clean"][0] is None
+    g = whole.graph
+    assert torch.equal(lean._cache[0]["diff"], whole._cache[0]["corrupted"][0] - whole._cache[0]["clean"][0])
+    gen = torch.Generator().manual_seed(0)
+    late = torch.zeros(len(g.senders), len(g.receivers))
+    late[:, [r for r in range(len(g.receivers)) if g.receiver_layer[r] >= g.n_layers - 1]] = 1
+    logits = torch.zeros_like(late)
+    logits[:, -1] = 1
+    masks = {"a random half": (torch.rand(late.shape, generator=gen) < 0.5).float(), "from the last block": late,
+             "the logits only": logits, "a single edge": torch.zeros_like(late).index_put_((torch.tensor([0]),
+                                                                                        torch.tensor([3])),
+                                                                                       torch.tensor(1.0))}
+    for what, mask in masks.items():
+        want = whole.patched(mask)
+        assert abs(want - whole.clean_metric) > 1e-6, what  # the patch changes something
+        assert lean.patched(mask) == pytest.approx(want, rel=1e-5, abs=1e-6), what
+    torch.testing.assert_close(lean.patch_nodes(), whole.patch_nodes(), rtol=1e-5, atol=1e-6)
+    pos = each_position(task)
+    pmask = (torch.rand(len(g.senders), len(g.receivers), pos.n_classes, generator=gen) < 0.3).float()
+    assert position_patched(lean, pos, pmask) == pytest.approx(position_patched(whole, pos, pmask), rel=1e-5, abs=1e-6)
+    head = (model.cfg.n_layers - 1, 0)
+    want, got = whole.qk_attribution(head).pairs(), lean.qk_attribution(head).pairs()
+    assert list(got.columns) == list(want.columns) and len(got) == len(want)
+    for column in want.select_dtypes("number").columns:
+        torch.testing.assert_close(torch.tensor(got[column].to_numpy()), torch.tensor(want[column].to_numpy()),
+                                   rtol=1e-5, atol=1e-6, msg=column)
+
+
 def test_senders_values_written_as_they_come_are_the_stacked_values():
     model = build(OWN_CONFIGS["gemma3-like"])  # sandwich norms: head shares computed in the pass
     task = random_task(model)

@@ -19,8 +19,9 @@ integral:
    formed a few senders at a time from the cached runs) as soon as they exist, and dropped.
 
 The attention runs on the fused kernel forward and backward (no pattern is built), so the only n x n work is
-the kernel's own. What is held: the cached clean and corrupted values of every sender (2 x senders x
-positions x d_model, as for every method), one block's autograd state, and one block's receiver gradients.
+the kernel's own. What is held: every sender's cached difference (corrupted - clean: senders x positions x
+d_model, the runner's lean cache) and both runs' block inputs, one block's autograd state, and one block's
+receiver gradients.
 """
 
 from __future__ import annotations
@@ -40,14 +41,13 @@ def layered_attribution(runner, i: int, point, scores: Tensor, weight: float, po
     float32 round-off (the order of the sums differs)."""
     model, g, task = runner.model, runner.graph, runner.task
     part, answers = runner.chunks[i]
-    clean, corrupted = runner._cache[i]["clean"][0], runner._cache[i]["corrupted"][0]
     substitute = _substitution(runner, i, point)
     stream, final = _stream(runner, i, point, substitute)
     final = final.detach().requires_grad_(True)
     x = substitute((g.n_layers, "logits"), final)
     metric = runner._final_metric(x, answers, part.start).sum() / task.n_answers
     (grad,) = torch.autograd.grad(metric, [final])
-    contract = _contraction(g, scores, clean, corrupted, weight, positions, part)
+    contract = _contraction(g, scores, lambda s, e: runner._differences(i, s, e), weight, positions, part)
     contract(g.groups[(g.n_layers, "logits")], grad[None])
     for l in reversed(range(g.n_layers)):
         grad, received = _through_block(model, g, l, stream[l], grad, substitute)
@@ -125,9 +125,10 @@ def _stream(runner, i: int, point, substitute) -> tuple[list[Tensor], Tensor]:
     return stream, x
 
 
-def _contraction(g, scores: Tensor, clean: Tensor, corrupted: Tensor, weight: float, positions, part):
+def _contraction(g, scores: Tensor, differences, weight: float, positions, part):
     """contract(rs, grads): scores[s, r] += weight x (corrupted_s - clean_s) . grads[r] for the senders that
-    can reach the receivers `rs` (the rest are not edges), a few senders at a time."""
+    can reach the receivers `rs` (the rest are not edges), a few senders at a time (`differences(s, e)`:
+    senders s..e's corrupted - clean values)."""
 
     def contract(rs: list[int], grads: Tensor) -> None:
         allowed = g.allowed[:, rs].any(1).nonzero().flatten()
@@ -137,7 +138,7 @@ def _contraction(g, scores: Tensor, clean: Tensor, corrupted: Tensor, weight: fl
         flat = grads.flatten(1).float()  # [n_r, b*p*d]
         for s in range(0, n, SENDER_CHUNK):
             e = min(n, s + SENDER_CHUNK)
-            diff = corrupted[s:e] - clean[s:e]
+            diff = differences(s, e)
             if positions is not None:
                 part_scores = positions.contract(part, diff, grads)  # [k, n_r, C]
             else:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
+import torch
 from torch import Tensor
 
 from .graph import Graph
@@ -118,16 +119,20 @@ class _Pass:
 
 class Stacked:
     """Senders' values written into one [S, b, p, d] tensor as they come (what `_Pass.values` holds when
-    asked to store): `append`, `extend`, indexing and `len` as a list's; `stacked` once all S have come."""
+    asked to store): `append`, `extend`, indexing and `len` as a list's; `stacked` once all S have come.
+    `minus`: another run's values [S, b, p, d], each overwritten by this run's value less it as it comes."""
 
-    def __init__(self, n: int) -> None:
-        self.n, self.count = n, 0
-        self._buffer: Tensor | None = None
+    def __init__(self, n: int, minus: Tensor | None = None) -> None:
+        self.n, self.count, self.minus = n, 0, minus is not None
+        self._buffer: Tensor | None = minus
 
     def append(self, x: Tensor) -> None:
         if self._buffer is None:
             self._buffer = x.new_empty((self.n,) + tuple(x.shape))
-        self._buffer[self.count].copy_(x)
+        if self.minus:
+            torch.sub(x, self._buffer[self.count], out=self._buffer[self.count])
+        else:
+            self._buffer[self.count].copy_(x)
         self.count += 1
 
     def extend(self, xs) -> None:

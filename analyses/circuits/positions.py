@@ -158,8 +158,8 @@ class _PositionPatching(_Patching):
     that reads every earlier sender takes whichever of the two forms (the patched senders, or the sum less the
     kept ones) has fewer senders, as `runner._Patching` does."""
 
-    def __init__(self, g: Graph, mask: Tensor, labels: Tensor, corrupted: Tensor) -> None:
-        super().__init__(g, mask, corrupted)  # the differences' buffer and running sum (`_Patching._fill`)
+    def __init__(self, g: Graph, mask: Tensor, labels: Tensor, source) -> None:
+        super().__init__(g, mask, source)  # the differences' buffer and running sum (`_Patching._fill`)
         self.labels = labels
 
     def __call__(self, group, x, values):
@@ -194,7 +194,7 @@ def patched(runner, positions: Positions, mask: Tensor, *, show_progress: bool |
         return runner.clean_metric
     start = min(g.receiver_layer[r] for r in touched.tolist())
     labels = positions.labels
-    return runner._patched_run(lambda i, part, corrupted: _PositionPatching(g, mask, labels[part], corrupted),
+    return runner._patched_run(lambda i, part, source: _PositionPatching(g, mask, labels[part], source),
                                start, show_progress)
 
 

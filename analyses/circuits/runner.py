@@ -16,7 +16,7 @@ from interp.models.memory import per_token_bytes
 from .._common import frozen_params, progress
 from .graph import FRACTIONS, IG_ON, Graph, Task, select
 from .layered import SENDER_CHUNK, layered_attribution
-from .passes import _Pass, graph_mode
+from .passes import Stacked, _Pass, graph_mode
 from .qk import parse_head, qk_attribution
 
 
@@ -48,9 +48,11 @@ def cache_bytes(cfg, graph: Graph, n_prompts: int, positions: int, batch_size: i
                 layered: bool = False) -> int:
     """Peak bytes of a `Runner` beyond the model: what it caches for every prompt, clean and corrupted (each
     sender's value and each block's input at every position: 2 (senders + layers + 1) x positions x d_model
-    values), plus one chunk's working set: a forward's activations, and the receivers' inputs and gradients
-    that attribution holds (all of them; `layered`: one block's, and a few senders' differences)."""
-    cached = 2 * (len(graph.senders) + graph.n_layers + 1) * positions * cfg.d_model * element_size
+    values; `layered`: each sender's difference and both runs' block inputs, (senders + 2 (layers + 1)) x
+    positions x d_model), plus one chunk's working set: a forward's activations, and the receivers' inputs and
+    gradients that attribution holds (all of them; `layered`: one block's, and a few senders' differences)."""
+    runs = 1 if layered else 2  # runs whose senders' values are cached (layered: their difference)
+    cached = (runs * len(graph.senders) + 2 * (graph.n_layers + 1)) * positions * cfg.d_model * element_size
     if layered:
         per_block = max(sum(len(rs) for (l, _), rs in graph.groups.items() if l == layer)
                         for layer in range(graph.n_layers + 1))  # one block's receivers
@@ -79,6 +81,10 @@ class Runner:
             layered = goes_by_layer(self.graph, model.cfg.d_model, min(batch_size, task.clean.shape[0]),
                                     task.clean.shape[1])
         self.layered = bool(layered)
+        # Block by block, the cache is lean: each sender's corrupted - clean value (all that attribution reads)
+        # rather than both runs' values, half the bytes (3 GB per 4,096-token prompt on SmolLM2); a patched run
+        # forms the corrupted values again, block by block, from the corrupted stream (`_lean_patched`).
+        self.lean = self.layered
         self._cache: dict[int, dict] = {}
         with torch.no_grad():
             clean = self._values("clean")
@@ -99,15 +105,28 @@ class Runner:
         total = 0.0
         for i, (part, answers) in enumerate(self.chunks):
             p = _Pass(self.model, self.graph, store=len(self.graph.senders))
+            lean = self.lean and which == "corrupted"
+            if lean:  # each value written over the clean one as corrupted - clean
+                p.values = Stacked(len(self.graph.senders), minus=self._cache[i]["clean"][0])
             resid: dict[int, Tensor] = {}
             hooks = p.hooks() + [(f"blocks.{l}.hook_resid_pre", _keeper(resid, l)) for l in range(self.graph.n_layers)]
             with graph_mode(self.model), self.model.hooks(hooks):
                 final = self.model(tokens[part].to(self.model.device), stop_at_layer=self.model.cfg.n_layers)
             values = _final(self.model, final, self.task, answers, part.start)
             total += float(values.double().sum())
-            self._cache.setdefault(i, {})[which] = (p.values.stacked, [resid[l] for l in range(self.graph.n_layers)],
-                                                    final)
+            kept = p.values.stacked
+            if lean:
+                self._cache[i]["diff"], kept = kept, None
+                self._cache[i]["clean"] = (None,) + self._cache[i]["clean"][1:]
+            self._cache.setdefault(i, {})[which] = (kept, [resid[l] for l in range(self.graph.n_layers)], final)
         return total / self.task.n_answers
+
+    def _differences(self, i: int, s: int = 0, e: int | None = None) -> Tensor:
+        """Senders s..e's corrupted - clean values in chunk i, [e - s, b, p, d]: cached (`lean`) or formed."""
+        c = self._cache[i]
+        if self.lean:
+            return c["diff"][s:e]
+        return c["corrupted"][0][s:e] - c["clean"][0][s:e]
 
     def patched(self, mask: Tensor, *, show_progress: bool | None = False) -> float:
         """The metric with every edge where `mask` [S, R] is 1 patched from the corrupted run (a float
@@ -127,8 +146,12 @@ class Runner:
         total = 0.0
         with torch.no_grad(), graph_mode(self.model):
             for i, (part, answers) in progress(list(enumerate(self.chunks)), desc="patched run", enabled=show_progress):
+                if self.lean:
+                    final = self._lean_patched(i, part, patching, start)
+                    total += float(_final(self.model, final, self.task, answers, part.start).double().sum())
+                    continue
                 clean, resid, final = self._cache[i]["clean"]
-                receive = patching(i, part, self._cache[i]["corrupted"][0])
+                receive = patching(i, part, Corrupted(self._cache[i]["corrupted"][0]))
                 p = _Pass(self.model, g, receive, given=list(clean), start=min(start, g.n_layers))
                 with self.model.hooks(p.hooks()):
                     if start >= g.n_layers:  # only the logits change
@@ -137,6 +160,29 @@ class Runner:
                         final = self.model(resid[start], start_at_layer=start, stop_at_layer=g.n_layers)
                 total += float(_final(self.model, final, self.task, answers, part.start).double().sum())
         return total / self.task.n_answers
+
+    def _lean_patched(self, i: int, part: slice, patching, start: int) -> Tensor:
+        """The final stream of chunk i's patched run on the lean cache, block by block from `start`: each block's
+        senders' corrupted values formed again from the corrupted stream entering it (the cached run's, bit for
+        bit) just before the patched block reads them, and dropped once their differences are buffered."""
+        model, g = self.model, self.graph
+        _, resid, final = self._cache[i]["clean"]
+        start = min(start, g.n_layers)
+        below = sum(1 for l in g.sender_layer if l < start) if start > 0 else 0
+        source = LeanDifferences(self._cache[i]["diff"], below)
+        receive = patching(i, part, source)
+        p = _Pass(model, g, receive, given=[None] * below, start=start)
+        if start >= g.n_layers:  # only the logits change
+            return receive((g.n_layers, "logits"), final, p.values)
+        x, corrupted = resid[start], self._cache[i]["corrupted"][1]
+        for l in range(start, g.n_layers):
+            formed = _Pass(model, g, start=l)
+            with model.hooks(formed.hooks()):
+                model(corrupted[l], start_at_layer=l, stop_at_layer=l + 1)
+            source.extend(formed.values)
+            with model.hooks(p.hooks()):
+                x = model(x, start_at_layer=l, stop_at_layer=l + 1)
+        return x
 
     # -- why a head attends where it does --
     def qk_attribution(self, head, key_pos=None, top_keys: int = 3, corrupted: bool = True):
@@ -154,7 +200,7 @@ class Runner:
 
         return qk_attribution(self.model, t.clean, layer, h, t.positions, key_pos=key_pos, top_keys=top_keys,
                               corrupted=t.corrupted if corrupted else None, batch_size=self.batch_size, rows=t.rows,
-                              given=given)
+                              given=None if self.lean else given)  # a lean cache keeps no sender's value
 
     # -- scores --
     def eap(self, positions=None) -> Tensor:
@@ -187,11 +233,10 @@ class Runner:
                     layered_attribution(self, i, point, scores, 1 / len(points), positions)
                     continue
                 grads = self._gradients(i, part, answers, point)
-                clean = self._cache[i]["clean"][0]
                 if positions is not None:  # [S, b, p, d] . [R, b, p, d] summed per class: [S, R, C]
-                    part_scores = positions.contract(part, self._cache[i]["corrupted"][0] - clean, grads)
+                    part_scores = positions.contract(part, self._differences(i), grads)
                 else:
-                    diff = (self._cache[i]["corrupted"][0] - clean).flatten(1).float()  # [S, b*p*d]
+                    diff = self._differences(i).flatten(1).float()  # [S, b*p*d]
                     part_scores = diff @ grads.flatten(1).float().T
                 scores += to_host(part_scores).double() / len(points)
         return (scores * g.allowed.reshape(g.allowed.shape + (1,) * len(extra))).float()
@@ -285,8 +330,8 @@ class Runner:
                 name, layer = g.senders[s], g.sender_layer[s]
                 total = 0.0
                 for i, (part, answers) in enumerate(self.chunks):
-                    clean, resid, _ = self._cache[i]["clean"]
-                    change = self._cache[i]["corrupted"][0][s] - clean[s]
+                    resid = self._cache[i]["clean"][1]
+                    change = self._differences(i, s, s + 1)[0]
                     add = lambda x, hook: x + change.to(x.dtype)  # noqa: E731
                     if name == "embed":
                         start, point = 0, "blocks.0.hook_resid_pre"
@@ -321,8 +366,9 @@ class _Patching:
 
     STACK = 16  # senders up to which a receiver's change is stacked rather than read from the buffer
 
-    def __init__(self, g: Graph, mask: Tensor, corrupted: Tensor) -> None:
-        self.g, self.mask, self.corrupted = g, mask, corrupted
+    def __init__(self, g: Graph, mask: Tensor, source) -> None:
+        """`source`: each sender's value now less its corrupted value (`Corrupted`, `LeanDifferences`)."""
+        self.g, self.mask, self.source = g, mask, source
         self.diff: Tensor | None = None
         self.total: Tensor | None = None  # sum of the differences written so far
         self.filled = 0
@@ -334,9 +380,9 @@ class _Patching:
         senders = sub.any(1).nonzero().flatten()
         if senders.numel() == 0:
             return x
-        if senders.numel() <= self.STACK:
+        if senders.numel() <= self.STACK and not self.source.lean:
             picked = senders.tolist()
-            diff = torch.stack([values[s] - self.corrupted[s].to(x.dtype) for s in picked])  # [k, b, p, d]
+            diff = torch.stack([self.source.difference(s, values, x.dtype) for s in picked])  # [k, b, p, d]
             change = self._product(sub[picked], diff, x)
         else:
             self._fill(values, x)
@@ -361,11 +407,15 @@ class _Patching:
 
     def _fill(self, values, x) -> None:
         if self.diff is None:
-            self.diff = torch.empty((len(self.g.senders),) + values[0].shape, dtype=x.dtype, device=x.device)
-            self.total = torch.zeros(values[0].shape, dtype=x.dtype, device=x.device)
+            shape = (x.shape[0], x.shape[1], x.shape[-1])  # every receiver reads the stream [b, p, d_model]
+            self.diff = torch.empty((len(self.g.senders),) + shape, dtype=x.dtype, device=x.device)
+            self.total = torch.zeros(shape, dtype=x.dtype, device=x.device)
         for s in range(self.filled, len(values)):
-            torch.sub(values[s], self.corrupted[s].to(x.dtype), out=self.diff[s])
+            self.source.difference(s, values, x.dtype, out=self.diff[s])
             self.total += self.diff[s]
+            if self.source.lean:  # read from the buffer from now on: the value is not held twice
+                values[s] = None
+                self.source.release(s)
         self.filled = len(values)
 
     @staticmethod
@@ -375,6 +425,42 @@ class _Patching:
         if w.shape[0] == 0:
             return torch.zeros((w.shape[1],) + diff.shape[1:], dtype=x.dtype, device=x.device)
         return (w.T @ diff.flatten(1)).view(w.shape[1], *diff.shape[1:])
+
+
+class Corrupted:
+    """A patching's source (`_Patching`): value now - the cached corrupted value of each sender."""
+
+    lean = False
+
+    def __init__(self, corrupted: Tensor) -> None:
+        self.corrupted = corrupted
+
+    def difference(self, s: int, values, dtype, out: Tensor | None = None) -> Tensor:
+        return torch.sub(values[s], self.corrupted[s].to(dtype), out=out)
+
+
+class LeanDifferences:
+    """A patching's source on a lean cache (`Runner.lean`). Below the resumed run's first block each value now
+    is the clean one, so its difference is the cached corrupted - clean negated (bit for bit clean - corrupted);
+    from there on, the value now less the corrupted value formed again block by block (`extend`). Read once
+    each (`_Patching` buffers them, then `release`s)."""
+
+    lean = True
+
+    def __init__(self, cached: Tensor, below: int) -> None:
+        self.cached, self.below, self.formed = cached, below, []
+
+    def extend(self, values) -> None:
+        self.formed.extend(values)
+
+    def difference(self, s: int, values, dtype, out: Tensor | None = None) -> Tensor:
+        if s < self.below:
+            return torch.neg(self.cached[s].to(dtype), out=out)
+        return torch.sub(values[s], self.formed[s - self.below].to(dtype), out=out)
+
+    def release(self, s: int) -> None:
+        if s >= self.below:
+            self.formed[s - self.below] = None
 
 
 def faithfulness_curve(runner: Runner, scores: Tensor, fractions: Sequence[float] = FRACTIONS, how: str = "top",
