@@ -10,7 +10,8 @@ and the score of a product W_A W_B is ||W_A W_B||_F / (||W_A||_F ||W_B||_F), in 
 
 No d_model x d_model matrix is formed: with W_A = U P V^T-style factors every norm reduces to traces
 of d_head x d_head Gram matrices, ||V_A (O_A X_B) Y_B^T||_F^2 = tr(P^T (V_A^T V_A) P (Y_B^T Y_B)),
-P = O_A X_B. Biases and layer norms are ignored (as in the paper). GQA/MQA: a query head uses the
+P = O_A X_B. Biases and layer norms are ignored (as in the paper), and so is a gated model's output
+gate (`attn_output_gate`: sigmoid(x W_gate_attn) scales z per position, not a weight). GQA/MQA: a query head uses the
 key/value head of its group (h // (n_heads / n_kv_heads)).
 
 Random baseline: the mean score of the same products built from i.i.d. Gaussian factors of the same

@@ -108,7 +108,8 @@ def _cache_position_z_hooks(model, window: int, n_sink: int) -> list:
     the window alone (cheap, banded), and each layer's z is replaced by the attention the rolling cache
     gives, written out in blocks of BLOCK queries: the sink keys scored with the query rotated to slot
     min(p, n_sink + window - 1) (against the rotated sink keys, as `_cache_position_hooks` does), the keys
-    n_sink <= j in the layer's window scored as usual, one softmax over both, in float32. O(pos x (BLOCK +
+    n_sink <= j in the layer's window scored as usual, one softmax over both, in float32 (times the output
+    gate read at `hook_attn_gate`, where the layer has one). O(pos x (BLOCK +
     window)) per head, where the score hooks cost O(pos^2) on the instrumented path (the two agree to
     float32 round-off: tests/test_analyses_sinks.py, tests/test_gemma3.py)."""
     seen: dict = {}
@@ -145,7 +146,9 @@ def _cache_position_z_hooks(model, window: int, n_sink: int) -> list:
             band = band.masked_fill(~((d >= 0) & (d < w)), float("-inf"))
             a = torch.cat([sink[:, :, c:e], band], -1).softmax(-1)
             out[:, :, c:e] = a[..., :ns] @ v[:, :, :ns] + a[..., ns:] @ v[:, :, lo:e]
-        return out.transpose(1, 2).to(z.dtype)
+        out = out.transpose(1, 2)
+        gate = seen.pop((layer, "gate"), None)  # gated attention: hook_z holds z * gate, and so must this
+        return (out if gate is None else out * gate).to(z.dtype)
 
     query = "attn.hook_q_normed" if model.cfg.qk_norm else "attn.hook_q"  # what RoPE rotates
     hooks = []
@@ -153,6 +156,8 @@ def _cache_position_z_hooks(model, window: int, n_sink: int) -> list:
         hooks += [(f"blocks.{l}.{query}", keep("q0")), (f"blocks.{l}.attn.hook_rot_q", keep("q")),
                   (f"blocks.{l}.attn.hook_rot_k", keep("k")), (f"blocks.{l}.attn.hook_v", keep("v")),
                   (f"blocks.{l}.attn.hook_z", z_hook)]
+        if hasattr(model.blocks[l].attn, "hook_attn_gate"):  # the output gate (`attn_output_gate`), before hook_z
+            hooks.append((f"blocks.{l}.attn.hook_attn_gate", keep("gate")))
     return hooks
 
 

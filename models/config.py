@@ -586,6 +586,7 @@ class ModelConfig:
 
         attention (per layer) = 2 * d_model * (n_heads + 2 * kv_heads) * d_head    (q, k, v projections)
                               + 2 * n_heads * d_head * d_model                     (output projection)
+                              + 2 * d_model * n_heads * d_head                     (output gate, if any)
                               + 2 * 2 * n_heads * d_head * context                 (q k^T and pattern @ v)
         mlp (per layer)       = 2 * (3 if gated else 2) * d_model * d_mlp, times experts_per_token with
                                 experts, + 2 * d_model * num_experts (router) + the shared expert's
@@ -595,6 +596,7 @@ class ModelConfig:
         check_int("context", context, minimum=1)
         d, h, kv, dh = self.d_model, self.n_heads, self.kv_heads, self.head_dim
         attn = 2 * d * (h + 2 * kv) * dh + 2 * h * dh * d + 4 * h * dh * context
+        attn += 2 * d * h * dh * self.attn_output_gate  # x W_gate_attn (`attn_output_gate`)
         mlp = 0 if self.attn_only else 2 * (3 if self.gated_mlp else 2) * d * self.d_mlp
         if self.num_experts and not self.attn_only:  # the chosen experts, the router, the shared expert
             mlp = mlp * self.experts_per_token + 2 * d * self.num_experts

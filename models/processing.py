@@ -9,7 +9,8 @@ fold_ln       A norm's weight (and a LayerNorm's bias) moves into every matrix t
               W' = diag(w) W, b' = b + b_norm W. The norm then only normalises (weight 1, bias 0:
               TransformerLens's "LNPre" / "RMSPre"). For LayerNorm the reading matrices are also
               centred over d_model (their input has mean zero, so the mean row is never read).
-              ln1 -> W_Q, W_K, W_V (and their biases); ln2 -> W_in, W_gate (a mixture of experts: the
+              ln1 -> W_Q, W_K, W_V (and their biases), and the output gate's W_gate_attn (refused with
+              LayerNorm: its bias would need a gate bias); ln2 -> W_in, W_gate (a mixture of experts: the
               router W_gate, every expert's W_in and W_gate, the shared expert and its gate; refused
               with LayerNorm); ln_final -> W_U, b_U.
 center_writing_weights (LayerNorm models only: an RMSNorm input is not mean-free)
@@ -21,14 +22,15 @@ fold_value_biases
               b_V is constant over positions and the pattern sums to 1, so its contribution is a
               constant b_V W_O per head: it moves into b_O (summed over the query heads sharing a
               KV head under GQA) and b_V becomes 0. hook_v and hook_z change; hook_attn_out does not.
-              Refused with learned sink logits (gpt-oss), whose patterns sum to less than 1.
+              Refused with learned sink logits (gpt-oss), whose patterns sum to less than 1, and with an
+              output gate (`attn_output_gate`), which scales b_V's contribution by position.
 refactor_factored_attn_matrices
               Per head, W_Q W_K^T (with biases, as [d_model + 1] x [d_model + 1]) is re-factored by
               SVD into balanced factors U sqrt(S), V sqrt(S), and W_V W_O into U S, V^T (the same
               products; singular vectors are defined up to sign, so q, k, v may differ from
               TransformerLens's in sign per d_head component). Needs positions that do not
-              enter the QK product (learned or sinusoidal, not rotary or ALiBi) and one KV head per query
-              head.
+              enter the QK product (learned or sinusoidal, not rotary or ALiBi), one KV head per query
+              head, and no output gate (it multiplies z per d_head component, which the OV SVD rotates).
 
 Folding can create weights the architecture lacked: folding a tied ln_final into W_U unties it, and
 a LayerNorm bias creates a b_U (and attention/MLP biases where there were none), so the processed
@@ -58,11 +60,23 @@ def check_processing(cfg, *, refactor_factored_attn_matrices=False, center_unemb
             "so shifting them by a constant changes its probabilities (TransformerLens skips the step too): "
             "pass center_unembed=False"
         )
-    if fold_value_biases and cfg.learned_sinks and cfg.qkv_bias:
+    # a b_V to fold: the model's own, or one that folding a LayerNorm's bias into W_V creates
+    value_bias = cfg.qkv_bias or (fold_ln and cfg.normalization == "layernorm")
+    if fold_value_biases and cfg.learned_sinks and value_bias:
         raise ValueError(
             "fold_value_biases=True: this model's learned attention-sink logits take part of each query's "
             "attention, so b_V adds (1 - the sink's share) b_V W_O, which differs by query, not a constant for "
             "b_O: pass fold_value_biases=False"
+        )
+    if fold_value_biases and cfg.attn_output_gate and value_bias:
+        raise ValueError(
+            "fold_value_biases=True: this model gates each head's output (attn_output_gate), so b_V adds "
+            "(b_V * gate) W_O, which differs by position, not a constant for b_O: pass fold_value_biases=False"
+        )
+    if fold_ln and cfg.attn_output_gate and cfg.normalization == "layernorm":
+        raise ValueError(
+            "fold_ln=True: this model's attention output gate reads ln1's output, so folding the LayerNorm's "
+            "bias would need a gate bias (b W_gate_attn) that the architecture lacks: pass fold_ln=False"
         )
     if (fold_ln or center_writing_weights) and cfg.num_experts is not None and cfg.normalization == "layernorm":
         raise ValueError(
@@ -82,6 +96,17 @@ def check_processing(cfg, *, refactor_factored_attn_matrices=False, center_unemb
                 "refactor_factored_attn_matrices=True: query heads share key/value heads here (GQA/MQA), so one "
                 "head's W_Q W_K^T cannot be re-factored without changing the others: pass "
                 "refactor_factored_attn_matrices=False"
+            )
+        if cfg.attn_output_gate:
+            raise ValueError(
+                "refactor_factored_attn_matrices=True: this model gates each d_head component of a head's output "
+                "(attn_output_gate), so re-factoring W_V W_O (a new d_head basis) changes what the gate multiplies: "
+                "pass refactor_factored_attn_matrices=False"
+            )
+        if cfg.learned_sinks and value_bias:
+            raise ValueError(
+                "refactor_factored_attn_matrices=True: re-factoring folds b_V into b_O, which the learned sink "
+                "logits make query-dependent (see fold_value_biases): pass refactor_factored_attn_matrices=False"
             )
 
 
@@ -105,7 +130,10 @@ def process_weights(model, *, fold_ln: bool = True, center_writing_weights: bool
     layernorm = cfg.normalization == "layernorm"
     if fold_ln:
         for l, block in enumerate(model.blocks):
-            sd.fold_norm(f"blocks.{l}.ln1", [(f"blocks.{l}.attn.W_qkv", f"blocks.{l}.attn.b_qkv")], layernorm)
+            readers = [(f"blocks.{l}.attn.W_qkv", f"blocks.{l}.attn.b_qkv")]
+            if block.attn.W_gate_attn is not None:  # the output gate reads ln1's output too (no bias: RMSNorm only)
+                readers.append((f"blocks.{l}.attn.W_gate_attn", None))
+            sd.fold_norm(f"blocks.{l}.ln1", readers, layernorm)
             if block.mlp is not None and hasattr(block.mlp, "input_weights"):  # experts: the router and each expert
                 m = f"blocks.{l}.mlp."
                 sd.fold_norm(f"blocks.{l}.ln2", [(m + w, b and m + b) for w, b in block.mlp.input_weights()], layernorm)

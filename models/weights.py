@@ -152,7 +152,9 @@ class WeightViews:
 
     @property
     def OV(self) -> "FactoredMatrix":
-        """W_V W_O per head, [layer, head, d_model, d_model], factored (`interp.FactoredMatrix`)."""
+        """W_V W_O per head, [layer, head, d_model, d_model], factored (`interp.FactoredMatrix`). Weights only:
+        a gated model's output gate (`attn_output_gate`: z * sigmoid(x W_gate_attn), per position and d_head
+        component) depends on the input and is not in it, nor are learned sink logits."""
         return FactoredMatrix(self._kv_to_heads(self.W_V), self.W_O)
 
     def tl_parameters(self) -> dict[str, Tensor]:
@@ -166,7 +168,11 @@ class WeightViews:
         (`blocks.L.ln1_post.w`, `blocks.L.ln2_post.w`, `blocks.L.attn.q_norm.w`, `blocks.L.attn.k_norm.w`),
         which its bridge's own `tl_parameters()` leaves out. Every norm weight here is the whole multiplier
         (1 + Hugging Face's stored w for Gemma): our cfg has no `rmsnorm_uses_offset`, so TransformerLens's
-        tools use it as it is, where the bridge reports w and sets `cfg.rmsnorm_uses_offset`."""
+        tools use it as it is, where the bridge reports w and sets `cfg.rmsnorm_uses_offset`.
+
+        TransformerLens has no learned sink logits nor output gate: they come as `blocks.L.attn.sinks` and
+        `blocks.L.attn.W_gate_attn` [head, d_model, d_head], and its weight-only tools (OV circuits,
+        `SVDInterpreter`) leave them out."""
         if self.offload is not None:
             from .offload import OffloadRefused
 
@@ -186,6 +192,8 @@ class WeightViews:
             })
             if a.sinks is not None:  # learned sink logits (gpt-oss), [head]
                 out[pre + "attn.sinks"] = a.sinks
+            if getattr(a, "W_gate_attn", None) is not None:  # the output gate, [head, d_model, d_head] as W_Q
+                out[pre + "attn.W_gate_attn"] = a.W_gate_attn.unflatten(-1, (a.n_heads, a.d_head)).permute(1, 0, 2)
             for norm in ("q_norm", "k_norm"):  # QK-norm (Gemma 3): one weight of d_head, shared by the heads
                 module = getattr(a, norm, None)
                 for k, v in (module.named_parameters() if module is not None else ()):
@@ -215,7 +223,8 @@ class WeightViews:
         """[layer, head, layer, head] Q-, K- or V-composition scores (`mode` "Q", "K", "V") of every
         earlier head with every later one, zero where the first layer is not earlier, as
         TransformerLens's. `interp.analyses.composition_scores` gives them as a table, with a
-        random baseline."""
+        random baseline. From the weights alone (`OV`, `QK`): a gated model's input-dependent output gate
+        is not in them."""
         if mode not in ("Q", "K", "V"):
             raise ValueError(f"mode must be 'Q', 'K' or 'V', got {mode!r}")
         # Only pairs with an earlier first layer are computed (half the work of all pairs); float32 at

@@ -18,7 +18,9 @@ h // (heads / kv_heads)). alpha = 1 is the full model, alpha = 0 a streaming hea
 
 It is built on the model's hook points, nothing else: `hook_rot_q` / `hook_rot_k` (rotary models;
 `hook_q` / `hook_k` otherwise) and `hook_v` are read, and `hook_z` returns the mix, the streaming
-branch computed there with torch SDPA under a boolean mask and the layer's `attn.scale`. Gradients
+branch computed there with torch SDPA under a boolean mask and the layer's `attn.scale` (explicitly, with a
+learned sink logit per head in each softmax, where the layer has them) and, where the layer gates its heads'
+outputs (`attn_output_gate`), multiplied by the gate read at `hook_attn_gate`, as z_full is. Gradients
 reach the gates (and everything upstream) through both branches. Limits: whole sequences only (a
 forward given a `kv_cache`, or an `attention_mask` with padding, raises: the streaming branch sees
 neither; texts of different lengths, padded inside the forward, are not caught), no ALiBi (refused).
@@ -154,14 +156,20 @@ def streaming_mask(n: int, sinks: int, window: int, own_window: int | None = Non
     return sees if own_window is None else sees & (delta < own_window)
 
 
-def _streaming_z(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+def _streaming_z(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, sinks: Tensor | None = None) -> Tensor:
     """q [batch, pos, head, d_head], k / v [batch, pos, kv_head, d_head] -> z [batch, pos, head, d_head]
-    attending under `mask` [pos, pos]; query head h reads KV head h // (head / kv_head)."""
+    attending under `mask` [pos, pos]; query head h reads KV head h // (head / kv_head). `sinks` [head]:
+    learned sink logits (gpt-oss), each in its head's softmax denominator with no value."""
     group = q.shape[2] // k.shape[2]
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(1, 2)
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(1, 2)
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))  # [batch, head, pos, pos]
+    sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:3], 1)
+    pattern = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+    return (pattern @ v).transpose(1, 2)
 
 
 @contextlib.contextmanager
@@ -196,7 +204,9 @@ def gated_attention(model, gates, *, sinks: int = 4, window: int = 128) -> Itera
             key = (n, attn.window, q.device)
             if key not in masks:
                 masks[key] = streaming_mask(n, sinks, window, attn.window, q.device)
-            z_stream = _streaming_z(q, k, v, masks[key], attn.scale)
+            z_stream = _streaming_z(q, k, v, masks[key], attn.scale, attn.sinks)
+            if "gate" in got:  # gated attention (`attn_output_gate`): hook_z's z is gated, so the stream is too
+                z_stream = z_stream * got["gate"]
             g = gates[layer].to(z.dtype).repeat_interleave(group)[:, None]  # [head, 1]
             return g * z + (1 - g) * z_stream
         return fn
@@ -208,6 +218,8 @@ def gated_attention(model, gates, *, sinks: int = 4, window: int = 128) -> Itera
         at = f"blocks.{layer}.attn."
         hooks += [(at + q_hook, keep(layer, "q")), (at + k_hook, keep(layer, "k")), (at + "hook_v", keep(layer, "v")),
                   (at + "hook_z", mix(layer))]
+        if hasattr(model.blocks[layer].attn, "hook_attn_gate"):  # before hook_z, so kept before the mix
+            hooks.append((at + "hook_attn_gate", keep(layer, "gate")))
     def whole_sequences(module, args, kwargs) -> None:  # torch's pre-hook on the model's forward
         if kwargs.get("kv_cache") is not None:
             raise BadValue("gated attention runs whole sequences: run the model without kv_cache inside the block")

@@ -6,7 +6,9 @@
 * `head_table`: per precision, layer and query head, KL(p_full || p_quant) of each query's attention
   row (nats, mean over queries) and the relative change of the head's output z, ||z_q - z|| / ||z||.
   Both are local: the queries, keys and values of the full-precision forward, with this layer's K and
-  V quantized and dequantized, so a head's number is what its own cache does to it.
+  V quantized and dequantized, so a head's number is what its own cache does to it. z is the head's
+  hook_z: times the output gate where the model gates it (`attn_output_gate`); a learned sink logit
+  (gpt-oss) takes its share of each row (the KL is over the keys and the sink).
 * `kv_sensitivity`: three rankings of the KV heads for int4 (higher = keep in full precision):
   `loss` (the measured loss increase with that KV head alone in int4; one forward per KV head from
   the residual stream cached at its layer, the layer's KV heads batched), `kl` (the mean int4 KL of
@@ -65,9 +67,16 @@ def head_table(model, tokens, precisions: Sequence[str] = ("int8", "fp8", "int4"
     cfg = model.cfg
     group = cfg.n_heads // cfg.kv_heads
     rows = []
+    gates: dict[int, Tensor] = {}  # gated attention (`attn_output_gate`): z = gate * (pattern @ v), per layer
+
+    def keep_gate(layer: int):
+        def hook(g: Tensor, hook) -> None:
+            gates[layer] = g.transpose(1, 2).float().to(model.device)  # [batch, head, pos, d_head], as q, k, v
+        return hook
 
     def fn(layer, q, k, v):
-        scale = model.blocks[layer].attn.scale
+        attn = model.blocks[layer].attn
+        scale, gate, sinks = attn.scale, gates.pop(layer, None), attn.sinks
         b, h, n, _ = q.shape
         kf, vf = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
         quant = {p: (fake_quantize(k, p).float().repeat_interleave(group, 1),
@@ -79,22 +88,36 @@ def head_table(model, tokens, precisions: Sequence[str] = ("int8", "fp8", "int4"
             qs = q[:, :, s : s + chunk].float()
             rows_n = qs.shape[2]
             mask = torch.arange(n, device=q.device)[None, :] > torch.arange(s, s + rows_n, device=q.device)[:, None]
-            logp = (qs @ kf.transpose(-1, -2) * scale).masked_fill(mask, float("-inf")).log_softmax(-1)
+            g = 1.0 if gate is None else gate[:, :, s : s + rows_n]
+            logp, mask_s = _log_pattern(qs, kf, scale, mask, sinks)
             p_full = logp.exp()
-            z = p_full @ vf
+            z = p_full[..., :n] @ vf * g
             zz += z.pow(2).sum((0, 2, 3)).cpu()
             for p, (kq, vq) in quant.items():
-                logq = (qs @ kq.transpose(-1, -2) * scale).masked_fill(mask, float("-inf")).log_softmax(-1)
-                terms = torch.where(mask, 0.0, p_full * (logp - logq))
+                logq = _log_pattern(qs, kq, scale, mask, sinks)[0]
+                terms = torch.where(mask_s, 0.0, p_full * (logp - logq))
                 kl[p] += terms.sum(-1).sum((0, 2)).cpu()
-                dz[p] += (logq.exp() @ vq - z).pow(2).sum((0, 2, 3)).cpu()
+                dz[p] += (logq[..., :n].exp() @ vq * g - z).pow(2).sum((0, 2, 3)).cpu()
         for p in precisions:
             for head in range(h):
                 rows.append(dict(precision=p, layer=layer, head=head, kv_head=head // group,
                                  kl=float(kl[p][head]) / (b * n), z_rel_change=math.sqrt(float(dz[p][head] / zz[head]))))
 
-    for_each_layer_qk(model, tokens, fn)
+    gate_hooks = [(f"blocks.{l}.attn.hook_attn_gate", keep_gate(l)) for l in range(cfg.n_layers)
+                  if hasattr(model.blocks[l].attn, "hook_attn_gate")]
+    with model.hooks(fwd_hooks=gate_hooks):  # the gate comes before hook_attn_out, where fn is called
+        for_each_layer_qk(model, tokens, fn)
     return pd.DataFrame(rows)
+
+
+def _log_pattern(q: Tensor, k: Tensor, scale: float, mask: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(log attention [batch, head, rows, keys (+ 1)], its hidden mask): causal (`mask` True: hidden), with the
+    layer's learned sink logits (gpt-oss, [head]) as a last column in each softmax where it has them."""
+    logits = (q @ k.transpose(-1, -2) * scale).masked_fill(mask, float("-inf"))
+    if sinks is None:
+        return logits.log_softmax(-1), mask
+    sink = sinks.float()[None, :, None, None].expand(*logits.shape[:3], 1)
+    return torch.cat([logits, sink], -1).log_softmax(-1), torch.cat([mask, mask.new_zeros(mask.shape[0], 1)], -1)
 
 
 def _kv_heads(model) -> list[tuple[int, int]]:
