@@ -145,3 +145,34 @@ def test_a_passkey_circuit_runs_from_the_command(tmp_path):
     assert cli(["circuit", "rope-gqa-4l", "--task", "passkey", "--length", "256", "--method", "eap", "--prompts", "1",
                 "--out", str(out), "--no-progress"]) == 0
     assert (out / "edges.parquet").exists() and (out / "faithfulness.csv").exists()
+
+
+def test_a_long_prompts_pattern_view_keeps_the_positions_that_matter(zoo, monkeypatch):
+    """Past PATTERN_MAX positions the report's patterns are the full patterns' rows and columns at the keys
+    each head attends to most from the answer, the first token and the last few, read from one layer's
+    pattern at a time; the movers' attention is the same as from full patterns."""
+    import pandas as pd
+
+    from interp.analyses.circuits import study
+
+    task = passkey_task(zoo, 256, 1)
+    heads = pd.DataFrame({"node": ["L3H1", "L1H0"], "layer": [3, 1], "head": [1, 0], "score": [2.0, 1.0]})
+    monkeypatch.setattr(study, "PATTERN_MAX", 128)
+    names, stack, strings = study._patterns(zoo, task, heads)
+    n = int(task.positions.max()) + 1
+    _, cache = zoo.run_with_cache(task.clean[:1, :n])
+    shown = [int(s.rsplit("@", 1)[1]) for s in strings]
+    assert names == ["L3H1", "L1H0"] and len(shown) < n and 0 in shown and n - 1 in shown
+    answer = [cache["pattern", l][0, h, n - 1] for l, h in ((3, 1), (1, 0))]
+    for a in answer:  # each head's most attended keys are among those shown
+        assert set(a.topk(study.PATTERN_KEYS).indices.tolist()) <= set(shown)
+    at = torch.tensor(shown)
+    want = torch.stack([cache["pattern", l][0, h][at][:, at] for l, h in ((3, 1), (1, 0))])
+    torch.testing.assert_close(torch.as_tensor(stack), want)
+    edges = pd.DataFrame({"sender": ["L3H1", "L1H0"], "receiver": ["logits", "logits"], "score": [2.0, 1.0]})
+    movers = study._movers(zoo, task, edges)
+    rows, pos = task.rows, task.positions
+    on = task.clean[rows]
+    for (l, h), got in zip(((3, 1), (1, 0)), movers.attention_to_answer):
+        full = zoo.run_with_cache(task.clean)[1]["pattern", l][rows, h, pos]
+        assert got == pytest.approx(float((full * (on == task.answer_tokens[:, None])).sum()) / task.n_answers)

@@ -44,6 +44,7 @@ DEFAULT_PASSKEY, MIN_PASSKEY = 1024, 128  # the passkey task's prompt length in 
 # exact edge patching is one forward per edge: past this many edges it is refused (with the way round)
 MAX_PATCHED_EDGES = 20_000
 GOOD = 0.8  # the faithfulness a circuit drawn by default reaches, where one of MIB's sizes does
+PATTERN_MAX, PATTERN_KEYS, PATTERN_TAIL = 512, 8, 16  # a long prompt's pattern view: `_patterns`
 ROLE_TOP = 3  # the atlas's heads of a role: the top 3 by its score (as the KV precision study names them)
 
 
@@ -319,16 +320,13 @@ def _movers(model, task, edges: pd.DataFrame, top: int = 5) -> pd.DataFrame | No
     into = edges[(edges.receiver == "logits") & edges.sender.str.match(r"L\d+H\d+$")]
     into = _top(into, top)
     heads = [tuple(int(x) for x in name[1:].split("H")) for name in into.sender]
-    layers = sorted({l for l, _ in heads})
-    names = [f"blocks.{l}.attn.hook_pattern" for l in layers]
     sums = {h: [0.0, 0.0] for h in heads}
     for part, answers in task.chunks(16):
         rows, pos = task.rows[answers] - part.start, task.positions[answers]
         tokens = task.clean[part].to(model.device)
-        with torch.no_grad():
-            _, cache = model.run_with_cache(tokens, names_filter=lambda n: n in names)
+        got = _pattern_rows(model, tokens, heads, lambda p: p[rows.to(p.device), :, pos.to(p.device)])
         for l, h in heads:
-            a = cache[f"blocks.{l}.attn.hook_pattern"][rows, h, pos].float().cpu()  # [n, keys]
+            a = got[l][:, h].float().cpu()  # [n, keys]: each answer position's attention
             on = tokens[rows].cpu()
             sums[(l, h)][0] += float((a * (on == task.answer_tokens[answers, None])).sum())
             if task.wrong_tokens is not None:
@@ -340,22 +338,48 @@ def _movers(model, task, edges: pd.DataFrame, top: int = 5) -> pd.DataFrame | No
                                                 for h in heads]})
 
 
+def _pattern_rows(model, tokens, heads, keep) -> dict:
+    """{layer: keep(pattern [batch, head, query, key])} for the layers of `heads`, from one forward: each
+    layer's pattern exists only while its hook runs, so a long prompt holds one layer's at a time."""
+    got: dict[int, torch.Tensor] = {}
+
+    def hook(l):
+        def fn(pattern, hook):
+            got[l] = keep(pattern.detach()).clone()
+        return fn
+
+    layers = sorted({l for l, _ in heads})
+    with torch.no_grad(), model.hooks([(f"blocks.{l}.attn.hook_pattern", hook(l)) for l in layers]):
+        model(tokens, stop_at_layer=max(layers) + 1)
+    return got
+
+
 def _patterns(model, task, heads: pd.DataFrame, limit: int = 24):
-    """The circuit's heads' patterns on the task's first clean prompt (its real tokens): (names, [n, p, p], tokens)."""
+    """The circuit's heads' patterns on the task's first clean prompt (its real tokens): (names, [n, p, p],
+    tokens). Past `PATTERN_MAX` positions, only the positions that matter are shown, rows and columns both:
+    the keys each head attends to most from the answer position (`PATTERN_KEYS` each), the first token and
+    the last `PATTERN_TAIL` (a 4,096-token prompt's full patterns would take GBs and show nothing)."""
     if heads.empty:
         return None
     heads = _top(heads, limit)
-    n = int(task.positions[task.rows == 0].max()) + 1
+    pairs = [(int(r.layer), int(r.head)) for r in heads.itertuples()]
+    answer = int(task.positions[task.rows == 0].max())
+    n = answer + 1
     tokens = task.clean[:1, :n].to(model.device)
-    layers = sorted(set(int(l) for l in heads.layer))
-    names = [f"blocks.{l}.attn.hook_pattern" for l in layers]
-    with torch.no_grad():
-        _, cache = model.run_with_cache(tokens, names_filter=lambda name: name in names)
-    stack = torch.stack([cache[f"blocks.{int(r.layer)}.attn.hook_pattern"][0, int(r.head)] for r in heads.itertuples()])
+    shown = torch.arange(n)
+    if n > PATTERN_MAX:
+        rows = _pattern_rows(model, tokens, pairs, lambda p: p[0, :, answer])  # [head, key] per layer
+        top = torch.stack([rows[l][h] for l, h in pairs]).float().cpu().topk(PATTERN_KEYS, dim=-1).indices
+        shown = torch.unique(torch.cat([top.flatten(), torch.tensor([0]), torch.arange(n - PATTERN_TAIL, n)]))
+    at = shown.to(model.device)
+    got = _pattern_rows(model, tokens, pairs, lambda p: p[0][:, at][:, :, at])  # [head, shown, shown] per layer
+    stack = torch.stack([got[l][h] for l, h in pairs])
     try:
         strings = model.to_str_tokens(tokens[0])
     except Exception:  # no tokenizer: positions
         strings = [str(i) for i in range(n)]
+    if n > PATTERN_MAX:
+        strings = [f"{strings[i]} @{i}" for i in shown.tolist()]
     return list(heads.node), to_numpy(stack, np.float32), strings
 
 
