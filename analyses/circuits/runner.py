@@ -20,7 +20,9 @@ from .passes import Stacked, _Pass, graph_mode
 from .qk import parse_head, qk_attribution
 
 
-LAYERED_ABOVE = 2 * 2 ** 30  # bytes of the whole graph's receiver gradients past which attribution goes block by block
+# bytes of the whole graph's receiver gradients past which attribution goes block by block: at 1,021 tokens on
+# SmolLM2 (1.98 GB of them) the whole graph peaked at 9.15 GiB and block by block at 2.13 GiB, in the same time
+LAYERED_ABOVE = 2 ** 30
 EAP_KL = ("EAP takes the metric's gradient at the clean run, where KL from the clean run is least (gradient 0, every "
           "score 0): use EAP-IG or exact patching (--method eap-ig or patching) with the kl metric")
 
@@ -69,7 +71,7 @@ class Runner:
                  layered: bool | None = None) -> None:
         """`layered`: EAP and EAP-IG one block at a time (`layered`: memory that grows with positions x d_model,
         not with the receivers' gradients); None: so when the whole graph's gradients would pass `LAYERED_ABOVE`
-        bytes (prompts of ~1,000 tokens on SmolLM2)."""
+        bytes (prompts of ~500 tokens on SmolLM2)."""
         if not getattr(model, "native", True):
             raise NotImplementedError("circuits need interp's own transformer (per-head inputs and outputs); this "
                                       "model is wrapped (run by transformers): load a natively supported family")

@@ -66,7 +66,7 @@ class CircuitSettings(StudySettings):
              (the task's named positions: IOI's S1, S2, IO, END, other) or some class names ("S2,END"); scored
              by the same method, with a faithfulness curve beside the plain one
     length   the passkey task's prompt length in tokens (default 1024; `passkey.passkey_task`); EAP and EAP-IG go
-             block by block past ~1,000 tokens (`layered`), in memory that grows with the length, not its square"""
+             block by block past ~500 tokens (`layered`), in memory that grows with the length, not its square"""
 
     task: str = "ioi"
     method: str = "eap-ig"
