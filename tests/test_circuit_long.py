@@ -90,6 +90,27 @@ def test_the_lean_cache_patches_as_the_whole_cache_does(name):
                                    rtol=1e-5, atol=1e-6, msg=column)
 
 
+def test_eap_ig_at_the_left_points_starts_from_the_corrupted_run():
+    """points="left" (EAP-IG's own k / steps): one step takes the gradient at the corrupted run itself, which
+    is EAP on the task with clean and corrupted swapped, negated (EAP's difference is the other way round);
+    two steps average that and the midpoint's one step."""
+    import dataclasses
+
+    model = build(OWN_CONFIGS["rotary-rms-swiglu-gqa"])
+    task = random_task(model, n=3, p=7)
+    swapped = dataclasses.replace(task, clean=task.corrupted, corrupted=task.clean)
+    runner = Runner(model, task, batch_size=2)
+    left = runner.eap_ig(1, points="left")
+    want = -Runner(model, swapped, batch_size=2).eap()
+    assert want.abs().max() > 1e-3
+    torch.testing.assert_close(left, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+    two = runner.eap_ig(2, points="left")  # points 0 and 1/2: the mean of the above and the 1-step midpoint
+    torch.testing.assert_close(two, (left + runner.eap_ig(1)) / 2, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+    assert not torch.allclose(left, runner.eap_ig(1))
+    with pytest.raises(ValueError, match="'midpoint' or 'left'"):
+        runner.eap_ig(2, points="right")
+
+
 def test_senders_values_written_as_they_come_are_the_stacked_values():
     model = build(OWN_CONFIGS["gemma3-like"])  # sandwich norms: head shares computed in the pass
     task = random_task(model)
@@ -176,3 +197,23 @@ def test_a_long_prompts_pattern_view_keeps_the_positions_that_matter(zoo, monkey
     for (l, h), got in zip(((3, 1), (1, 0)), movers.attention_to_answer):
         full = zoo.run_with_cache(task.clean)[1]["pattern", l][rows, h, pos]
         assert got == pytest.approx(float((full * (on == task.answer_tokens[:, None])).sum()) / task.n_answers)
+
+
+def test_the_command_takes_eap_igs_own_points(tmp_path):
+    """--ig-points left: the scores of `Runner.eap_ig(steps, points="left")`, recorded in settings.json."""
+    import json
+
+    import pandas as pd
+
+    from interp.analyses.circuits.tasks import induction_task
+
+    out = tmp_path / "left"
+    assert cli(["circuit", "attn-only-2l", "--task", "induction", "--prompts", "4", "--steps", "2", "--ig-points",
+                "left", "--out", str(out), "--no-progress"]) == 0
+    assert json.loads((out / "settings.json").read_text())["ig_points"] == "left"
+    edges = pd.read_parquet(out / "edges.parquet")
+    model = interp.load("attn-only-2l")
+    runner = Runner(model, induction_task(model, n_prompts=4, seed=0))
+    want = runner.graph.edge_frame(runner.eap_ig(2, points="left"))
+    assert edges.method.iloc[0] == "eap-ig (inputs, 2 left steps)"
+    torch.testing.assert_close(torch.tensor(edges.score.to_numpy()), torch.tensor(want.score.to_numpy()))

@@ -263,16 +263,17 @@ def edge_frame(graph: Graph, positions: Positions, scores: Tensor) -> pd.DataFra
 
 
 def measure(runner, positions: Positions, method: str, steps: int = 5, ig: str = "inputs",
-            fractions: Sequence[float] = FRACTIONS, show_progress: bool | None = None) -> dict:
-    """Position-resolved scores by `method` ("eap", "eap-ig", "patching"), their edge frame, the faithfulness
-    curve and the seconds each took: what `interp circuit --positions` adds."""
+            fractions: Sequence[float] = FRACTIONS, show_progress: bool | None = None, points: str = "midpoint") -> dict:
+    """Position-resolved scores by `method` ("eap", "eap-ig", "patching"; EAP-IG at `points`, as
+    `Runner.eap_ig`), their edge frame, the faithfulness curve and the seconds each took: what `interp
+    circuit --positions` adds."""
     t0 = time.perf_counter()
     if method == "patching":
         scores = patch_edges(runner, positions)
     elif method == "eap":
         scores = runner.eap(positions=positions)
     else:
-        scores = runner.eap_ig(steps, ig, positions=positions)
+        scores = runner.eap_ig(steps, ig, positions=positions, points=points)
     t1 = time.perf_counter()
     curve = faithfulness_curve(runner, positions, scores, fractions, show_progress)
     t2 = time.perf_counter()

@@ -23,6 +23,7 @@ from .qk import parse_head, qk_attribution
 # bytes of the whole graph's receiver gradients past which attribution goes block by block: at 1,021 tokens on
 # SmolLM2 (1.98 GB of them) the whole graph peaked at 9.15 GiB and block by block at 2.13 GiB, in the same time
 LAYERED_ABOVE = 2 ** 30
+IG_POINTS = ("midpoint", "left")  # where EAP-IG takes its gradients between the corrupted (0) and clean (1) run
 EAP_KL = ("EAP takes the metric's gradient at the clean run, where KL from the clean run is least (gradient 0, every "
           "score 0): use EAP-IG or exact patching (--method eap-ig or patching) with the kl metric")
 
@@ -213,15 +214,19 @@ class Runner:
             raise ValueError(EAP_KL)
         return self._attribution([None], positions)
 
-    def eap_ig(self, steps: int = 5, on: str = "inputs", positions=None) -> Tensor:
-        """EAP-IG edge scores [S, R] with `steps` midpoints between the corrupted and the clean run, on the
+    def eap_ig(self, steps: int = 5, on: str = "inputs", positions=None, points: str = "midpoint") -> Tensor:
+        """EAP-IG edge scores [S, R] with `steps` points between the corrupted (0) and the clean run (1), on the
         embeddings (`on="inputs"`) or on every receiver's input at once (`"activations"`); [S, R, C] with
-        `positions`, as `eap`."""
+        `positions`, as `eap`. `points`: "midpoint", (k + 1/2) / steps (the integral's midpoint rule), or
+        "left", k / steps from the corrupted run (hannamw/EAP-IG's own points: its scores, to round-off)."""
         if on not in IG_ON:
             raise ValueError(f"EAP-IG interpolates 'inputs' or 'activations', got {on!r}")
         if steps < 1:
             raise ValueError(f"EAP-IG needs at least one step, got {steps}")
-        return self._attribution([((k + 0.5) / steps, on) for k in range(steps)], positions)
+        if points not in IG_POINTS:
+            raise ValueError(f"EAP-IG's points are {' or '.join(map(repr, IG_POINTS))}, got {points!r}")
+        offset = 0.5 if points == "midpoint" else 0.0
+        return self._attribution([((k + offset) / steps, on) for k in range(steps)], positions)
 
     def _attribution(self, points: list, positions=None) -> Tensor:
         g, model = self.graph, self.model

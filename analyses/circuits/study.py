@@ -32,7 +32,7 @@ from .graph import FRACTIONS, IG_ON, METHODS, SELECTIONS, Graph, Task, areas, se
 from .positions import check_mode as check_positions, measure as measure_positions, positions_for
 from .positions import record as position_record, section as position_section
 from .qk import check_model, parse_heads
-from .runner import Runner, cache_bytes, faithfulness_curve, goes_by_layer
+from .runner import IG_POINTS, Runner, cache_bytes, faithfulness_curve, goes_by_layer
 from .passkey import passkey_task
 from .tasks import METRICS, TASKS, build_task, read_task_file
 from ..document import Html, Section, number, png
@@ -52,7 +52,8 @@ ROLE_TOP = 3  # the atlas's heads of a role: the top 3 by its score (as the KV p
 class CircuitSettings(StudySettings):
     """task     "ioi", "induction", "greater-than", or a JSON-lines file (`tasks.read_task_file`)
     method   "patching" (exact, one run per edge), "eap", "eap-ig"
-    steps    EAP-IG's interpolation points; ig: "inputs" (the embeddings) or "activations"
+    steps    EAP-IG's interpolation points; ig: "inputs" (the embeddings) or "activations"; ig_points:
+             "midpoint" ((k + 1/2) / steps) or "left" (k / steps, hannamw/EAP-IG's)
     metric   None: the task's own (logit-diff; prob-diff for greater-than; loss for a file without wrong answers)
     prompts  None: the task's default (64)
     select   "top" (the n edges of largest |score|) or "greedy" (grown from the logits); dangling edges pruned
@@ -72,6 +73,7 @@ class CircuitSettings(StudySettings):
     method: str = "eap-ig"
     steps: int = 5
     ig: str = "inputs"
+    ig_points: str = "midpoint"
     metric: str | None = None
     prompts: int | None = None
     seed: int = 0
@@ -175,6 +177,8 @@ class CircuitStudy(Study):
             raise ValueError(f"unknown method {s.method!r}: choose one of {', '.join(METHODS)}")
         if s.ig not in IG_ON:
             raise ValueError(f"--ig must be one of {', '.join(IG_ON)}, got {s.ig!r}")
+        if s.ig_points not in IG_POINTS:
+            raise ValueError(f"--ig-points must be one of {', '.join(IG_POINTS)}, got {s.ig_points!r}")
         if s.metric is not None and s.metric not in METRICS:
             raise ValueError(f"unknown metric {s.metric!r}: choose one of {', '.join(METRICS)}")
         if s.select not in SELECTIONS:
@@ -218,8 +222,8 @@ class CircuitStudy(Study):
         elif s.method == "eap":
             scores = stage("eap", runner.eap)
         else:
-            scores = stage("eap-ig", lambda: runner.eap_ig(s.steps, s.ig))
-        method = s.method if s.method != "eap-ig" else f"eap-ig ({s.ig}, {s.steps} steps)"
+            scores = stage("eap-ig", lambda: runner.eap_ig(s.steps, s.ig, points=s.ig_points))
+        method = s.method if s.method != "eap-ig" else f"eap-ig ({s.ig}, {s.steps} {s.ig_points} steps)"
         edges = g.edge_frame(scores).assign(method=method)
         node_scores = scores.sum(1) if s.method != "patching" else None
         exact_nodes = exact_edges = None
@@ -250,7 +254,7 @@ class CircuitStudy(Study):
         by_position = ()
         if pos is not None:
             measured = stage("positions", lambda: measure_positions(runner, pos, s.method, s.steps, s.ig, FRACTIONS,
-                                                                    s.progress))
+                                                                    s.progress, points=s.ig_points))
             tables["position_edges"], tables["position_faithfulness"] = measured["edges"], measured["curve"]
             by_position = (pos, measured)
         if qk:
@@ -266,7 +270,8 @@ class CircuitStudy(Study):
         heads = m["nodes"][m["nodes"].in_circuit & (m["nodes"].kind == "head")]["node"].tolist()
         return {"task": s.task, "task_description": task.description, "metric": task.metric_name,
                 "method": s.method, "steps": s.steps if s.method == "eap-ig" else None,
-                "ig": s.ig if s.method == "eap-ig" else None, "prompts": int(task.clean.shape[0]),
+                "ig": s.ig if s.method == "eap-ig" else None,
+                "ig_points": s.ig_points if s.method == "eap-ig" else None, "prompts": int(task.clean.shape[0]),
                 "answers": task.n_answers, "seed": s.seed, "select": s.select, "oracle": s.oracle,
                 "clean_metric": runner.clean_metric, "corrupted_metric": runner.corrupted_metric,
                 "n_edges": runner.graph.n_edges, **areas(curve),

@@ -9,6 +9,7 @@ from . import checks
 
 # the choices of interp.analyses.circuits (METHODS, IG_ON, SELECTIONS), here so that --help does not import torch
 METHODS, IG_ON, SELECTIONS = ("patching", "eap", "eap-ig"), ("inputs", "activations"), ("top", "greedy")
+IG_POINTS = ("midpoint", "left")  # interp.analyses.circuits.runner.IG_POINTS, here so that --help does not import torch
 
 HELP = "circuits: which heads and head-to-head edges carry a task (exact patching, EAP, EAP-IG) and how faithful they are"
 EPILOG = """examples:
@@ -57,6 +58,9 @@ def add_arguments(p) -> None:
     m.add_argument("--steps", type=int, default=5, help="EAP-IG's interpolation steps (default 5)")
     m.add_argument("--ig", default="inputs", choices=IG_ON, help="EAP-IG interpolates the embeddings (inputs, "
                                                                 "default) or every receiver's input (activations)")
+    m.add_argument("--ig-points", default="midpoint", choices=IG_POINTS,
+                   help="EAP-IG's points between the corrupted and clean run: midpoint, (k + 1/2) / steps (default), "
+                        "or left, k / steps (hannamw/EAP-IG's own, to reproduce its scores)")
     m.add_argument("--select", default="top", choices=SELECTIONS,
                    help="top: the n edges of largest |score|; greedy: grown from the logits (default top)")
     m.add_argument("--size", type=float, default=None,
@@ -85,7 +89,7 @@ def run(args) -> int:
     def settings():
         _refuse_eap_with_kl(args)
         return CircuitSettings(**checks.common(args), task=args.task, method=args.method, steps=args.steps,
-                               ig=args.ig, metric=args.metric, prompts=args.prompts, seed=args.seed,
+                               ig=args.ig, ig_points=args.ig_points, metric=args.metric, prompts=args.prompts, seed=args.seed,
                                batch_size=args.batch_size, select=args.select, size=args.size, oracle=args.oracle,
                                qk=args.qk, qk_keys=args.qk_keys, positions=args.positions, length=args.length)
 
