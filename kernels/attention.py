@@ -290,6 +290,13 @@ def soft_cap(x: Tensor, cap: float) -> Tensor:
 CAP_TILE, CAP_BLOCK = 1 << 22, 256
 
 
+def with_sink_column(scores: Tensor, sink_logits: Tensor) -> Tensor:
+    """scores [batch, head, query, key] with each head's learned sink logit (gpt-oss, `sink_logits` [head]) as
+    one more key column, [batch, head, query, key + 1]: a softmax over it gives the sink its share of each row."""
+    column = sink_logits.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, column], dim=-1)
+
+
 def _capped_attention(q, k, v, mask: AttentionMask, *, scale, window, alibi_slopes, sink_limit, softcap,
                       sink_logits=None):
     """The instrumented path's numbers (scores in float32, capped, masked as `AttentionMask.pairs`,
@@ -324,8 +331,7 @@ def _capped_attention(q, k, v, mask: AttentionMask, *, scale, window, alibi_slop
         if sink_logits is None:
             weights = torch.softmax(scores, dim=-1)
         else:
-            column = sink_logits.float()[None, :, None, None].expand(*scores.shape[:-1], 1)
-            weights = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+            weights = torch.softmax(with_sink_column(scores, sink_logits), dim=-1)[..., :-1]
         out[:, :, s:e] = torch.matmul(weights.to(vs.dtype), vs)
     return out
 
@@ -354,8 +360,7 @@ def instrumented_attention(q, k, v, mask, *, scale, window=None, alibi_slopes=No
     if sink_logits is None:
         pattern = torch.softmax(scores, dim=-1)
     else:
-        sinks = sink_logits.float()[None, :, None, None].expand(*scores.shape[:-1], 1)
-        pattern = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+        pattern = torch.softmax(with_sink_column(scores, sink_logits), dim=-1)[..., :-1]
     if pattern_hook is not None:
         pattern = pattern_hook(pattern)
     return torch.matmul(pattern.to(v.dtype), v)

@@ -80,6 +80,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from interp.kernels.attention import with_sink_column
 from interp.kernels.visibility import visible
 from interp.models.device import to_numpy
 from interp.errors import BadValue, check_int, check_real
@@ -167,8 +168,7 @@ def _streaming_z(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, si
     if sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(1, 2)
     scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))  # [batch, head, pos, pos]
-    sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:3], 1)
-    pattern = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+    pattern = with_sink_column(scores, sinks).softmax(-1)[..., :-1]
     return (pattern @ v).transpose(1, 2)
 
 

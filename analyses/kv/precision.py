@@ -27,6 +27,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
+from interp.kernels.attention import with_sink_column
 from interp.kernels.kv_quant import check_precision, fake_quantize
 from interp.models import lm_loss
 from interp.models.stats import for_each_layer_qk
@@ -116,8 +117,7 @@ def _log_pattern(q: Tensor, k: Tensor, scale: float, mask: Tensor, sinks: Tensor
     logits = (q @ k.transpose(-1, -2) * scale).masked_fill(mask, float("-inf"))
     if sinks is None:
         return logits.log_softmax(-1), mask
-    sink = sinks.float()[None, :, None, None].expand(*logits.shape[:3], 1)
-    return torch.cat([logits, sink], -1).log_softmax(-1), torch.cat([mask, mask.new_zeros(mask.shape[0], 1)], -1)
+    return with_sink_column(logits, sinks).log_softmax(-1), torch.cat([mask, mask.new_zeros(mask.shape[0], 1)], -1)
 
 
 def _kv_heads(model) -> list[tuple[int, int]]:
