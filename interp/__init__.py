@@ -75,7 +75,7 @@ _MOVED = {
     "interp.analyses.extrapolate": "interp.analyses.extrapolation.extrapolate",
     "interp.analyses.extrapolate_study": "interp.analyses.extrapolation.study",
     "interp.analyses.lengths": "interp.analyses.extrapolation.lengths",
-    # issue 54: the streaming statistics are one package, kernels/stats/ (interp.kernels.stats, the entry point,
+    # issue 54: the streaming statistics are one package, kernels/src/stats/ (interp.kernels.stats, the entry point,
     # keeps its name: the package's __init__)
     "interp.kernels.stats_common": "interp.kernels.stats.common",
     "interp.kernels.stats_fused": "interp.kernels.stats.fused",

@@ -168,7 +168,7 @@ def _weight_pairs(model, bridge):
                     ours = stored(block.mlp, w) if w.startswith("b_") else getattr(block.mlp, w)
                     yield f"blocks.{l}.mlp.{w}", ours, _maybe(theirs.mlp, w)
     # The bridge's Gemma norms hold Hugging Face's w and multiply by (1 + w) (`cfg.rmsnorm_uses_offset`);
-    # ours hold the multiplier itself (as `models/families/gemma3.py` loads them).
+    # ours hold the multiplier itself (as `models/src/families/gemma3.py` loads them).
     offset = bool(getattr(getattr(bridge, "cfg", None), "rmsnorm_uses_offset", False))
     norms.append(("embed_ln", model.embed_ln, _maybe(bridge, "embed_ln")))  # Bloom's embedding norm, where it is
     for name, ours, theirs in [*norms, ("ln_final", model.ln_final, bridge.ln_final)]:

@@ -9,7 +9,7 @@
 * `simulated_gpu()`: the CPU plays a GPU: tensors put on "the device" are told apart from host tensors,
   and an operation mixing the two raises `DeviceMixError` (``tests/test_device.py`` runs every command so).
 
-Not the model: it lived in models/device.py until the models' room was kept for the model.
+Not the model: it lived in models/src/device.py until the models' room was kept for the model.
 """
 
 from __future__ import annotations

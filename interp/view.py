@@ -13,7 +13,7 @@ writes the same page. Nothing is fetched (no CDN): the script and the data are i
 as 8-bit codes. Bad input (a token count that is not the pattern's, NaN, weights outside [0, 1], more
 than 4,096 tokens) is a `BadValue` / `UserError` before any HTML is built; rows that do not sum to 1
 are drawn as given under a warning line. The checks are `interp.models.attention_view` and the drawing `interp.drawing` (low
-enough for `ActivationCache.view`); the head grid is the report's viewer (`analyses/atlas/registry/viewer.py`).
+enough for `ActivationCache.view`); the head grid is the report's viewer (`analyses/src/atlas/registry/viewer.py`).
 """
 
 from __future__ import annotations

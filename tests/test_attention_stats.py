@@ -28,6 +28,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -532,7 +533,7 @@ def _native_worker() -> None:
         with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
             cubin.write(compiled.asm["cubin"])
             cubin.flush()
-            usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin.name], capture_output=True, text=True)
+            usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin.name], capture_output=True, text=True, cwd=tempfile.gettempdir())
         line = next(line for line in usage.stdout.splitlines() if "REG:" in line)
         fields = dict(item.split(":") for item in line.split() if ":" in item)
         print(f"USAGE {dt} d={d} blocks={block_m}x{block_n} REG={fields['REG']} STACK={fields['STACK']}")
@@ -546,7 +547,7 @@ def triton_workers():
     procs = {
         name: subprocess.Popen(
             [sys.executable, __file__, f"--{name}-worker"], env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir(),
         )
         for name, env in (("interpreter", dict(os.environ, TRITON_INTERPRET="1")), ("native", native_env))
     }
@@ -625,7 +626,8 @@ def test_memory_stays_linear_at_16k():
     n = 16384
     pattern_gib = 4 * n * n * 4 / 2**30  # one fp32 pattern for 4 heads: 4 GiB
     proc = subprocess.run(
-        [sys.executable, "-c", _MEMORY_SCRIPT.format(n=n)], capture_output=True, text=True, timeout=900
+        [sys.executable, "-c", _MEMORY_SCRIPT.format(n=n)], capture_output=True, text=True, timeout=900,
+        cwd=tempfile.gettempdir(),
     )
     assert proc.returncode == 0, proc.stderr
     fields = proc.stdout.split()

@@ -4,7 +4,9 @@ front with one line (exit 2) before any checkpoint is loaded or anything is writ
 from __future__ import annotations
 
 import subprocess
+
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -51,7 +53,7 @@ def test_help_is_instant_and_imports_no_torch(args):
             "try:\n    main(sys.argv[1:] + ['--help'])\nexcept SystemExit: pass\n"
             "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', time.perf_counter() - t)")
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60).stdout
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60, cwd=tempfile.gettempdir()).stdout
     wall = time.perf_counter() - start
     assert out.splitlines()[-1].startswith("NO-TORCH"), out[-500:]
     assert wall < 1.0, f"interp {' '.join(args)} --help took {wall:.2f} s"

@@ -28,7 +28,7 @@ from interp.models.device import compute_record, resolve_device, to_numpy
 from interp.testing import HostCopyError, refuse_host_copies
 from interp.errors import BadValue
 
-PACKAGE = Path(interp.__file__).resolve().parent.parent  # the source tree: interp/, models/, kernels/, analyses/
+PACKAGE = Path(interp.__file__).resolve().parent.parent  # the source tree: interp/, models/src/, kernels/src/, analyses/src/
 
 
 # ---- the guard -------------------------------------------------------------------------------------
@@ -51,7 +51,7 @@ def door(t): return to_numpy(t)
 
 def test_the_guard_refuses_every_implicit_host_copy_our_code_makes():
     t = torch.arange(6.0).reshape(2, 3)
-    ours = _code_from(PACKAGE / "analyses" / "some_analysis.py", LEAKS)
+    ours = _code_from(PACKAGE / "analyses" / "src" / "some_analysis.py", LEAKS)
     theirs = _code_from(Path(np.__file__).parent.parent / "some_library" / "module.py", LEAKS)
     with refuse_host_copies():
         for leak in ("numpy", "asarray", "array", "frame", "series"):
@@ -88,7 +88,7 @@ def _numpy_calls(source: str) -> list[int]:
 
 
 def test_no_numpy_call_in_the_package_but_the_one_door():
-    allowed = PACKAGE / "models" / "device.py"
+    allowed = PACKAGE / "models" / "src" / "device.py"
     found = []
     for folder in ("interp", "models", "kernels", "analyses"):
         for f in sorted((PACKAGE / folder).rglob("*.py")):

@@ -111,7 +111,7 @@ def _run(tmp_path: Path, fake: bool, *args: str) -> subprocess.CompletedProcess:
         (shadow / "topics.py").write_text("topics = {'fake': 'Not the reference. ' * 4000}\n")
         env["PYTHONPATH"] = os.pathsep.join([str(shadow.parent), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-c", RUNNER, str(tmp_path / "stdlib") if fake else "-", *args],
-                          capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, timeout=600)
+                          capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

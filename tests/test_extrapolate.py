@@ -1,5 +1,5 @@
-"""`interp extrapolate`: a rotary model past its trained context, per RoPE scaling (analyses/extrapolation/extrapolate.py,
-analyses/extrapolation/study.py, models/rope/heads.py).
+"""`interp extrapolate`: a rotary model past its trained context, per RoPE scaling (analyses/src/extrapolation/extrapolate.py,
+analyses/src/extrapolation/study.py, models/src/rope/heads.py).
 
 1. one forward gives every length's head scores (`scores_at_lengths` equals `scores_by_length`);
 2. the never-completed share against a hand computation (both rotary layouts, partial rotary);
@@ -17,6 +17,7 @@ import json
 import math
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pandas as pd
@@ -417,7 +418,7 @@ def _no_loading(monkeypatch):
 def test_help_imports_no_torch_and_names_the_librarys_defaults():
     code = ("import sys; from interp.cli import main\ntry:\n    main(['extrapolate', '--help'])\nexcept SystemExit: pass\n"
             "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tempfile.gettempdir()).stdout
     assert out.splitlines()[-1] == "NO-TORCH", out[-500:]
     from interp.analyses.extrapolation import extrapolate
     from interp.commands import choices

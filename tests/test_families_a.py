@@ -276,20 +276,38 @@ def test_phi3_long_factors_are_exercised():
 
 
 def test_phi3_legacy_su_rope_reads_as_hugging_face_reads_it():
-    """Phi-3's older config.json: rope_scaling type "su" or "yarn" is longrope. The top-level
-    original_max_position_embeddings wins over the one in the rope parameters, except for "su" (renamed
-    only after Phi3Config has standardised them)."""
-    for kind, orig in (("su", 8), ("yarn", 16), ("longrope", 16)):
+    """Phi-3's older config.json: rope_scaling type "su" or "yarn" is longrope, and the top-level
+    original_max_position_embeddings wins over the one in the rope parameters, whatever the name.
+
+    Which transformers reads it how: before 5.25, Phi3Config renamed "su" only after standardising, so for
+    "su" alone the inner value (8 here) won; from 5.25 it renames first and the top-level value (16) wins for
+    every name. We read it as 5.25 does ("su" is a spelling of longrope, not a variant), and transformers'
+    own Phi-3 built from the same raw config is the oracle for the logits past the original length."""
+    from packaging.version import Version
+
+    renames_first = Version(transformers.__version__) >= Version("5.25")
+    for kind in ("su", "yarn", "longrope"):
         raw = dict(hidden_size=48, num_attention_heads=6, num_hidden_layers=1, intermediate_size=72, vocab_size=VOCAB,
                    max_position_embeddings=64, original_max_position_embeddings=16, rope_theta=500.0,
                    rope_scaling={"type": kind, "short_factor": [1.0, 1.5, 2.0, 2.5], "long_factor": [1.0, 3.0, 5.0, 7.0],
-                                 "original_max_position_embeddings": 8})
-        ref = transformers.Phi3Config(**copy.deepcopy(raw)).rope_parameters  # it edits the dicts it is given
+                                 "original_max_position_embeddings": 8},
+                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        hf_cfg = transformers.Phi3Config(**copy.deepcopy(raw))  # it edits the dicts it is given
+        ref = hf_cfg.rope_parameters
         cfg = get_family("phi3").config({**raw, "model_type": "phi3"})
         s = cfg.rope_scaling
         assert (s.kind, ref["rope_type"]) == ("longrope", "longrope")
-        assert s.original_max_position == ref["original_max_position_embeddings"] == orig
-        assert list(s.long_factor) == ref["long_factor"] and s.factor == 64 / orig and cfg.rotary_base == 500.0
+        assert s.original_max_position == 16 and list(s.long_factor) == ref["long_factor"]
+        assert s.factor == 64 / 16 and cfg.rotary_base == 500.0
+        assert ref["original_max_position_embeddings"] == (8 if kind == "su" and not renames_first else 16)
+        if ref["original_max_position_embeddings"] != 16:
+            continue  # an older transformers reads this legacy spelling apart (above): no oracle for its logits
+        torch.manual_seed(0)
+        hf = transformers.Phi3ForCausalLM(hf_cfg).eval()
+        family = get_family("phi3")
+        ours = build_model(cfg, convert_weights(family, cfg, dict(hf.state_dict()), "test"), "test", torch.float32, "cpu")
+        toks = tokens(2, 40, vocab=VOCAB)  # past the original 16: the long factors are in use
+        assert max_diff(ours, hf, toks) < TOL
 
 
 def test_gpt_neo_unscaled_scores_and_local_layers():

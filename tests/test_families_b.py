@@ -19,6 +19,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 
 import pytest
@@ -328,7 +329,7 @@ def _triton_worker() -> None:
 def test_triton_stats_with_the_cap_equal_the_float64_oracle():
     pytest.importorskip("triton")
     proc = subprocess.run([sys.executable, __file__, "--triton-worker"], capture_output=True, text=True,
-                          env=dict(os.environ, TRITON_INTERPRET="1"), timeout=600)
+                          env=dict(os.environ, TRITON_INTERPRET="1"), timeout=600, cwd=tempfile.gettempdir())
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, proc.stdout + proc.stderr
     diffs = json.loads(lines[-1][len("RESULTS "):])

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 MT = "starcoder2"
 
 
-# ---- the family: what a new file in models/families/ would hold -------------------------------------
+# ---- the family: what a new file in models/src/families/ would hold -------------------------------------
 def config(d: dict) -> ModelConfig:
     """LayerNorm with biases, a GELU (tanh) MLP c_fc -> c_proj, rotary over the whole head, grouped KV heads,
     `use_bias` on every projection, an optional window on every layer."""

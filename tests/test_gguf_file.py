@@ -1,4 +1,4 @@
-"""Our GGUF container reader (models/gguf_file.py) against the `gguf` package's own reader and writer:
+"""Our GGUF container reader (models/src/gguf_file.py) against the `gguf` package's own reader and writer:
 every metadata value type, quantized and float tensors, alignment, and damaged files."""
 
 import numpy as np

@@ -85,7 +85,7 @@ def test_a_folder_that_maps_classes_to_its_own_code_is_refused_without_a_prompt(
     # and through the CLI: one line, exit 2, before any output folder is made
     out_dir = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "interp", "analyze", str(folder), "--out", str(out_dir),
-                           "--analyses", "induction", "--no-progress"], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+                           "--analyses", "induction", "--no-progress"], capture_output=True, text=True, stdin=subprocess.DEVNULL, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "never runs a checkpoint's code" in proc.stderr
     assert not (folder / "RAN").exists() and not out_dir.exists()

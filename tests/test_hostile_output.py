@@ -228,7 +228,7 @@ def test_a_second_sweep_into_the_same_folder_is_refused_and_a_killed_one_leaves_
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time\nfrom interp.analyses.store import OutputFolder\n"
          f"with OutputFolder({str(out)!r}).writing():\n    print('held', flush=True)\n    time.sleep(120)"],
-        stdout=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, text=True, cwd=tmp_path)
     try:
         assert holder.stdout.readline().strip() == "held"
         assert cli(_analyze(run_dir, out)) == 2

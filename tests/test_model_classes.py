@@ -43,7 +43,7 @@ def test_one_base_under_both_and_native_only_on_the_native_class():
 def test_the_wrapped_rope_refusal_is_written_once():
     said = [p.relative_to(ROOT).as_posix() for p in [*ROOT.glob("models/**/*.py"), ROOT / "interp/loading.py"]
             if "transformers runs (wrapped)" in p.read_text()]
-    assert said == ["models/base.py"], said
+    assert said == ["models/src/base.py"], said
 
 
 def _functions(path: Path):
@@ -52,9 +52,9 @@ def _functions(path: Path):
             yield node
 
 
-@pytest.mark.parametrize("module", ["models/generate.py", "models/transformer.py", "models/base.py",
-                                   "models/wrapped/model.py", "models/wrapped/attention.py",
-                                   "models/wrapped/architectures.py", "interp/commands/generate.py"])
+@pytest.mark.parametrize("module", ["models/src/generate.py", "models/src/transformer.py", "models/src/base.py",
+                                   "models/src/wrapped/model.py", "models/src/wrapped/attention.py",
+                                   "models/src/wrapped/architectures.py", "interp/commands/generate.py"])
 def test_no_function_over_100_lines_and_no_public_one_over_12_parameters(module):
     for fn in _functions(ROOT / module):
         assert fn.end_lineno - fn.lineno + 1 <= 100, (module, fn.name)

@@ -87,11 +87,11 @@ def test_every_name_in_docstrings_comments_and_messages_resolves():
 
 def test_the_check_catches_a_stale_name():
     source = ('"""Scores from `interp.analyses.head_roles.retrieval_scores` and `interp.analyses.kv.roles.nope`;\n'
-              'the cache is `kv_cache_policy.PolicyKVCache`, the gates `analyses/gates.py`."""\n'
-              '# fine: interp.analyses.kv.roles.retrieval_scores, `analyses/kv/gates.py`, interp.load\n'
+              'the cache is `kv_cache_policy.PolicyKVCache`, the gates `analyses/src/gates.py`."""\n'
+              '# fine: interp.analyses.kv.roles.retrieval_scores, `analyses/src/kv/gates.py`, interp.load\n'
               'X = "see models.kv_cache_policy"\n')
     assert stale(source) == ["1: interp.analyses.head_roles.retrieval_scores", "1: interp.analyses.kv.roles.nope",
-                             "1: analyses/gates.py", "1: kv_cache_policy.P", "4: models.kv_cache_policy"]
+                             "1: analyses/src/gates.py", "1: kv_cache_policy.P", "4: models.kv_cache_policy"]
 
 
 # ---- policies describe themselves --------------------------------------------------------------------------

@@ -129,8 +129,7 @@ def test_renders_in_headless_chromium(swept, tmp_path):
         [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tempfile.mkdtemp()}",
          "--window-size=1200,2400", f"--screenshot={shot}", (swept / "report.html").as_uri()],
-        check=True, capture_output=True, timeout=120,
-    )
+        check=True, capture_output=True, timeout=120, cwd=tmp_path)
     pixels = matplotlib.image.imread(shot)[..., :3]
     assert pixels.shape[0] >= 1000
     ink = (pixels < 0.9).any(axis=-1)  # not white

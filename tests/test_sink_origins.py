@@ -1,4 +1,4 @@
-"""`interp sinks` (analyses/sink_origins): the sink masses against materialised patterns (a learned sink logit's
+"""`interp sinks` (analyses/src/sink_origins): the sink masses against materialised patterns (a learned sink logit's
 share against softmax over [scores, b] written out by hand), each intervention changing exactly what it names,
 the massive-activation table against run_with_cache, bad input in one line before loading, and the study end to
 end on the zoo; SmolLM2's and Gemma 3's massive dimensions and what removes their sinks (slow)."""
@@ -323,6 +323,7 @@ def test_smollm2_massive_dimension_and_its_sink(tmp_path):
 def test_the_commands_names_are_the_librarys_and_its_help_imports_no_torch():
     import subprocess
     import sys
+    import tempfile
 
     from interp.analyses.sink_origins.interventions import INTERVENTIONS, MLP_LAYERS
     from interp.commands import sinks
@@ -330,7 +331,7 @@ def test_the_commands_names_are_the_librarys_and_its_help_imports_no_torch():
     assert (sinks.INTERVENTIONS, sinks.MLP_LAYERS) == (INTERVENTIONS, MLP_LAYERS)
     code = ("import sys; from interp.cli import main\ntry:\n    main(['sinks', '--help'])\nexcept SystemExit: pass\n"
             "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tempfile.gettempdir()).stdout
     assert out.splitlines()[-1] == "NO-TORCH" and "key_direction" in out
 
 

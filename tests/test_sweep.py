@@ -174,7 +174,7 @@ def test_killed_sweep_process_loses_nothing(run_dir, reference, tmp_path, monkey
     cmd = [sys.executable, "-m", "interp", "sweep", str(run_dir), "--out", str(out), "--analyses", ",".join(CHEAP),
            "--expensive-on", "all", "--data", DATA.kind, "--n-seqs", str(DATA.n_seqs), "--seq-len", str(DATA.seq_len),
            "--seed", str(DATA.seed), "--no-report", "--no-progress"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
     try:
         deadline = time.time() + 120
         while not list((out / "parts").glob("*/*/*.json")) and proc.poll() is None and time.time() < deadline:

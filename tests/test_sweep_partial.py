@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pandas as pd
 import pytest
@@ -36,7 +37,7 @@ def _kill_sweep(run_dir, out, after: int) -> None:
             f"sweep([{str(run_dir)!r}], {str(out)!r}, settings({ANALYSES!r}), executor=None, progress=False, "
             f"report=False, log=lambda *_: None, merge_every=0.0, on_part=kill)")
     env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tempfile.gettempdir())
     assert done.returncode == -9, done.stderr
 
 

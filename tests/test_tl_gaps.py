@@ -2,7 +2,7 @@
 TransformerLens 4 on the same weights.
 
 1. The bridge's names for our hook points (`utilities.get_act_name("in", 3)` is `blocks.3.hook_in`)
-   work wherever a name does: hooks, caches, filters (`models/hooks/aliases.py`).
+   work wherever a name does: hooks, caches, filters (`models/src/hooks/aliases.py`).
 2. A bias the checkpoint lacks reads as zeros (`model.unembed.b_U.sort()` on SmolLM2), without the
    forward pass adding zeros or the state dict changing.
 3. Every load path returns a model entirely in eval mode, so TransformerLens's patching accepts it.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -277,7 +278,7 @@ def test_transformer_lens_stays_optional():
         "else:\n"
         "    raise SystemExit('no ImportError')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tempfile.gettempdir())
     assert out.returncode == 0, out.stderr[-2000:]
 
 

@@ -355,13 +355,14 @@ def test_the_drawing_needs_no_torch_and_every_template_ships_and_fills():
     import fnmatch
     import subprocess
     import sys
+    import tempfile
     import tomllib
     from pathlib import Path
 
     import interp.drawing as drawing
 
     code = "import sys, interp.drawing; print('torch' in sys.modules, 'interp.models' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tempfile.gettempdir()).stdout.split()
     assert out == ["False", "False"]
     root = Path(drawing.__file__).parent
     globs = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["interp.drawing"]

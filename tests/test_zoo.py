@@ -147,7 +147,7 @@ def _tl_scores(model, n_seq: int = 8, half: int = 100) -> dict[str, torch.Tensor
 
 
 def test_tl_reference_agrees_with_our_training_probe():
-    """Our probe (models/zoo/training.py) and the TransformerLens-derived score agree on the same model."""
+    """Our probe (models/src/zoo/training.py) and the TransformerLens-derived score agree on the same model."""
     from interp.models.zoo.training import probe_scores
 
     model = interp.load("attn-only-2l")

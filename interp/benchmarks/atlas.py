@@ -98,7 +98,7 @@ def _atlas(name: str, device: str) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "interp", "analyze", name, "--out", f"{tmp}/atlas", "--device",
-                               device, "--no-progress"], capture_output=True, text=True, timeout=3600)
+                               device, "--no-progress"], capture_output=True, text=True, timeout=3600, cwd=tempfile.gettempdir())
         total = time.perf_counter() - start
         if proc.returncode != 0:
             raise RuntimeError(f"interp analyze {name} failed: {proc.stderr.strip().splitlines()[-1:]}")

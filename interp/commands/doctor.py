@@ -217,13 +217,14 @@ def _interpreted_triton_diff(n: int, timeout: float = 60.0) -> tuple[float | Non
     import os
     import subprocess
     import sys
+    import tempfile
 
     code = ("import json, torch; from interp.commands.doctor import problem, max_diff, _stats; "
             f"pb = problem({n}, torch.device('cpu'), torch.float32); "
             "print(json.dumps(max_diff(_stats('triton', pb), _stats('torch', pb))))")
     try:
         done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
-                              capture_output=True, text=True, timeout=timeout)
+                              capture_output=True, text=True, timeout=timeout, cwd=tempfile.gettempdir())
     except subprocess.TimeoutExpired:
         return None, f"the interpreter took over {timeout:.0f} s"
     if done.returncode != 0:

@@ -48,7 +48,7 @@ def add_arguments(p) -> None:
                    help="MODEL is a training run (a zoo name or run folder): at every checkpoint, the share of sink "
                         "heads, the largest residual activation over its layer's median and the induction score on "
                         "the zoo's held-out text, and the step each first crosses its threshold (onset.csv, "
-                        "onset_steps.csv, onset.png; analyses/sink_origins/onset.py); --n-seqs windows of the "
+                        "onset_steps.csv, onset.png; analyses/src/sink_origins/onset.py); --n-seqs windows of the "
                         "model's context")
     checks.add_text_options(p, SEQ_LEN, "the text every pass reads")
     p.add_argument("--n-seqs", type=int, default=N_SEQS, help=f"sequences of the text (default {N_SEQS})")

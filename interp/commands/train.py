@@ -5,7 +5,7 @@ from __future__ import annotations
 HELP = "train a zoo model from scratch on the Python stdlib sources (deterministic for a seed and thread count)"
 EPILOG = """examples:
   interp train attn-only-2l                          # the shipped run, into runs/attn-only-2l
-  interp train attn-only-2l --out models/zoo/attn-only-2l   # regenerate the shipped checkpoints
+  interp train attn-only-2l --out models/src/zoo/attn-only-2l   # regenerate the shipped checkpoints
   interp train rope-gqa-4l --seed 1 --out runs/rope-s1
   interp train attn-only-2l --steps 20 --out /tmp/quick      # a quick smoke run
   interp train --list

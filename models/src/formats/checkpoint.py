@@ -1,0 +1,170 @@
+"""One loader for every checkpoint format. Each format is a sibling module with the same two entry
+points, `config(path, raw) -> ModelConfig` (without reading weights) and `load(path, raw, *, dtype,
+device, tokenizer) -> HookedTransformer`:
+
+    format_ours   our folder: config.json {"interp_format": 1, ...} + model.safetensors
+    format_hf     a Hugging Face folder (config.json with a model_type), converted by its family
+    gguf          a llama.cpp .gguf file, dequantized, with its tokenizer
+
+`_format_of` decides which, once, and refuses a folder that carries its own code before any format
+reads it. What the formats share sits below them: `tensor_files` (reading and writing tensors),
+`build` (checks, conversion, building the model), `folder` (tokenizer files, code that never runs),
+`errors`. Finding checkpoints by name is the user surface's (`interp.loading`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from . import hf as format_hf
+from . import ours as format_ours
+from . import gguf
+from .build import build_model, check_finite, convert_weights
+from ..rope import choice as rope_choice
+from .. import memory
+from ..offload import check_offload
+from .. import device_map as device_maps
+from ..config import ModelConfig, RopeScaling
+from interp.errors import CheckpointError, OwnCodeRefused
+from .folder import local_tokenizer, refuse_files_outside, refuse_own_code
+from ..tensor_files import FORMAT_VERSION, index_shards, read_state_dict, safetensors_header, save_model
+from ..base import HookedModel, rope_refusal
+
+__all__ = ["CheckpointError", "FORMAT_VERSION", "OwnCodeRefused", "build_model", "check_finite", "convert_weights",
+           "is_wrapped", "load_checkpoint", "local_tokenizer", "read_config", "read_state_dict", "rope_scaling_for",
+           "save_model"]
+
+
+def _format_of(path, *, tokenizer_given: bool):
+    """(format module, folder or file, parsed config.json or None) for a checkpoint path: a .gguf
+    file, or a folder (or a file inside one) with config.json."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        return gguf, path, None
+    if path.is_file():
+        path = path.parent
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise CheckpointError(f"{path} has no config.json; a checkpoint directory needs config.json and model.safetensors")
+    try:
+        raw = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{config_file} is not valid JSON ({e}); the file is truncated or corrupt") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read {config_file} ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{config_file} holds a JSON {type(raw).__name__}, not an object: it is not a model config")
+    refuse_own_code(path, raw, tokenizer_given=tokenizer_given)  # before any format reads anything
+    refuse_files_outside(path, raw, tokenizer_given=tokenizer_given)
+    return (format_ours if format_ours.claims(raw) else format_hf), path, raw
+
+
+def load_checkpoint(path, *, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
+                    tokenizer=None, rope_scaling=None, offload: str | None = None, device_map=None) -> HookedModel:
+    """A model from a local checkpoint directory (or a file inside it): our format, or a Hugging Face
+    checkpoint converted by its family (by config.json's `model_type`), without `transformers`;
+    or a llama-architecture `.gguf` file (`interp.models.formats.gguf`). `rope_scaling` (any spelling of
+    `rope_choice`; None: the checkpoint's own) replaces the checkpoint's rotary scaling, checked against
+    its config before a weight is read (`rope_scaling_for`). `dtype`: see `resolve_dtype`; the weights in
+    it must fit in the device's free memory (`memory.check_weights_fit`, from the config, before any weight
+    is read). `offload` ("disk", "cpu"): the weights stay off the device, each block brought there when it
+    runs (`interp.models.offload`); then only the largest block must fit. `device_map` ("auto" or {layer or
+    unit: device}): the blocks split over devices (`interp.models.device_map`), checked against the config
+    and the machine, and each device's share of the weights against its free memory, before a weight is read."""
+    offload = check_offload(offload)
+    if device_map is not None and offload is not None:
+        raise device_maps.DeviceMapRefused(f"device_map and offload={offload!r} both say where the weights go: give one "
+                                           "of the two")
+    fmt, path, raw = _format_of(path, tokenizer_given=tokenizer is not None)
+    if device_map is not None and fmt is format_hf and not format_hf.native(raw):
+        raise device_maps.DeviceMapRefused(
+            f"{path}: device_map splits interp's own transformer, and transformers runs this architecture "
+            f"({raw.get('model_type')}, wrapped): load it with transformers' from_pretrained(device_map=...) and "
+            "interp.from_hf, or on one device")
+    scaling = None if rope_scaling is None else _rope_scaling(fmt, path, raw, rope_scaling)
+    asked, dtype = dtype, resolve_dtype(dtype, device, fmt, path, raw)
+    placed = None
+    if fmt is not format_hf or format_hf.native(raw):  # a wrapped config's size is transformers' to build
+        cfg = fmt.config(path, raw)
+        if fmt is format_ours:
+            format_ours.check_header(path, cfg)
+        if device_map is None:
+            memory.check_weights_fit(cfg, dtype, device, source=str(path), offload=offload)
+        else:
+            placed = device_maps.resolve_device_map(device_map, cfg, device=device)
+            device = placed["embed"]
+            dtype = resolve_dtype(asked, device, fmt, path, raw)  # the checkpoint's own on GPUs, as device= does
+            device_maps.check_fits(cfg, dtype, placed, source=str(path))
+    else:  # transformers builds it: its parameters counted on the meta device
+        memory.check_weights_fit(fmt.config(path, raw), dtype, device, source=str(path),
+                                 n_params=format_hf.wrapped_n_params(raw))
+    extra = {} if placed is None else {"device_map": placed}
+    model = fmt.load(path, raw, dtype=dtype, device=device, tokenizer=tokenizer, offload=offload, **extra)
+    return model if rope_scaling is None else model.rescale_rope_(scaling)
+
+
+def rope_scaling_for(path, rope_scaling, *, cfg: ModelConfig | None = None) -> RopeScaling | None:
+    """The `RopeScaling` that `rope_scaling` (any spelling of `rope_choice`) means for the checkpoint at
+    `path`, from its config alone (`cfg`, when the caller has read it already); refused in one line for a
+    model without rotary positions or one that transformers runs (wrapped: its rope_parameters are
+    transformers' to apply)."""
+    return _rope_scaling(*_format_of(path, tokenizer_given=False), rope_scaling, cfg=cfg)
+
+
+def _rope_scaling(fmt, path, raw, rope_scaling, *, cfg: ModelConfig | None = None) -> RopeScaling | None:
+    if fmt is format_hf and not format_hf.native(raw):
+        raise rope_refusal(raw.get("model_type"), str(path), rope_scaling)  # a bad spelling is said as such first
+    return rope_choice.choose(cfg or fmt.config(path, raw), rope_scaling)
+
+
+def is_wrapped(path) -> bool:
+    """Whether the checkpoint at `path` is a Hugging Face folder of an architecture no native family
+    converts: transformers runs it, wrapped (`interp.models.wrapped`). Reads config.json only."""
+    fmt, _, raw = _format_of(path, tokenizer_given=False)
+    return fmt is format_hf and not format_hf.native(raw)
+
+
+def read_config(path) -> ModelConfig:
+    """The ModelConfig of a checkpoint (folder, file inside one, or .gguf) without reading its weights."""
+    fmt, path, raw = _format_of(path, tokenizer_given=False)
+    return fmt.config(path, raw)
+
+
+def resolve_dtype(dtype, device, fmt, path, raw) -> torch.dtype:
+    """The dtype a load gives the weights: `dtype` itself when it is a torch dtype; "auto", the checkpoint's
+    own (`checkpoint_dtype`); None (the default), the checkpoint's own on an accelerator, and float32 on the
+    CPU: exact numbers, TransformerLens's default, and CPUs without bf16 matrix units (AMX) multiply bf16
+    several times slower than float32 (docs/models.md, "Big models")."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None and torch.device(device or "cpu").type == "cpu":
+        return torch.float32
+    if dtype is None or dtype == "auto":
+        return checkpoint_dtype(fmt, path, raw)
+    raise CheckpointError(f"dtype {dtype!r} is not a torch dtype, 'auto' or None")
+
+
+def checkpoint_dtype(fmt, path, raw) -> torch.dtype:
+    """The floating dtype a checkpoint stores most of its weights in, from the safetensors headers (no
+    weight read), else config.json's `dtype` / `torch_dtype`; float32 for a GGUF file (dequantized) and
+    for a folder that says nothing."""
+    if fmt is gguf:
+        return torch.float32
+    index = path / "model.safetensors.index.json"
+    files = [path / "model.safetensors"]
+    if index.exists() and not files[0].exists():
+        files = sorted(set(index_shards(index).values()))  # a shard outside the folder: refused, not probed
+    count: dict[torch.dtype, int] = {}
+    for f in files:
+        if f.is_file():
+            for e in safetensors_header(f)[0].values():
+                if e["torch_dtype"].is_floating_point:
+                    count[e["torch_dtype"]] = count.get(e["torch_dtype"], 0) + e["data_offsets"][1] - e["data_offsets"][0]
+    if count:
+        return max(count, key=count.get)
+    named = (raw or {}).get("dtype") or (raw or {}).get("torch_dtype")
+    found = getattr(torch, named, None) if isinstance(named, str) else None
+    return found if isinstance(found, torch.dtype) and found.is_floating_point else torch.float32
