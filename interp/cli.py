@@ -11,8 +11,10 @@ and is listed once in COMMANDS below (imported only when used, so `interp --help
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
+import warnings
 
 COMMANDS: dict[str, str] = {
     "demo": "interp.commands.demo",
@@ -54,13 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        argv = _today(argv)
         parser = build_parser()
         args = parser.parse_args(argv)
         if not getattr(args, "_run", None):
             parser.print_help()
             return 0
-        with _host_copy_guard():
+        with _host_copy_guard(), _notes():
             return int(args._run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -83,18 +84,31 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
-def _today(argv: list[str]) -> list[str]:
-    """An old spelling (`interp kv MODEL --task passkey`, `interp analyze --lengths`) as today's, said in one
-    note, for one release (`interp.commands.legacy`)."""
-    if (new := importlib.import_module("interp.commands.legacy").rewrite(argv)) is None:  # by name, as COMMANDS
-        return argv
-    print(new[1])
-    return new[0]
+@contextlib.contextmanager
+def _notes():
+    """interp's `Note` warnings (a library caller sees a warning) printed as one `note: ...` line each, once per
+    message; other warnings as Python shows them."""
+    from interp.errors import Note  # imports nothing
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", Note)  # said once per message below, wherever it was raised from
+        show, said = warnings.showwarning, set()
+
+        def note_line(message, category, filename, lineno, file=None, line=None):
+            if issubclass(category, Note):
+                if str(message) not in said:
+                    said.add(str(message))
+                    print(f"note: {message}")
+            else:
+                show(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = note_line
+        yield
 
 
 def _host_copy_guard():
     """With INTERP_REFUSE_HOST_COPIES=1 (the test suite sets it), the command runs as if its tensors were on a
-    GPU: a tensor taken to the host other than by `interp.models.device.to_numpy` raises (`interp.testing`)."""
+    GPU: a tensor taken to the host other than by `interp.models.placement.device.to_numpy` raises (`interp.testing`)."""
     import contextlib
     import os
 

@@ -28,6 +28,11 @@ class OwnCodeRefused(CheckpointError):
     Unlike a corrupt checkpoint, a sweep refuses it up front instead of skipping it."""
 
 
+class Note(UserWarning):
+    """Something a user should know that is no error: a setting that did less than it says (`device_map="auto"`
+    on a machine without GPUs). A library caller gets a warning; `interp.cli` prints it as one `note: ...` line."""
+
+
 class BadValue(UserError, ValueError):
     """A setting outside what can work (a negative count, a NaN, more threads than the machine has)."""
 

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from interp.models.cache import _tl, to_tl_cache
-from interp.models.weights import stored
+from interp.models.readouts.activation_cache import tl_package, to_tl_cache
+from interp.models.readouts.weights import stored
 from interp.loading import CheckpointError, from_hf
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ def bridge_from_hf(hf_model, tokenizer=None, *, copy_model: bool = True):
     attention to eager), so by default it wraps a deep copy and `hf_model` is left as it was.
     The bridge's defaults stand: it prepends BOS in `to_tokens` (as ours does) and does not fold
     LayerNorm until `enable_compatibility_mode()` (ours: `process_weights_()`)."""
-    _tl()
+    tl_package()
     from transformer_lens.model_bridge.sources import build_bridge_from_module
 
     model = copy.deepcopy(hf_model) if copy_model else hf_model
@@ -103,7 +103,7 @@ def bridge_from_hf(hf_model, tokenizer=None, *, copy_model: bool = True):
 def conforms(model, weights: bool = True) -> bool:
     """Whether `model` passes TransformerLens's runtime protocol check (`TransformerLensModel`, and
     `TransformerLensModelWithWeights` unless weights=False)."""
-    _tl()
+    tl_package()
     from transformer_lens import model_protocol as mp
 
     proto = mp.TransformerLensModelWithWeights if weights else mp.TransformerLensModel

@@ -20,13 +20,14 @@ from interp.models.formats.checkpoint import (  # noqa: F401 - FORMAT_VERSION, C
     build_model,
     convert_weights,
     load_checkpoint,
+    parse_dtype,
     save_model,
 )
 from interp.models.families import FAMILIES, get_family
-from interp.models.offload import OffloadRefused, check_offload
+from interp.models.placement.offload import OffloadRefused, check_offload
 from interp.models.base import HookedModel, rope_refusal
 from interp.models.wrapped import WrappedModel, check_wrappable
-from interp.models.processing import check_processing
+from interp.models.native.processing import check_processing
 from interp.models.runs.names import (  # noqa: F401 - name resolution is the model layer's; re-exported as before
     REAL_MODELS,
     ModelNotFound,
@@ -55,10 +56,12 @@ def load(name_or_path, *, revision: str | None = None, dtype: torch.dtype | str 
 
     Anything else raises `ModelNotFound` saying what was tried, with the closest name.
 
-    dtype: a torch dtype; "auto", the checkpoint's own (as transformers 5's default); None (the default),
-    the checkpoint's own on CUDA and float32 on the CPU (exact numbers, TransformerLens's; bf16 matrix
-    products are slow on CPUs without AMX). Weights that would not fit the device's free memory in it are
-    refused in one line naming a dtype that fits, before any weight is read.
+    dtype: a torch dtype or its name as transformers takes it ("float16", "fp16", "bf16", "torch.float32");
+    "auto", the checkpoint's own (as transformers 5's default); None (the default), the checkpoint's own on
+    CUDA and float32 on the CPU (exact numbers, TransformerLens's; bf16 matrix products are slow on CPUs
+    without AMX). Weights that would not fit the device's free memory in it are refused in one line naming a
+    dtype that fits, before any weight is read. A quantized checkpoint (config.json's `quantization_config`,
+    or integer / float8 weights) is refused in one line naming its layout: interp dequantizes GGUF files only.
 
     default_prepend_bos: override whether text gets BOS first (default: the saved config's, else
     TransformerLens's rule, BOS when the tokenizer has one). fold_ln, center_writing_weights,
@@ -79,7 +82,7 @@ def load(name_or_path, *, revision: str | None = None, dtype: torch.dtype | str 
     is read (`interp.models.rope.choice`).
 
     offload: None (the default: every weight on the device), "disk" or "cpu": layer by layer past memory
-    (`interp.models.offload`). The weights stay in the checkpoint's memory-mapped files ("disk") or in host
+    (`interp.models.placement.offload`). The weights stay in the checkpoint's memory-mapped files ("disk") or in host
     memory ("cpu"), and each block is brought to `device`, in `dtype`, for the whole batch when it runs, then
     released: forward, hooks, `run_with_cache`, the statistics, the atlas, ablations, KV-cache prefill and
     circuit patching run so, with the same numbers as the model held whole. A backward pass, weight
@@ -87,7 +90,7 @@ def load(name_or_path, *, revision: str | None = None, dtype: torch.dtype | str 
     code that reads its weights directly. Native models only.
 
     device_map: None (the default: the whole model on `device`), "auto" or {layer or unit: device}: the
-    blocks split over several GPUs (`interp.models.device_map`). "auto" splits them evenly, in contiguous
+    blocks split over several GPUs (`interp.models.placement.device_map`). "auto" splits them evenly, in contiguous
     runs, over the CUDA devices torch sees (one device or none: everything there); a dict names devices per
     layer (an int L is "blocks.L") or unit ("embed", "pos_embed", "embed_ln", "ln_final", "unembed"), and
     what it leaves out follows the block before it (the embedding the first block, ln_final and the
@@ -99,8 +102,9 @@ def load(name_or_path, *, revision: str | None = None, dtype: torch.dtype | str 
     embedding, `offload=`, a wrapped model, and a KV cache (generation) on a map over several devices are
     refused in one line, before any weight is read (the KV cache: when it is asked for)."""
     check_offload(offload)
+    parse_dtype(dtype)  # a misspelt dtype, before a name is resolved (a download)
     if device_map is not None and offload is not None:
-        from interp.models.device_map import DeviceMapRefused
+        from interp.models.placement.device_map import DeviceMapRefused
 
         raise DeviceMapRefused(f"device_map and offload={offload!r} both say where the weights go: give one of the two")
     processing = dict(fold_ln=fold_ln, center_writing_weights=center_writing_weights, center_unembed=center_unembed,
@@ -128,7 +132,7 @@ def _conventions(model: HookedModel, name: str | None, default_prepend_bos: bool
     return model
 
 
-def from_hf(hf_model, *, tokenizer=None, dtype: torch.dtype | None = None, device=None,
+def from_hf(hf_model, *, tokenizer=None, dtype: torch.dtype | str | None = None, device=None,
             default_prepend_bos: bool | None = None, fold_ln: bool = False, center_writing_weights: bool = False,
             center_unembed: bool = False, fold_value_biases: bool = False,
             refactor_factored_attn_matrices: bool = False, rope_scaling=None) -> HookedModel:
@@ -136,8 +140,12 @@ def from_hf(hf_model, *, tokenizer=None, dtype: torch.dtype | None = None, devic
     `model_type` is a native family (`interp.models.families.FAMILIES`), else wrapped
     (`interp.models.wrapped.WrappedModel`: transformers runs it, through interp's attention function,
     with TransformerLens's hook names; the object itself is `model.hf` and is modified in place to run
-    interp's attention). default_prepend_bos, the weight-processing options and rope_scaling are `load`'s
-    (native only; a bad scaling is refused before a weight is converted)."""
+    interp's attention). dtype: as `load`'s (None or "auto": the model's own). default_prepend_bos, the
+    weight-processing options and rope_scaling are `load`'s (native only; a bad scaling is refused before a
+    weight is converted). A quantized model's integer or float8 weights are refused in one line: dequantize it
+    first (transformers' `model.dequantize()`)."""
+    dtype = parse_dtype(dtype)
+    dtype = None if dtype == "auto" else dtype  # the model's own, as None
     config = hf_model.config.to_dict()
     if rope_scaling is not None and config.get("model_type") not in FAMILIES:
         raise rope_refusal(config.get("model_type"), "this", rope_scaling)  # a bad spelling is said as such first

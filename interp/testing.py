@@ -1,7 +1,7 @@
 """Test tooling that patches torch: run a pipeline on the CPU and find what a GPU would refuse, without one.
 
 * `refuse_host_copies()`: a context in which any host copy of a tensor other than through
-  `interp.models.device.to_numpy` raises `HostCopyError`: ``t.numpy()``, ``np.asarray(t)``, and what calls
+  `interp.models.placement.device.to_numpy` raises `HostCopyError`: ``t.numpy()``, ``np.asarray(t)``, and what calls
   them for you (``pd.DataFrame({"x": t})``, ``plt.imshow(t)``). On a CUDA tensor those fail (``.numpy()``)
   or are the scattered implicit copies that one door replaces. ``.tolist()``, ``.item()``, ``float(t)`` are
   allowed: they work on every device. The CLI runs every command under it when INTERP_REFUSE_HOST_COPIES=1
@@ -9,7 +9,7 @@
 * `simulated_gpu()`: the CPU plays a GPU: tensors put on "the device" are told apart from host tensors,
   and an operation mixing the two raises `DeviceMixError` (``tests/test_device.py`` runs every command so).
 
-Not the model: it lived in models/src/device.py until the models' room was kept for the model.
+Not the model: it lived in models/src/placement/device.py until the models' room was kept for the model.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
-from interp.models.device import leaving
+from interp.models.placement.device import leaving
 
 __all__ = ["DeviceMixError", "HostCopyError", "refuse_host_copies", "simulated_gpu"]
 
@@ -62,7 +62,7 @@ def _refusing(original, name: str):
     def guarded(self, *args, **kwargs):
         if not leaving() and _asked_by_us():
             raise HostCopyError(
-                f"a tensor left its device by {name}() outside interp.models.device.to_numpy: on a CUDA tensor "
+                f"a tensor left its device by {name}() outside interp.models.placement.device.to_numpy: on a CUDA tensor "
                 "this fails; take results off the device with to_numpy / to_host")
         return original(self, *args, **kwargs)
 
@@ -161,7 +161,7 @@ class _SimulatedGPU(TorchFunctionMode):
         name = getattr(func, "__name__", str(func))
         if func in _HOST_COPIES and on and not leaving():
             raise DeviceMixError(f"{name}() of a tensor on the device: on a GPU this fails; use "
-                                 "interp.models.device.to_numpy")
+                                 "interp.models.placement.device.to_numpy")
         indexing = func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__)  # a host index is fine, another GPU's not
         if on and (func not in _CROSSING or indexing) and func not in _AUTOGRAD:
             if len(devices) > 1:
@@ -255,7 +255,7 @@ def simulated_gpu(devices: int = 1):
             yield
         return
     import interp.kernels.stats as stats
-    from interp.models import device as device_module, memory
+    from interp.models.placement import device as device_module, memory
 
     host_bytes = memory.available_bytes
 

@@ -12,7 +12,7 @@ Each returns a `View`: Jupyter, JupyterLab and VS Code show it inline (`_repr_ht
 writes the same page. Nothing is fetched (no CDN): the script and the data are in the HTML, the pattern
 as 8-bit codes. Bad input (a token count that is not the pattern's, NaN, weights outside [0, 1], more
 than 4,096 tokens) is a `BadValue` / `UserError` before any HTML is built; rows that do not sum to 1
-are drawn as given under a warning line. The checks are `interp.models.attention_view` and the drawing `interp.drawing` (low
+are drawn as given under a warning line. The checks are `interp.models.readouts.attention_view` and the drawing `interp.drawing` (low
 enough for `ActivationCache.view`); the head grid is the report's viewer (`analyses/src/atlas/registry/viewer.py`).
 """
 
@@ -29,7 +29,7 @@ from interp.analyses.atlas.registry.viewer import grid_scores, viewer_html
 from interp.analyses.atlas.report import run_view  # what a report section sees of one run (RunView)
 from interp.analyses.store import ResultStore, as_table, load_results
 from interp.drawing import View
-from interp.models.attention_view import MAX_TOKENS, pattern_view, stats_view
+from interp.models.readouts.attention_view import MAX_TOKENS, pattern_view, stats_view
 from interp.errors import BadValue, UserError
 
 __all__ = ["MAX_TOKENS", "View", "attention_heads", "attention_pattern", "attention_patterns", "heads", "stats"]

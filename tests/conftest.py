@@ -15,7 +15,7 @@ import os
 # suite's processes share two cores (5-20x slowdowns seen here). Must be set before torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Every `interp ...` command a test runs (in process through interp.cli.main, or as a subprocess) runs as
-# if its tensors were on a GPU: a tensor taken to the host other than by interp.models.device.to_numpy
+# if its tensors were on a GPU: a tensor taken to the host other than by interp.models.placement.device.to_numpy
 # raises (`.numpy()` on a CUDA tensor fails). See tests/test_device.py.
 os.environ["INTERP_REFUSE_HOST_COPIES"] = "1"
 

@@ -121,3 +121,15 @@ def tiny_gguf(path, arch: str = "llama", edit=None, **metadata):
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+GEOMETRY = ("scale", "window", "alibi_slopes", "softcap", "sink_logits", "causal")
+
+
+def scored(**kw) -> dict:
+    """Keyword arguments for the statistics' entry points with a layer's geometry keywords (written flat in the
+    tests' cases: scale=, window=, ...) gathered into the one `scoring=Scoring(...)` those functions take."""
+    from interp.kernels import Scoring
+
+    geometry = {k: kw.pop(k) for k in GEOMETRY if k in kw}
+    return {**kw, "scoring": Scoring(**geometry)}

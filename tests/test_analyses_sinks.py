@@ -11,7 +11,7 @@ from analyses_fixtures import build, force_attention, tokens
 
 from interp import HookedTransformer
 from interp.analyses import attention_sinks, sink_rate, window_eval
-from interp.analyses.sinks import streaming_loss
+from interp.analyses.streaming import streaming_loss
 from interp.kernels.attention import AttentionMask
 from interp.models import lm_loss
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import interp
-from interp.kernels.stats_reference import (
+from interp.kernels.stats.reference import (
     duplicate_detection_pattern,
     induction_detection_pattern,
     previous_detection_pattern,

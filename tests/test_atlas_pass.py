@@ -13,7 +13,7 @@ from interp.analyses.atlas.atlas_pass import atlas_pass
 from interp.analyses.heads import detect_heads, icl_score
 from interp.analyses.atlas.registry import ANALYSES, Context
 from interp.analyses.sinks import attention_sinks
-from interp.models.stats import attention_logsumexp, attention_weights_at, for_each_layer_qk, layer_scoring
+from interp.models.readouts.head_statistics import attention_logsumexp, attention_weights_at, for_each_layer_qk, layer_scoring
 
 KINDS = ("previous_token", "duplicate_token", "induction")
 

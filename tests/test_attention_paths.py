@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import interp.models.attention as attention_module
+import interp.models.native.attention_layer as attention_module
 from core_models import OWN_CONFIGS, build, hf_pair, left_mask, own, small, tokens
 from hf_cases import CASES
 from interp.kernels.attention import (

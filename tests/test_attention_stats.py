@@ -32,10 +32,11 @@ import tempfile
 
 import pytest
 import torch
+from core_models import scored
 
-from interp.kernels import AttentionStats, attention_stats
+from interp.kernels import AttentionStats, Scoring, attention_stats
 from interp.kernels.stats import STAT_NAMES
-from interp.kernels.stats_reference import (
+from interp.kernels.stats.reference import (
     duplicate_detection_pattern,
     induction_detection_pattern,
     previous_detection_pattern,
@@ -115,8 +116,8 @@ def run_case(name, backend="torch", block_q=None, block_k=None, with_tokens=True
     data_kw, stats_kw = CASES[name]
     q, k, tokens, extra = make_inputs(**{**data_kw, **overrides}, dtype=dtype)
     tokens = tokens if with_tokens else None
-    got = attention_stats(q, k, tokens, backend=backend, block_q=block_q, block_k=block_k, **stats_kw, **extra)
-    ref = reference_stats(q, k, tokens, **stats_kw, **extra)
+    got = attention_stats(q, k, tokens, **scored(backend=backend, block_q=block_q, block_k=block_k, **stats_kw, **extra))
+    ref = reference_stats(q, k, tokens, **scored(**stats_kw, **extra))
     return got, ref
 
 
@@ -169,16 +170,17 @@ def test_half_precision_inputs_computed_in_float32(backend, dtype, case):
 
 def _fused(name, attend=None, block_q=None, **overrides):
     """The fused route on a case, straight (optionally with another fused call), and the oracle."""
-    from interp.kernels.stats_common import validate
-    from interp.kernels.stats_fused import attention_stats_fused
+    from interp.kernels.stats.common import validate
+    from interp.kernels.stats.fused import attention_stats_fused
 
     data_kw, stats_kw = CASES[name]
     q, k, tokens, extra = make_inputs(**{**data_kw, **overrides})
     causal = stats_kw.get("causal", True)
-    args = validate(q, k, tokens, stats_kw.get("n_sink", 1), stats_kw.get("window"), stats_kw.get("scale"),
-                    extra.get("key_padding_mask"), extra.get("alibi_slopes"))
-    got = attention_stats_fused(q, k, causal=causal, attend=attend, block_q=block_q, **args)
-    return AttentionStats.from_stacked(got), reference_stats(q, k, tokens, **stats_kw, **extra)
+    scoring = Scoring(scale=stats_kw.get("scale"), window=stats_kw.get("window"), alibi_slopes=extra.get("alibi_slopes"),
+                      causal=causal)
+    args = validate(q, k, tokens, scoring, n_sink=stats_kw.get("n_sink", 1), key_padding_mask=extra.get("key_padding_mask"))
+    got = attention_stats_fused(q, k, attend=attend, block_q=block_q, **args)
+    return AttentionStats.from_stacked(got), reference_stats(q, k, tokens, **scored(**stats_kw, **extra))
 
 
 @pytest.mark.parametrize("block_q", [None, 4, 7])
@@ -186,9 +188,9 @@ def _fused(name, attend=None, block_q=None, **overrides):
 def test_fused_route_with_the_plain_torch_call_matches(name, block_q):
     """The blocks, their masks and the logsumexp merging, through the fused call written in torch ops
     (what a device without a fused kernel runs; on CUDA the same blocks go to the efficient kernel)."""
-    from interp.kernels.stats_fused import _attend_math
+    from interp.kernels.stats.fused import attend_math
 
-    got, ref = _fused(name, _attend_math, block_q)
+    got, ref = _fused(name, attend_math, block_q)
     assert max(max_abs_diff(got, ref).values()) < TOL
 
 
@@ -210,10 +212,10 @@ def test_learned_sink_logits_equal_the_oracle(backend):
         data_kw, stats_kw = CASES[name]
         q, k, tokens, extra = make_inputs(**data_kw)
         sinks = torch.randn(q.shape[1], generator=g) * 3
-        got = attention_stats(q, k, tokens, backend=backend, sink_logits=sinks, **stats_kw, **extra)
-        ref = reference_stats(q, k, tokens, sink_logits=sinks, **stats_kw, **extra)
+        got = attention_stats(q, k, tokens, **scored(backend=backend, sink_logits=sinks, **stats_kw, **extra))
+        ref = reference_stats(q, k, tokens, **scored(sink_logits=sinks, **stats_kw, **extra))
         assert max(max_abs_diff(got, ref).values()) < TOL, name
-        plain = attention_stats(q, k, tokens, **stats_kw, **extra)
+        plain = attention_stats(q, k, tokens, **scored(**stats_kw, **extra))
         assert float((got.entropy - plain.entropy).nan_to_num().abs().max()) > 1e-2  # the sinks matter
 
 
@@ -240,19 +242,19 @@ def test_auto_runs_fused_without_max_where_it_is_exact_and_the_tiles_elsewhere(m
     attention_stats(q, k, tokens)
     assert calls == [1]  # only the call without max went the fused way
     with pytest.raises(ValueError, match="soft-capped scores are not linear"):
-        attention_stats(q, k, tokens, backend="fused", softcap=2.0)
+        attention_stats(q, k, tokens, **scored(backend="fused", softcap=2.0))
     with pytest.raises(ValueError, match="ALiBi without causality"):
-        attention_stats(q, k, tokens, backend="fused", causal=False, alibi_slopes=torch.ones(3))
+        attention_stats(q, k, tokens, **scored(backend="fused", causal=False, alibi_slopes=torch.ones(3)))
     for kw in (dict(softcap=2.0), dict(causal=False, alibi_slopes=torch.full((3,), 0.25))):
-        got = attention_stats(q, k, tokens, **kw)  # auto: the torch tiles, exact
-        assert max(max_abs_diff(got, reference_stats(q, k, tokens, **kw)).values()) < TOL
+        got = attention_stats(q, k, tokens, **scored(**kw))  # auto: the torch tiles, exact
+        assert max(max_abs_diff(got, reference_stats(q, k, tokens, **scored(**kw))).values()) < TOL
 
 
 def test_asking_for_some_statistics_leaves_the_others_nan():
     q, k, tokens, extra = make_inputs(heads=4, kv_heads=2, n_q=29, left_pad=[0, 4])
-    full = attention_stats(q, k, tokens, backend="fused", **extra)
+    full = attention_stats(q, k, tokens, **scored(backend="fused", **extra))
     for wanted in (["sink", "entropy", "distance"], ["max"], ["previous"], ("duplicate", "induction"), "induction"):
-        some = attention_stats(q, k, tokens, stats=wanted, backend="fused", **extra)
+        some = attention_stats(q, k, tokens, **scored(stats=wanted, backend="fused", **extra))
         names = [wanted] if isinstance(wanted, str) else list(wanted)
         for name in STAT_NAMES:
             value = getattr(some, name)
@@ -271,19 +273,19 @@ def test_pairs_found_by_sorting_equal_the_quadratic_search_in_small_chunks(tile,
     """Many pairs (a sequence of 3 tokens, so runs of ~25) in tiles of 4 sorted entries and products of 4
     keys (runs crossing many tiles), or one tile, with a window and padding: the same masses as the
     detection patterns written out."""
-    import interp.kernels.stats_fused as fused
-    from interp.kernels.stats_fused import pairwise_masses
+    import interp.kernels.stats.fused as fused
+    from interp.kernels.stats.fused import pairwise_masses
 
     monkeypatch.setattr(fused, "TILE", tile)
 
     q, k, tokens, extra = make_inputs(heads=4, kv_heads=2, n_q=23, n_k=37, vocab=3, left_pad=[3, 0])
     kpm = extra["key_padding_mask"]
     for window in (None, 6):
-        ref = reference_stats(q, k, tokens, window=window, key_padding_mask=kpm)
+        ref = reference_stats(q, k, tokens, **scored(window=window, key_padding_mask=kpm))
         lse = torch.logsumexp(_masked_scores(q, k, window, kpm), -1).float()
         for budget in (1, 1 << 20):
-            got = pairwise_masses(q, k, tokens, lse, window=window, scale=16**-0.5, key_padding_mask=kpm,
-                                  alibi_slopes=None, budget=budget)
+            got = pairwise_masses(q, k, tokens, lse, Scoring(window=window, scale=16**-0.5), key_padding_mask=kpm,
+                                  budget=budget)
             for name in ("previous", "duplicate", "induction"):
                 ok = ~ref[name].isnan()
                 assert float((got[name].double()[ok] - ref[name][ok]).abs().max()) < TOL, (window, budget, name)
@@ -302,7 +304,7 @@ def _masked_scores(q, k, window, kpm):
 def test_a_mutated_pair_rule_fails(monkeypatch):
     """Induction counted at tok[j + 1] = tok[p] (the key before an earlier occurrence, not after it), or
     duplicate at the occurrence's successor: the comparison with the oracle must catch both."""
-    import interp.kernels.stats_fused as fused
+    import interp.kernels.stats.fused as fused
 
     for name, shift in (("induction", -1), ("duplicate", 1)):
         monkeypatch.setitem(fused.PAIR_RULES, name, shift)
@@ -317,7 +319,7 @@ def test_a_mutated_pair_rule_fails(monkeypatch):
 def test_a_wrong_logsumexp_fails(error):
     """A logsumexp off by 1e-3 moves every pairwise mass, the entropy and the max by ~1e-3 relative:
     far outside the tolerance, so the oracle comparison must fail."""
-    from interp.kernels.stats_fused import attend_for
+    from interp.kernels.stats.fused import attend_for
 
     def off(*args):
         o, lse = attend_for(torch.device("cpu"))(*args)
@@ -348,7 +350,7 @@ def test_statistics_on_a_repeated_sequence_are_sensible():
     k = torch.zeros(1, 1, n, d)
     k[0, 0, torch.arange(n), torch.arange(n)] = 1.0  # key j is one-hot at j
     q[0, 0, torch.arange(half, n), torch.arange(1, half + 1)] = 50.0  # query p looks at p - half + 1
-    got = attention_stats(q, k, tokens, scale=1.0)
+    got = attention_stats(q, k, tokens, **scored(scale=1.0))
     second = got.induction[0, 0, half:]
     assert torch.allclose(second, torch.ones_like(second), atol=1e-6)
     assert got.distance[0, 0, half:].sub(half - 1).abs().max() < 1e-4
@@ -433,9 +435,9 @@ def test_clear_errors():
     with pytest.raises(TypeError, match="bool"):
         attention_stats(q, k, tokens, key_padding_mask=torch.ones(2, 7))
     with pytest.raises(ValueError, match=r"alibi_slopes must be a tensor \[heads\] = \[6\]"):
-        attention_stats(q, k, tokens, alibi_slopes=torch.ones(3))
+        attention_stats(q, k, tokens, **scored(alibi_slopes=torch.ones(3)))
     with pytest.raises(ValueError, match="window"):
-        attention_stats(q, k, tokens, window=0)
+        attention_stats(q, k, tokens, **scored(window=0))
     with pytest.raises(ValueError, match="n_sink"):
         attention_stats(q, k, tokens, n_sink=-1)
     with pytest.raises(ValueError, match=r"q must be \[batch, heads, n_q, d\]"):
@@ -452,7 +454,7 @@ def test_triton_missing_is_a_clear_error(monkeypatch):
     # auto runs the torch tiles or the fused route on CPU tensors
     assert isinstance(attention_stats(q, k, tokens, backend="auto"), AttentionStats)
     assert isinstance(attention_stats(q, k, tokens, backend="auto", stats=["sink"]), AttentionStats)
-    assert isinstance(attention_stats(q, k, tokens, backend="auto", softcap=3.0), AttentionStats)
+    assert isinstance(attention_stats(q, k, tokens, **scored(backend="auto", softcap=3.0)), AttentionStats)
 
 
 # --------------------------------------------------------------------------------------------
@@ -508,7 +510,7 @@ def _native_worker() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from interp.kernels.stats_triton import _attention_stats_kernel as kernel, default_blocks
+    from interp.kernels.stats.triton_kernel import _attention_stats_kernel as kernel, default_blocks
 
     try:
         attention_stats(torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, 16), backend="triton")

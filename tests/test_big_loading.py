@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 import interp
 from interp.errors import CheckpointError
-from interp.models import memory, tensor_files
+from interp.models.placement import memory, tensor_files
 from interp.models.families import get_family
 from interp.models.formats import hf as format_hf
 from interp.models.formats.build import build_model, convert_weights

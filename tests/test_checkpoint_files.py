@@ -80,7 +80,7 @@ def test_an_index_that_names_a_file_outside_the_folder_is_refused_before_any_wei
     target = {"parent": "../elsewhere/x.safetensors", "absolute": str(elsewhere / "x.safetensors"),
               "dotted": f"./sub/../../elsewhere/x.safetensors"}[where]
     _point_a_shard_at(copy, target)
-    import interp.models.tensor_files as tensor_files
+    import interp.models.placement.tensor_files as tensor_files
 
     monkeypatch.setattr(tensor_files, "mapped_safetensors", lambda *a: pytest.fail("a shard was read"))
     with pytest.raises(CheckpointError) as e:

@@ -61,7 +61,7 @@ def test_a_task_file_nested_too_deeply_or_not_utf8_is_one_line(tmp_path, capsys)
 def test_prompts_that_would_not_fit_are_refused_with_the_most_that_do(monkeypatch):
     from interp.analyses.circuits import study as circuit_study
     from interp.analyses.circuits.tasks import induction_task
-    from interp.models.memory import FIXED_BYTES, GiB
+    from interp.models.placement.memory import FIXED_BYTES, GiB
 
     model = interp.load("attn-only-2l")
     task = induction_task(model, 64)
@@ -78,7 +78,7 @@ def test_prompts_that_would_not_fit_are_refused_with_the_most_that_do(monkeypatc
 
 def test_the_command_refuses_before_any_run_and_out_of_memory_is_one_line(monkeypatch, tmp_path, capsys):
     from interp.analyses.circuits import runner, study as circuit_study
-    from interp.models.memory import FIXED_BYTES, GiB
+    from interp.models.placement.memory import FIXED_BYTES, GiB
 
     monkeypatch.setattr(circuit_study, "available_bytes", lambda device: FIXED_BYTES + GiB // 2)
     monkeypatch.setattr(runner.Runner, "__init__", lambda *a, **k: pytest.fail("a run started"))

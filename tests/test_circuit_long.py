@@ -13,7 +13,8 @@ from interp.analyses.circuits import Graph, Runner
 from interp.analyses.circuits.passes import _Pass, graph_mode
 from interp.analyses.circuits.passkey import passkey_task
 from interp.analyses.circuits.positions import each_position
-from interp.analyses.circuits.runner import LAYERED_ABOVE, cache_bytes, goes_by_layer
+from interp.analyses.circuits.cost import stage_bytes
+from interp.analyses.circuits.runner import LAYERED_ABOVE, goes_by_layer
 from interp.cli import main as cli
 
 from circuit_tasks import random_task
@@ -132,7 +133,7 @@ def test_the_whole_graph_or_block_by_block_is_chosen_by_the_gradients_size():
     assert goes_by_layer(g, cfg.d_model, 1, edge + 1) and not goes_by_layer(g, cfg.d_model, 1, edge)
     assert not goes_by_layer(g, cfg.d_model, 2, edge // 2) and goes_by_layer(g, cfg.d_model, 2, edge // 2 + 1)
     # block by block, the working set holds one block's receivers, not the graph's
-    assert cache_bytes(cfg, g, 1, 4096, 1, layered=True) < cache_bytes(cfg, g, 1, 4096, 1, layered=False)
+    assert stage_bytes(cfg, 1, 4096, 1, layered=True)["eap-ig"] < stage_bytes(cfg, 1, 4096, 1, layered=False)["eap-ig"]
 
 
 @pytest.fixture(scope="module")

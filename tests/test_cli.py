@@ -36,9 +36,8 @@ def test_the_help_names_are_the_librarys():
 
     assert choices.KV_PRECISIONS == PRECISIONS
     from interp.analyses.kv.policies import DEFAULT_POLICIES
-    from interp.analyses.kv.tasks import VARIANTS
 
-    assert choices.KV_POLICIES == DEFAULT_POLICIES and choices.KV_TASKS[1:] == tuple(VARIANTS)
+    assert choices.KV_POLICIES == DEFAULT_POLICIES
     from interp.analyses.kv.roles_study import GATE_STEPS, LOSS_TOKENS
 
     assert choices.GATE_STEPS == GATE_STEPS

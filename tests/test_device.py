@@ -2,7 +2,7 @@
 
 Every test here runs on the CPU. What would break on a GPU is caught three ways:
 * dynamically: conftest sets INTERP_REFUSE_HOST_COPIES=1, so every `interp ...` command the suite runs
-  refuses a tensor taken to the host other than by `interp.models.device.to_numpy` (`.numpy()` on a CUDA
+  refuses a tensor taken to the host other than by `interp.models.placement.device.to_numpy` (`.numpy()` on a CUDA
   tensor raises); the viewer of before this change fails that way (test below);
 * statically: no `.numpy()` call anywhere in the package but in that one helper (a rule with its own
   negative case, today's viewer line as it was);
@@ -24,7 +24,7 @@ import torch
 
 import interp
 from interp.kernels import attention_stats, resolve_backend
-from interp.models.device import compute_record, resolve_device, to_numpy
+from interp.models.placement.device import compute_record, resolve_device, to_numpy
 from interp.testing import HostCopyError, refuse_host_copies
 from interp.errors import BadValue
 
@@ -88,13 +88,13 @@ def _numpy_calls(source: str) -> list[int]:
 
 
 def test_no_numpy_call_in_the_package_but_the_one_door():
-    allowed = PACKAGE / "models" / "src" / "device.py"
+    allowed = PACKAGE / "models" / "src" / "placement" / "device.py"
     found = []
     for folder in ("interp", "models", "kernels", "analyses"):
         for f in sorted((PACKAGE / folder).rglob("*.py")):
             if f != allowed:
                 found += [f"{f.relative_to(PACKAGE)}:{line}" for line in _numpy_calls(f.read_text())]
-    assert not found, f"take tensors off the device with interp.models.device.to_numpy, not .numpy(): {found}"
+    assert not found, f"take tensors off the device with interp.models.placement.device.to_numpy, not .numpy(): {found}"
     assert _numpy_calls(allowed.read_text())  # the door itself is found by the rule
     old_viewer = '"patterns_u8": base64.b64encode(codes.numpy().tobytes()).decode()'
     assert _numpy_calls("x = {" + old_viewer + "}") == [1]  # the rule catches the viewer as it was
@@ -103,7 +103,7 @@ def test_no_numpy_call_in_the_package_but_the_one_door():
 # ---- the statistics kernel, chosen by device --------------------------------------------------------
 def test_every_statistics_entry_point_defaults_to_auto():
     from interp.analyses.heads import detect_heads
-    from interp.models import stats
+    from interp.models.readouts import head_statistics as stats
 
     entries = [attention_stats, stats.model_attention_stats, stats.kv_cache_attention_stats,
                interp.HookedTransformer.attention_stats, detect_heads]
@@ -170,8 +170,8 @@ def test_the_default_device_and_the_compute_record():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
 @pytest.mark.parametrize("argv", [
-    ["analyze", "attn-only-2l"], ["sweep", "attn-only-2l"], ["kv", "attn-only-2l", "--seq-len", "128"],
-    ["kv", "attn-only-2l", "--task", "passkey", "--lengths", "200", "--seq-len", "200"], ["demo"], ["doctor"],
+    ["analyze", "attn-only-2l"], ["sweep", "attn-only-2l"], ["kv", "precision", "attn-only-2l", "--seq-len", "128"],
+    ["kv", "passkey", "attn-only-2l", "--lengths", "200", "--seq-len", "200"], ["demo"], ["doctor"],
     ["generate", "attn-only-2l", "def f(x):"],
 ])
 def test_every_command_refuses_a_missing_gpu_in_one_line_before_loading(argv, tmp_path, monkeypatch, capsys):
@@ -247,10 +247,10 @@ SIMULATED = [  # every command, tiny: what a --device cuda run does, on the CPU 
     ["analyze", "rope-gqa-4l", "--n-seqs", "2", "--seq-len", "32", "--analyses",
      "previous_token,duplicate_token,induction,sinks,viewer,streaming,composition,ablation,pruning,importance,loss"],
     ["sweep", "attn-only-2l", "--n-seqs", "2", "--seq-len", "32", "--analyses", "induction,sinks,streaming,loss"],
-    ["kv", "attn-only-2l", "--seq-len", "96", "--n-seqs", "2", "--seeds", "1"],
-    ["kv", "attn-only-2l", "--task", "passkey", "--lengths", "248", "--depths", "0.5", "--prompts", "1",
-     "--seq-len", "200", "--window", "32"],
-    ["kv", "attn-only-2l", "--task", "passkey", "--select", "retrieval,razor,loss,random,gates", "--gate-steps", "2",
+    ["kv", "precision", "attn-only-2l", "--seq-len", "96", "--n-seqs", "2", "--seeds", "1"],
+    ["kv", "passkey", "attn-only-2l", "--lengths", "248", "--depths", "0.5", "--prompts", "1",
+     "--seq-len", "200"],
+    ["kv", "select", "attn-only-2l", "--rankings", "retrieval,razor,loss,random,gates", "--gate-steps", "2",
      "--lengths", "248",
      "--depths", "0.5", "--prompts", "1", "--window", "32", "--fractions", "0.5", "--seq-len", "200",
      "--scoring-prompts", "1", "--selection-seeds", "1"],

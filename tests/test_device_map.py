@@ -1,4 +1,4 @@
-"""Several GPUs (`interp.load(..., device_map=...)`, `--device-map`, `interp.models.device_map`), on the CPU: under
+"""Several GPUs (`interp.load(..., device_map=...)`, `--device-map`, `interp.models.placement.device_map`), on the CPU: under
 `simulated_gpu(devices=2)` the CPU plays cuda:0 and cuda:1, and any operation mixing them (or a device with the
 host) raises, so a model split over the two runs only if every tensor crosses where it should. Its logits,
 caches, statistics and atlas are then those of the model on one device, exactly. Bad maps are one line each,
@@ -13,7 +13,7 @@ import torch
 import interp
 from interp.cli import main as cli
 from interp.errors import UserError
-from interp.models.device_map import DeviceMapRefused, parse_device_map, resolve_device_map
+from interp.models.placement.device_map import DeviceMapRefused, parse_device_map, resolve_device_map
 from interp.testing import DeviceMixError, simulated_gpu
 
 from core_models import OWN_CONFIGS, build

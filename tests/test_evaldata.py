@@ -89,7 +89,7 @@ if sys.argv[2] == "needle":  # a byte-level model with room for 3,000 tokens of 
     import dataclasses, interp
     from interp.analyses.kv.tasks import retrieval_prompts
     from interp.models.formats.tokenizer import ByteTokenizer
-    from interp.models.transformer import HookedTransformer
+    from interp.models.native.transformer import HookedTransformer
     cfg = dataclasses.replace(interp.load("rope-gqa-4l").cfg, n_ctx=4096)
     model = HookedTransformer(cfg, seed=0, tokenizer=ByteTokenizer())
     p = retrieval_prompts(model, [3000], [0.5], 1, seed=3, variant="needle")[0]
@@ -219,8 +219,8 @@ def test_a_damaged_data_file_is_one_line_before_any_model_loads(damaged, tmp_pat
     ("caf\u00e9 ".encode("latin-1") * 4000, "not UTF-8"),
     (b"short text " * 10, "too short"),
 ])
-@pytest.mark.parametrize("command", [["analyze", "attn-only-2l"], ["kv", "attn-only-2l", "--seq-len", "200"],
-                                     ["kv", "attn-only-2l", "--task", "passkey", "--lengths", "248", "--seq-len", "200"]])
+@pytest.mark.parametrize("command", [["analyze", "attn-only-2l"], ["kv", "precision", "attn-only-2l", "--seq-len", "200"],
+                                     ["kv", "passkey", "attn-only-2l", "--lengths", "248", "--seq-len", "200"]])
 def test_a_bad_text_file_is_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch, content, message, command):
     import interp
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interp.models.factored import FactoredMatrix, composition_scores
+from interp.models.readouts.factored import FactoredMatrix, composition_scores
 
 tl_fm = pytest.importorskip("transformer_lens.FactoredMatrix")
 
@@ -35,7 +35,8 @@ def test_products_and_norms_match_transformer_lens():
     U, S, V = ours.svd()
     close(U @ torch.diag_embed(S) @ V.transpose(-2, -1), ours.AB)  # V, not V^T, as TransformerLens
     close(U.transpose(-2, -1) @ U, torch.eye(4).expand(3, 2, 4, 4).double())
-    close(ours.Vh, V)
+    with pytest.warns(DeprecationWarning, match="Vh is V"):  # TransformerLens's old name, deprecated as there
+        close(ours.Vh, V)
     close(ours.U @ ours.collapse_l(), ours.AB)
     close(ours.collapse_r() @ ours.V.transpose(-2, -1), ours.AB)
     even = ours.make_even()

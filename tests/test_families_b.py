@@ -28,11 +28,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import interp
 import interp.kernels.attention as A
-from core_models import hf_pair, small
+from core_models import hf_pair, scored, small
 from interp import HookedTransformer
 from interp.kernels import attention_stats
 from interp.kernels.stats import STAT_NAMES
-from interp.kernels.stats_reference import reference_stats
+from interp.kernels.stats.reference import reference_stats
 from interp.models.families import get_family
 from interp.models.positions import Rotary
 from near_ties import assert_greedy_agrees
@@ -214,7 +214,7 @@ def test_the_loss_applies_the_final_cap_on_every_path(capped, monkeypatch):
         logits = capped(toks)
         want = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, CAPPED.d_vocab), toks[:, 1:].reshape(-1))
         assert float((capped(toks, return_type="loss") - want).abs()) < 1e-6
-        import interp.models.transformer as T
+        import interp.models.native.transformer as T
         monkeypatch.setattr(T, "_NLL_SLAB", 3 * capped.cfg.d_vocab)  # the loss in slabs of 3 rows
         assert float((capped(toks, return_type="loss") - want).abs()) < 1e-6
         # Negative: the uncapped logits give another loss.
@@ -287,11 +287,11 @@ def test_stats_with_the_cap_equal_the_float64_oracle(case):
     heads, kv, n_q, n_k, window, left_pad, alibi, n_sink = STATS_CASES[case]
     q, k, extra = _stats_inputs(heads, kv, n_q, n_k, left_pad, alibi)
     args = dict(window=window, n_sink=n_sink, scale=0.3, **extra)
-    want = reference_stats(q, k, softcap=2.5, **args)
+    want = reference_stats(q, k, **scored(softcap=2.5, **args))
     for blocks in ((8, 16), (5, 3), (None, None)):
-        got = attention_stats(q, k, backend="torch", block_q=blocks[0], block_k=blocks[1], softcap=2.5, **args)
+        got = attention_stats(q, k, **scored(backend="torch", block_q=blocks[0], block_k=blocks[1], softcap=2.5, **args))
         assert _max_diff(got, want) < 1e-5, blocks
-    uncapped = reference_stats(q, k, **args)
+    uncapped = reference_stats(q, k, **scored(**args))
     assert float((uncapped["entropy"] - want["entropy"]).nan_to_num().abs().max()) > 1e-2  # the cap matters
 
 
@@ -320,8 +320,8 @@ def _triton_worker() -> None:
     for case, (heads, kv, n_q, n_k, window, left_pad, alibi, n_sink) in STATS_CASES.items():
         q, k, extra = _stats_inputs(heads, kv, n_q, n_k, left_pad, alibi)
         args = dict(window=window, n_sink=n_sink, scale=0.3, **extra)
-        got = attention_stats(q, k, backend="triton", block_q=16, block_k=16, softcap=2.5, **args)
-        out[case] = _max_diff(got, reference_stats(q, k, softcap=2.5, **args))
+        got = attention_stats(q, k, **scored(backend="triton", block_q=16, block_k=16, softcap=2.5, **args))
+        out[case] = _max_diff(got, reference_stats(q, k, **scored(softcap=2.5, **args)))
     print("RESULTS " + json.dumps(out))
 
 

@@ -14,14 +14,14 @@ import torch
 import torch.nn.functional as F
 
 import interp
-from core_models import build
+from core_models import build, scored
 from core_models import tokens as own_tokens
 from hf_cases import CASES, VOCAB, build_hf
 from interp import HookedTransformer, ModelConfig
 from interp.kernels import attention_stats
 from interp.kernels import attention as kernels
 from interp.kernels.attention import AttentionMask, fused_attention, instrumented_attention
-from interp.kernels.stats_reference import reference_stats
+from interp.kernels.stats.reference import reference_stats
 from interp.models.families import get_family
 from near_ties import assert_greedy_agrees
 
@@ -274,12 +274,12 @@ def test_statistics_with_sinks_equal_the_oracle():
     valid = torch.ones(2, 29, dtype=torch.bool)
     valid[0, :5] = False
     for kw in (dict(), dict(window=5), dict(key_padding_mask=valid), dict(window=4, key_padding_mask=valid)):
-        st = attention_stats(q, k, toks, sink_logits=sinks, scale=0.4, block_q=8, block_k=8, **kw)
-        _close_stats(st, reference_stats(q, k, toks, sink_logits=sinks, scale=0.4, **kw), kw)
-    plain = attention_stats(q, k, toks, scale=0.4)
-    assert float((plain.max - attention_stats(q, k, toks, scale=0.4, sink_logits=sinks).max).abs().max()) > 1e-2
+        st = attention_stats(q, k, toks, **scored(sink_logits=sinks, scale=0.4, block_q=8, block_k=8, **kw))
+        _close_stats(st, reference_stats(q, k, toks, **scored(sink_logits=sinks, scale=0.4, **kw)), kw)
+    plain = attention_stats(q, k, toks, **scored(scale=0.4))
+    assert float((plain.max - attention_stats(q, k, toks, **scored(scale=0.4, sink_logits=sinks)).max).abs().max()) > 1e-2
     with pytest.raises(ValueError, match="torch statistics kernel only"):
-        attention_stats(q, k, toks, sink_logits=sinks, backend="triton")
+        attention_stats(q, k, toks, **scored(sink_logits=sinks, backend="triton"))
 
 
 def test_model_statistics_with_sinks_equal_the_oracle_from_tokens_and_from_a_cache(model):
@@ -289,8 +289,8 @@ def test_model_statistics_with_sinks_equal_the_oracle_from_tokens_and_from_a_cac
     for layer in range(2):
         a = model.blocks[layer].attn
         ref = reference_stats(cache[f"blocks.{layer}.attn.hook_rot_q"].transpose(1, 2),
-                              cache[f"blocks.{layer}.attn.hook_rot_k"].transpose(1, 2), toks, scale=a.scale,
-                              window=a.window, sink_logits=a.sinks)
+                              cache[f"blocks.{layer}.attn.hook_rot_k"].transpose(1, 2), toks, **scored(scale=a.scale,
+                              window=a.window, sink_logits=a.sinks))
         _close_stats(stats[layer], ref, layer)
     kv = model.new_kv_cache(2, 16, capture_queries=True)
     with torch.no_grad():

@@ -191,7 +191,7 @@ def test_the_cli_compares_selections_end_to_end(tmp_path, capsys):
     from interp.cli import main as cli
 
     out = tmp_path / "roles"
-    argv = ["kv", "attn-only-2l", "--task", "passkey", "--select", "retrieval,razor,loss,random", "--lengths", "248",
+    argv = ["kv", "select", "attn-only-2l", "--rankings", "retrieval,razor,loss,random", "--lengths", "248",
             "--depths", "0.5", "--prompts", "1", "--window", "32", "--fractions", "0.25,0.5", "--seq-len", "200",
             "--scoring-prompts", "2", "--selection-seeds", "2", "--out", str(out), "--no-progress"]
     assert cli(argv) == 0, capsys.readouterr().err
@@ -209,7 +209,7 @@ def test_the_cli_compares_selections_end_to_end(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"--select": "retrieval,lru"}, "unknown selection lru"),
+    ({"--rankings": "retrieval,lru"}, "unknown selection lru"),
     ({"--fractions": "0.1,1.5"}, "fraction of the KV heads in (0, 1]"),
     ({"--fractions": "0.01"}, "keeps none"),
     ({"--window": "400"}, "streaming(4,400): the window must be between 1 and"),
@@ -220,9 +220,9 @@ def test_bad_selection_settings_are_one_line_before_the_model_loads(tmp_path, ca
 
     monkeypatch.setattr(interp, "load", lambda *a, **k: pytest.fail("the model must not load"))
     out = tmp_path / "out"
-    settings = {"--task": "passkey", "--select": "retrieval,random", "--lengths": "248", "--depths": "0.5",
+    settings = {"--rankings": "retrieval,random", "--lengths": "248", "--depths": "0.5",
                 "--prompts": "1", "--seq-len": "128", "--out": str(out), **change}
-    assert cli(["kv", "attn-only-2l", *[x for kv in settings.items() for x in kv], "--no-progress"]) == 2
+    assert cli(["kv", "select", "attn-only-2l", *[x for kv in settings.items() for x in kv], "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
     assert not out.exists()
@@ -284,7 +284,7 @@ def test_gates_train_a_count_of_steps_and_a_time_cap_that_cuts_is_said(tmp_path,
     from interp.cli import main as cli
     from interp.analyses import evaldata
 
-    base = ["kv", "attn-only-2l", "--task", "passkey", "--select", "gates,random", "--lengths", "248", "--depths",
+    base = ["kv", "select", "attn-only-2l", "--rankings", "gates,random", "--lengths", "248", "--depths",
             "0.5", "--prompts", "1", "--window", "32", "--fractions", "0.5", "--seq-len", "200",
             "--scoring-prompts", "1", "--selection-seeds", "1", "--no-progress"]
     runs = {}

@@ -420,8 +420,8 @@ def test_the_loss_made_a_slab_of_logits_at_a_time_equals_the_loss_of_the_logits(
     """return_type="loss" never builds [batch, pos, vocab] (Gemma's 262k vocabulary): slabs of 5 rows
     here, checkpointed under autograd. Its loss, per-token loss (with padding) and gradients equal
     lm_loss on the whole logits."""
-    import interp.models.transformer as transformer_module
-    from interp.models.transformer import lm_loss
+    import interp.models.native.transformer as transformer_module
+    from interp.models.base import lm_loss
 
     model = own(name)
     monkeypatch.setattr(transformer_module, "_NLL_SLAB", 5 * model.cfg.d_vocab)

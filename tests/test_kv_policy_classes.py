@@ -177,7 +177,7 @@ def test_a_policy_defined_here_runs_in_the_study_and_the_benchmark(tmp_path, cap
     from interp.cli import main as cli
 
     out = tmp_path / "study"
-    assert cli(["kv", "attn-only-2l", "--task", "passkey", "--policies", "full,oldest(64)", "--lengths", "248",
+    assert cli(["kv", "passkey", "attn-only-2l", "--policies", "full,oldest(64)", "--lengths", "248",
                 "--depths", "0.5", "--prompts", "1", "--seq-len", "200", "--out", str(out), "--no-progress"]) == 0, \
         capsys.readouterr().err
     cells = pd.read_parquet(out / "kv_policies.parquet")

@@ -219,7 +219,7 @@ def test_the_cli_writes_the_study(tmp_path, capsys):
     out = tmp_path / "study"
     # streaming(4,250): as wide as the length asked for plus the answer allow (the prompts are shorter)
     policies = ["full", "streaming(4,32)", "kivi4", "h2o(48)", "streaming(4,250)"]
-    argv = ["kv", "attn-only-2l", "--task", "passkey", "--lengths", "248", "--depths", "0.3,0.7", "--prompts", "2",
+    argv = ["kv", "passkey", "attn-only-2l", "--lengths", "248", "--depths", "0.3,0.7", "--prompts", "2",
             "--policies", ",".join(policies), "--seq-len", "256", "--new-tokens", "6", "--seed", "1", "--out",
             str(out), "--no-progress"]
     assert cli(argv) == 0, capsys.readouterr().err
@@ -270,9 +270,9 @@ def test_the_cli_writes_the_study(tmp_path, capsys):
 def test_bad_settings_are_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch, change, message):
     _no_loading(monkeypatch)
     out = tmp_path / "out"
-    settings = {"--task": "passkey", "--lengths": "248", "--depths": "0.5", "--prompts": "1", "--seq-len": "128",
+    settings = {"--lengths": "248", "--depths": "0.5", "--prompts": "1", "--seq-len": "128",
                 "--policies": "full", "--out": str(out), **change}
-    assert cli(["kv", "attn-only-2l", *[x for kv in settings.items() for x in kv], "--no-progress"]) == 2
+    assert cli(["kv", "passkey", "attn-only-2l", *[x for kv in settings.items() for x in kv], "--no-progress"]) == 2
     captured = capsys.readouterr()
     assert captured.err.startswith("error: ") and captured.err.count("\n") == 1, captured.err
     assert message in captured.err, captured.err
@@ -284,7 +284,7 @@ def test_a_folder_holding_a_users_file_is_refused_and_the_file_untouched(tmp_pat
     out = tmp_path / "mine"
     out.mkdir()
     (out / "notes.txt").write_text("my notes")
-    argv = ["kv", "attn-only-2l", "--task", "passkey", "--lengths", "248", "--depths", "0.5", "--prompts", "1",
+    argv = ["kv", "passkey", "attn-only-2l", "--lengths", "248", "--depths", "0.5", "--prompts", "1",
             "--seq-len", "128", "--policies", "full", "--out", str(out), "--no-progress"]
     assert cli(argv) == 2
     err = capsys.readouterr().err

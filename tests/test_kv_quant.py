@@ -172,7 +172,7 @@ def test_interp_kv_refuses_bad_input_before_loading(tmp_path, capsys):
     out = tmp_path / "out"
 
     def refused(argv, message):
-        assert cli(["kv", *argv, "--out", str(out)]) == 2
+        assert cli(["kv", "precision", *argv, "--out", str(out)]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
         assert not out.exists()
@@ -196,7 +196,7 @@ def test_interp_kv_on_the_zoo(tmp_path):
     from interp.cli import main as cli
 
     out = tmp_path / "kv"
-    assert cli(["kv", "attn-only-2l", "--out", str(out), "--seq-len", "96", "--sensitivity-tokens", "64",
+    assert cli(["kv", "precision", "attn-only-2l", "--out", str(out), "--seq-len", "96", "--sensitivity-tokens", "64",
                 "--seeds", "2", "--no-progress"]) == 0
     table = pd.read_parquet(out / "kv.parquet").set_index("precision")
     cfg = interp.load("attn-only-2l").cfg
@@ -231,7 +231,7 @@ def test_interp_kv_refuses_a_folder_holding_a_users_file_before_loading(tmp_path
     out = tmp_path / "mine"
     out.mkdir()
     (out / "kv.parquet").write_text("my own table")
-    assert cli(["kv", "attn-only-2l", "--out", str(out), "--seq-len", "96", "--no-progress"]) == 2
+    assert cli(["kv", "precision", "attn-only-2l", "--out", str(out), "--seq-len", "96", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "already holds files interp did not write (kv.parquet)" in err and err.count("\n") == 1, err
     assert sorted(p.name for p in out.iterdir()) == ["kv.parquet"] and (out / "kv.parquet").read_text() == "my own table"

@@ -88,11 +88,11 @@ def test_architecture_names_only_paths_that_exist():
 
 
 def test_no_module_calls_a_models_private_methods():
-    """A model's private methods are its own: outside models/src/transformer.py (and the mixins it is made
+    """A model's private methods are its own: outside models/src/native/transformer.py (and the mixins it is made
     of), nothing reaches into `model._...`; what callers need is public (`prepare`, `loaded_as`, ...)."""
     import ast
 
-    own = {"models/src/transformer.py", "models/src/text.py", "models/src/weights.py"}
+    own = {"models/src/native/transformer.py", "models/src/text.py", "models/src/readouts/weights.py"}
     found = []
     for folder in ("models", "kernels", "analyses", "interp"):
         for file in (ROOT / folder).rglob("*.py"):
@@ -126,7 +126,7 @@ def test_fixtures_live_in_conftest():
 
 
 @pytest.mark.parametrize("module, mixin, host", [("models/src/text.py", "TextMixin", "TextModel"),
-                                                  ("models/src/weights.py", "WeightViews", "WeightModel")])
+                                                  ("models/src/readouts/weights.py", "WeightViews", "WeightModel")])
 def test_the_mixins_read_only_what_their_protocol_names(module, mixin, host):
     """`TextMixin` and `WeightViews` reach the model they are mixed into only through the attributes their
     Protocol lists (or their own methods), and the model has every one of them."""

@@ -20,7 +20,7 @@ from interp.analyses.extrapolation.lengths import (FROM_FRACTION, METRICS, check
 from interp.analyses.sinks import attention_sinks
 from interp.cli import main as cli
 from interp.kernels import attention as A
-from interp.models.memory import check_fits, estimate_bytes
+from interp.models.placement.memory import check_fits, estimate_bytes
 
 
 # ---- banded sliding windows ---------------------------------------------------------------------
@@ -45,7 +45,7 @@ def test_banded_window_attention_equals_the_whole_mask(n_q, n_k, window, n_sink,
     got = A.fused_attention(q, k, v, mask, scale=0.25, window=window, alibi_slopes=slopes, sink_limit=sink_limit)
     whole = (mask.visible(window, q.device, sink_limit) if slopes is None
              else mask.bias(window, slopes, q.dtype, q.device, sink_limit))  # the [n, n] mask the bands avoid
-    want = F.scaled_dot_product_attention(q, A._expand_kv(k, 4), A._expand_kv(v, 4), attn_mask=whole, scale=0.25)
+    want = F.scaled_dot_product_attention(q, A.expand_kv(k, 4), A.expand_kv(v, 4), attn_mask=whole, scale=0.25)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
@@ -230,18 +230,17 @@ def test_cli_refuses_bad_lengths_before_loading(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(checkpoint, "load_checkpoint", lambda *a, **k: pytest.fail("a model was loaded"))
     out = tmp_path / "out"
     base = ["analyze", "rope-gqa-4l", "--out", str(out), "--no-progress"]  # n_ctx 256, rotary
-    _one_line(capsys, base + ["--lengths", "128,512"], "--lengths 512 is longer than the model's trained context", out)
+    lengths = ["lengths", "rope-gqa-4l", "--out", str(out), "--no-progress"]
+    _one_line(capsys, lengths + ["--lengths", "128,512"], "--lengths 512 is longer than the model's trained context", out)
     _one_line(capsys, base + ["--seq-len", "512"], "pass --extrapolate to run past it", out)
-    _one_line(capsys, base + ["--lengths", "64,300000000", "--extrapolate"], "the longest that fits is about", out)
+    _one_line(capsys, lengths + ["--lengths", "64,300000000", "--extrapolate"], "the longest that fits is about", out)
     _one_line(capsys, base + ["--seq-len", "300000000", "--n-seqs", "1", "--extrapolate"], "the longest that fits", out)
-    _one_line(capsys, base + ["--lengths", "64,x"], "--lengths takes comma-separated numbers", out)
-    _one_line(capsys, base + ["--lengths", "64,128", "--seq-len", "128"], "drop --seq-len", out)
-    _one_line(capsys, base + ["--lengths", "64,128", "--analyses", "sinks"], "drop --analyses", out)
+    _one_line(capsys, lengths + ["--lengths", "64,x"], "--lengths takes comma-separated numbers", out)
 
 
 def test_cli_lengths_study_writes_a_length_column_and_marks_extrapolation(tmp_path, capsys):
     out = tmp_path / "by-length"
-    assert cli(["analyze", "rope-gqa-4l", "--out", str(out), "--lengths", "64,128,320", "--extrapolate",
+    assert cli(["lengths", "rope-gqa-4l", "--out", str(out), "--lengths", "64,128,320", "--extrapolate",
                 "--no-progress"]) == 0
     table = pd.read_csv(out / "lengths.csv")
     assert sorted(table["length"].unique()) == [64, 128, 320]
@@ -330,5 +329,5 @@ def test_kv_select_refuses_an_equal_bytes_budget_past_the_perplexity_text(tmp_pa
 
     monkeypatch.setattr(interp, "load", lambda *a, **k: pytest.fail("a model was loaded"))
     out = tmp_path / "kv"
-    _one_line(capsys, ["kv", "smollm2-135m", "--task", "passkey", "--select", "retrieval", "--fractions", "0.5",
+    _one_line(capsys, ["kv", "select", "smollm2-135m", "--rankings", "retrieval", "--fractions", "0.5",
                        "--lengths", "8000", "--out", str(out)], "pass --seq-len 4066 or more", out)

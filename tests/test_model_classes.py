@@ -52,8 +52,8 @@ def _functions(path: Path):
             yield node
 
 
-@pytest.mark.parametrize("module", ["models/src/generate.py", "models/src/transformer.py", "models/src/base.py",
-                                   "models/src/wrapped/model.py", "models/src/wrapped/attention.py",
+@pytest.mark.parametrize("module", ["models/src/generate.py", "models/src/native/transformer.py", "models/src/base.py",
+                                   "models/src/wrapped/model.py", "models/src/wrapped/attention_function.py",
                                    "models/src/wrapped/architectures.py", "interp/commands/generate.py"])
 def test_no_function_over_100_lines_and_no_public_one_over_12_parameters(module):
     for fn in _functions(ROOT / module):
@@ -119,7 +119,7 @@ def test_interp_generate_on_a_wrapped_model_is_transformers_greedy_generate(wrap
     from transformers import AutoModelForCausalLM
 
     from interp.cli import main as cli
-    from interp.models.device import resolve_device
+    from interp.models.placement.device import resolve_device
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     prompt = "t5 t17 t5 t17 t9"

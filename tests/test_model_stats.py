@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import interp
-from interp.models.stats import stats_frame
+from interp.models.readouts.head_statistics import stats_frame
 
 
 def _model(positional: str, kv_heads: int, window=None) -> interp.HookedTransformer:

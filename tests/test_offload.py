@@ -1,4 +1,4 @@
-"""Layer by layer past memory (`interp.load(..., offload="disk" | "cpu")`, `interp.models.offload`): the
+"""Layer by layer past memory (`interp.load(..., offload="disk" | "cpu")`, `interp.models.placement.offload`): the
 offloaded model gives the same logits, caches, statistics, generations, atlas and circuit scores as the
 model held whole, bit for bit on the CPU; it holds one block at a time (checked by accounting: the bytes
 of parameters materialised while each block runs); what it cannot do is one line. Tiny models only: the
@@ -13,8 +13,8 @@ import torch
 import interp
 from interp.cli import main as cli
 from interp.errors import UserError
-from interp.models import memory
-from interp.models.offload import OffloadRefused, named_weights
+from interp.models.placement import memory
+from interp.models.placement.offload import OffloadRefused, named_weights
 
 from circuit_tasks import random_task
 from core_models import OWN_CONFIGS, build

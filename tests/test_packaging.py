@@ -1,16 +1,16 @@
 """Every package folder is in the wheel: pyproject.toml lists packages by hand (find_packages cannot see through
 the package-dir mapping), and an unlisted folder is silently missing from the install and skipped by
-import-linter's contracts. The old import paths of moved modules still work, with a DeprecationWarning."""
+import-linter's contracts. Moved modules have no old path kept alive: CHANGELOG.md lists every move."""
 
 from __future__ import annotations
 
 import importlib
 import sys
 import tomllib
-import warnings
 from pathlib import Path
 
 import pytest
+from changelog import moved_modules
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,19 +45,14 @@ def test_the_check_catches_an_unlisted_folder(tmp_path):
     assert {"interp.models.kv", "interp.analyses.kv", "interp.models.formats"} <= ours  # the rooms are seen
 
 
-@pytest.mark.parametrize("old, new, name", [
-    ("interp.models.kv_policy", "interp.models.kv.policies", "parse_policy"),
-    ("interp.models.kv_cache_policy", "interp.models.kv.policy_cache", "PolicyKVCache"),
-    ("interp.models.checkpoint", "interp.models.formats.checkpoint", "load_checkpoint"),
-    ("interp.analyses.kv_policies", "interp.analyses.kv.policies", "PolicyStudy"),
-    ("interp.analyses.tasks", "interp.analyses.kv.tasks", "retrieval_prompts"),
-    ("interp.models.evaldata", "interp.analyses.evaldata", "language_reference"),
-])
-def test_old_import_paths_work_for_one_release_with_a_warning(old, new, name):
-    sys.modules.pop(old, None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(new) and hasattr(module, name)  # one object under both names
-    assert any(issubclass(w.category, DeprecationWarning) and f"{old} moved to {new}" in str(w.message)
-               for w in caught), [str(w.message) for w in caught]
+def test_no_compatibility_layer_and_every_move_in_the_changelog():
+    """Before a release, modules move freely: no import hook keeps an old path alive (it reserved 42 names, and
+    a future module at one would have been replaced silently); CHANGELOG.md lists each move instead."""
+    moved = moved_modules()
+    assert len(moved) >= 40, len(moved)
+    assert not [f for f in sys.meta_path if type(f).__module__.startswith("interp")], sys.meta_path
+    for old, new in moved.items():
+        importlib.import_module(new)  # the new path is real
+        sys.modules.pop(old, None)
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)

@@ -13,8 +13,8 @@ import torch
 import interp
 from interp.kernels import Scoring, attention_stats
 from interp.kernels.stats.common import validate
-from interp.models.attention import narrow_windows, scoring_of
-from interp.models.stats import for_each_layer_qk, layer_scoring
+from interp.models.native.attention_layer import narrow_windows, scoring_of
+from interp.models.readouts.head_statistics import for_each_layer_qk, layer_scoring
 
 from wrapped_cases import build_wrapped_hf
 
@@ -66,35 +66,28 @@ def test_a_wrapped_layers_scoring_reads_the_same_attributes():
     assert layer_scoring(model, 0).window == 5 and layer_scoring(model, 1).window is None
 
 
-def test_the_old_keywords_fold_into_a_scoring_with_a_warning():
+def test_the_geometry_is_one_scoring_and_the_old_keywords_are_gone():
+    """No compatibility layer before a release (CHANGELOG.md): the separate keywords are misspelt arguments."""
     g = torch.Generator().manual_seed(1)
     q, k = torch.randn(2, 4, 13, 8, generator=g), torch.randn(2, 2, 17, 8, generator=g)
     tokens = torch.randint(0, 5, (2, 17), generator=g)
-    slopes = torch.rand(4, generator=g)
-    new = attention_stats(q, k, tokens, Scoring(scale=0.3, window=6, alibi_slopes=slopes), backend="torch")
-    with pytest.warns(DeprecationWarning, match="scale=, window=, alibi_slopes=: pass the layer's geometry as one"):
-        old = attention_stats(q, k, tokens, scale=0.3, window=6, alibi_slopes=slopes, backend="torch")
-    for name, value in new.to_dict().items():
-        torch.testing.assert_close(getattr(old, name), value, equal_nan=True, atol=0, rtol=0)
-    with pytest.warns(DeprecationWarning):  # an old keyword over a Scoring replaces that field
-        over = attention_stats(q, k, tokens, Scoring(scale=0.3, window=2, alibi_slopes=slopes), window=6,
-                               backend="torch")
-    torch.testing.assert_close(over.entropy, new.entropy, equal_nan=True, atol=0, rtol=0)
-    with pytest.raises(TypeError, match="unexpected keyword argument.*'windw'"):
-        attention_stats(q, k, tokens, windw=6)
+    for old in ({"scale": 0.3}, {"window": 6}, {"windw": 6}):
+        with pytest.raises(TypeError, match="unexpected keyword argument"):
+            attention_stats(q, k, tokens, backend="torch", **old)
     with pytest.raises(TypeError, match="scoring must be a Scoring"):
         attention_stats(q, k, tokens, {"window": 6})
 
 
-def test_validate_takes_a_scoring_and_its_old_positional_call():
+def test_validate_takes_a_scoring():
     g = torch.Generator().manual_seed(2)
     q, k = torch.randn(1, 2, 5, 4, generator=g), torch.randn(1, 1, 7, 4, generator=g)
     kpm = torch.ones(1, 7, dtype=torch.bool)
     new = validate(q, k, None, Scoring(window=3), n_sink=2, key_padding_mask=kpm)
-    old = validate(q, k, None, 2, 3, None, kpm, None)
-    assert new.keys() == old.keys() == {"tokens", "n_sink", "key_padding_mask", "scoring"}
-    assert new["n_sink"] == old["n_sink"] == 2 and new["scoring"].window == old["scoring"].window == 3
-    assert new["scoring"].scale == old["scoring"].scale == 0.5  # resolved: 1 / sqrt(d)
+    assert new.keys() == {"tokens", "n_sink", "key_padding_mask", "scoring"}
+    assert new["n_sink"] == 2 and new["scoring"].window == 3
+    assert new["scoring"].scale == 0.5  # resolved: 1 / sqrt(d)
+    with pytest.raises(TypeError, match="scoring must be a Scoring"):
+        validate(q, k, None, 2)  # the old positional call: n_sink where the Scoring goes
     with pytest.raises(ValueError, match="softcap must be None or a finite number > 0"):
         validate(q, k, None, Scoring(softcap=float("nan")))
     with pytest.raises(ValueError, match=r"sink_logits must be a tensor \[heads\] = \[2\]"):

@@ -82,7 +82,7 @@ def test_asked_alone_and_through_the_torch_ops_call(added):
     """`stats=[name]` computes only it (the fused route leaves the rest NaN), and the block merging of the
     fused call written in torch ops carries the added column too."""
     from interp.kernels.stats.common import validate
-    from interp.kernels.stats.fused import _attend_math, attention_stats_fused
+    from interp.kernels.stats.fused import attend_math, attention_stats_fused
 
     q, k, tokens, kpm = _inputs(seed=1, n_q=41, n_k=41)
     ref = reference_stats(q, k, tokens, key_padding_mask=kpm)
@@ -90,7 +90,7 @@ def test_asked_alone_and_through_the_torch_ops_call(added):
     assert list(alone.added) == ["even_keys"] and alone.sink.isnan().all()
     assert _diff(alone.even_keys, ref["even_keys"]) < TOL
     args = validate(q, k, tokens, Scoring(window=6), key_padding_mask=kpm)
-    stacked = attention_stats_fused(q, k, stats=STAT_NAMES + added, block_q=7, attend=_attend_math, **args)
+    stacked = attention_stats_fused(q, k, stats=STAT_NAMES + added, block_q=7, attend=attend_math, **args)
     ref = reference_stats(q, k, tokens, Scoring(window=6), key_padding_mask=kpm)
     for i, name in enumerate(added):
         assert _diff(stacked[len(STAT_NAMES) + i], ref[name]) < TOL, name

@@ -13,6 +13,7 @@ import importlib
 import json
 import pkgutil
 import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -36,6 +37,7 @@ COMMANDS = {
                     "--buckets", "2", "--no-progress"],
     "sinks": ["sinks", "rope-gqa-4l", "--n-seqs", "2", "--seq-len", "32", "--interventions", "massive_dims,early_mlp",
               "--mlp-layers", "0", "--no-progress"],
+    "onset": ["sinks", "rope-gqa-4l", "--over-checkpoints", "--n-seqs", "1", "--seq-len", "32", "--no-progress"],
     "sweep": ["analyze", "attn-only-2l", "--analyses", "sinks", "--n-seqs", "2", "--seq-len", "32", "--no-progress",
               "--no-report"],
 }
@@ -43,7 +45,7 @@ COMMANDS = {
 
 # the study each command writes (its settings.json "study")
 STUDY = {"precision": "kv-precision", "passkey": "kv-policies", "select": "kv-roles", "lengths": "lengths",
-         "circuit": "circuit", "extrapolate": "extrapolate", "sinks": "sinks",
+         "circuit": "circuit", "extrapolate": "extrapolate", "sinks": "sinks", "onset": "sink-onset",
          "sweep": "sweep"}
 
 
@@ -149,6 +151,126 @@ def test_passkey_without_pyarrow_writes_csv_tables(tmp_path, monkeypatch):
     assert not list(out.glob("*.parquet")) and len(pd.read_csv(out / "kv_policies.csv")) == 2
 
 
+# ---- every command writes through the one output folder (issue 65, security 1) ----------------------------------
+def _leaves(parser, path=()):
+    """(subcommand path, its parser) for every command the CLI has, kv's subcommands included."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield path, parser
+    for action in subs:
+        for name, sub in action.choices.items():
+            yield from _leaves(sub, (*path, name))
+
+
+# what each command that writes runs here: the study commands above (their folders, `folders`), and these
+OTHER_WRITERS = {
+    ("train",): ["train", "attn-only-2l", "--steps", "2", "--no-progress"],
+    ("bench",): ["bench", "--quick", "--sections", "forward", "--seqs", "16", "--shapes", "llama-small"],
+    ("report",): ["report"],  # into a sweep's folder: `folders / "sweep"`
+    ("sweep",): ["sweep", "rope-gqa-4l", "--analyses", "previous_token", "--n-seqs", "1", "--seq-len", "16",
+                 "--no-progress"],
+}
+# the commands that write no file at all (checked in an empty working folder)
+WRITES_NOTHING = {("demo",): ["demo", "--seq", "16"], ("info",): ["info", "attn-only-2l"], ("zoo",): ["zoo"],
+                  ("generate",): ["generate", "attn-only-2l", "def f", "--max-new-tokens", "2"],
+                  ("doctor",): ["doctor"]}
+
+
+def _walked(argv) -> tuple[str, ...]:
+    return tuple(argv[:2]) if argv[0] == "kv" else (argv[0],)
+
+
+def test_every_command_of_the_cli_is_walked_here():
+    """A new command that writes must say here how it writes, so that the tests below hold it to the folder."""
+    every = {path for path, _ in _leaves(build_parser())}
+    walked = {_walked(argv) for argv in COMMANDS.values()} | set(OTHER_WRITERS) | set(WRITES_NOTHING)
+    assert every == walked, f"walk these commands here: {sorted(every - walked)}; gone: {sorted(walked - every)}"
+    for path, parser in _leaves(build_parser()):
+        takes_out = any(a.dest == "out" for a in parser._actions)
+        assert takes_out == (path not in WRITES_NOTHING), path
+
+
+def _outside_the_manifest(folder) -> list[str]:
+    from interp.analyses.store import LOCK, MANIFEST
+
+    listed = set(json.loads((folder / MANIFEST).read_text())["paths"])
+    files = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() or p.is_symlink()}
+    return sorted(files - listed - {MANIFEST, LOCK})
+
+
+def test_every_file_a_study_command_writes_is_listed_in_its_folder(folders, tmp_path):
+    assert cli(["report", str(folders / "sweep")]) == 0  # `interp report` writes into the sweep's folder
+    for name in COMMANDS:
+        assert not _outside_the_manifest(folders / name), (name, _outside_the_manifest(folders / name))
+    assert cli([*OTHER_WRITERS[("sweep",)], "--out", str(tmp_path / "sweep")]) == 0  # a run of two checkpoints
+    assert not _outside_the_manifest(tmp_path / "sweep")
+
+
+def test_train_writes_through_its_folder_and_adopts_a_run_folder_from_before_manifests(tmp_path, capsys):
+    import shutil
+
+    out = tmp_path / "run"
+    assert cli([*OTHER_WRITERS[("train",)], "--out", str(out)]) == 0
+    assert (out / "step_00002" / "model.safetensors").is_file() and not _outside_the_manifest(out)
+    shipped = tmp_path / "shipped"  # the zoo's own run folder, written before manifests existed
+    shutil.copytree(Path(interp.analyses.__file__).parents[2] / "models" / "src" / "zoo" / "attn-only-2l", shipped)
+    mine = shipped / "notes.txt"
+    mine.write_text("mine")
+    assert cli([*OTHER_WRITERS[("train",)], "--out", str(shipped)]) == 0
+    assert mine.read_text() == "mine" and not (set(_outside_the_manifest(shipped)) - {"notes.txt"})
+
+
+def test_bench_writes_its_page_and_never_a_file_it_did_not_write(tmp_path, capsys):
+    page = tmp_path / "bench.md"
+    assert cli([*OTHER_WRITERS[("bench",)], "--out", str(page)]) == 0
+    assert "Written by `interp bench`" in page.read_text()
+    assert cli([*OTHER_WRITERS[("bench",)], "--out", str(page)]) == 0  # its own page: written again
+    mine = tmp_path / "mine.md"
+    mine.write_text("my notes")
+    assert cli([*OTHER_WRITERS[("bench",)], "--out", str(mine)]) == 2
+    assert "was not written by interp bench" in capsys.readouterr().err and mine.read_text() == "my notes"
+
+
+def _planted(tmp_path):
+    """A folder holding only a link named like a file commands write, pointing at a user's notes."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("settings.json", "onset_steps.csv", "run.json"):
+        (out / name).symlink_to(notes)
+    return notes, out
+
+
+@pytest.mark.parametrize("argv", [*COMMANDS.values(), OTHER_WRITERS[("train",)], OTHER_WRITERS[("sweep",)]],
+                         ids=lambda a: " ".join(a[:3]))
+def test_no_command_writes_through_a_link_in_its_folder(argv, tmp_path, capsys, monkeypatch):
+    import interp
+
+    monkeypatch.setattr(interp, "load", lambda *a, **k: pytest.fail("refused before the model loads"))
+    notes, out = _planted(tmp_path)
+    assert cli([*argv, "--out", str(out)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    assert notes.read_text() == "mine\n" and sorted(p.name for p in out.iterdir()) == [
+        "onset_steps.csv", "run.json", "settings.json"]
+
+
+def test_bench_never_writes_through_a_link(tmp_path, capsys):
+    notes = tmp_path / "notes.md"
+    notes.write_text("Written by `interp bench` -- but a link to it is still refused")
+    (tmp_path / "page.md").symlink_to(notes)
+    assert cli([*OTHER_WRITERS[("bench",)], "--out", str(tmp_path / "page.md")]) == 2
+    assert "symbolic link" in capsys.readouterr().err and notes.read_text().startswith("Written")
+
+
+@pytest.mark.slow
+def test_the_commands_that_write_nothing_write_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for argv in WRITES_NOTHING.values():
+        assert cli(argv) == 0, argv
+        assert not list(tmp_path.iterdir()), (argv, list(tmp_path.iterdir()))
+
+
 # ---- defaults that fit the model -----------------------------------------------------------------------------
 def test_default_lengths_fit_the_model_in_one_note(tmp_path, capsys):
     assert cli(["kv", "passkey", "attn-only-2l", "--policies", "full", "--depths", "0.5", "--prompts", "1",
@@ -180,38 +302,21 @@ def test_sweep_defaults_fit_a_hugging_face_neox_of_128_tokens(tmp_path, capsys):
     assert "pass --extrapolate" in capsys.readouterr().err and not (tmp_path / "asked").exists()
 
 
-# ---- the old spellings, for one release -------------------------------------------------------------------------
-@pytest.mark.parametrize("old, new", [
-    (["kv", "attn-only-2l", "--seq-len", "96"], "`interp kv MODEL` is now `interp kv precision MODEL`"),
-    (["kv", "attn-only-2l", "--task", "needle", "--lengths", "248"],
-     "`interp kv MODEL --task needle` is now `interp kv passkey MODEL --needle`"),
-    (["kv", "attn-only-2l", "--task", "passkey", "--select", "retrieval", "--sinks", "2"],
-     "`interp kv MODEL --task passkey --select R` is now `interp kv select MODEL --rankings R`"),
-    (["analyze", "rope-gqa-4l", "--lengths", "64,128", "--no-report"],
-     "`interp analyze MODEL --lengths L` is now `interp lengths MODEL --lengths L`"),
+# ---- the old spellings are gone (CHANGELOG.md: no compatibility layer before a release) -------------------------
+@pytest.mark.parametrize("old, today", [
+    (["kv", "attn-only-2l", "--seq-len", "96"], "interp kv precision"),
+    (["kv", "attn-only-2l", "--task", "needle", "--lengths", "248"], "interp kv passkey"),
+    (["analyze", "rope-gqa-4l", "--lengths", "64,128", "--no-report"], "interp lengths"),
 ])
-def test_the_old_spellings_run_today_s_command_with_one_note(old, new, tmp_path, capsys, monkeypatch):
+def test_an_old_spelling_is_refused_and_the_changelog_gives_todays(old, today, tmp_path, capsys, monkeypatch):
     import interp
 
-    monkeypatch.setattr(interp, "load", lambda *a, **k: pytest.fail("stopped before loading"))
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "mine.txt").write_text("a user's file: refused, so the command stops before loading")
-    assert cli([*old, "--out", str(out)]) == 2
-    captured = capsys.readouterr()
-    notes = [line for line in captured.out.splitlines() if line.startswith("note:")]
-    assert len(notes) == 1 and new in notes[0] and "goes in the next release" in notes[0], captured.out
-    assert "already holds files interp did not write" in captured.err and captured.err.count("\n") == 1
-
-
-def test_an_old_option_the_new_command_does_not_take_is_dropped_and_said(capsys):
-    from interp.commands.legacy import rewrite
-
-    argv, note = rewrite(["kv", "m", "--task", "passkey", "--precisions", "int4", "--out", "o", "--no-progress"])
-    assert argv == ["kv", "passkey", "m", "--out", "o", "--no-progress"] and "--precisions ignored, as before" in note
-    argv, _ = rewrite(["kv", "m", "--task", "passkey", "--select", "loss,random", "--policies", "full", "--out", "o"])
-    assert argv == ["kv", "select", "m", "--rankings", "loss,random", "--out", "o"]
-    assert rewrite(["kv", "passkey", "m", "--out", "o"]) is None and rewrite(["analyze", "m", "--out", "o"]) is None
+    monkeypatch.setattr(interp, "load", lambda *a, **k: pytest.fail("refused before loading"))
+    with pytest.raises(SystemExit) as e:  # argparse's usage line, exit 2
+        cli([*old, "--out", str(tmp_path / "out")])
+    assert e.value.code == 2 and not (tmp_path / "out").exists()
+    changelog = (Path(__file__).resolve().parents[1] / "CHANGELOG.md").read_text()
+    assert f"| `interp {' '.join(old[:1])} MODEL" in changelog and f"`{today} MODEL" in changelog
 
 
 # ---- options per command -----------------------------------------------------------------------------------------

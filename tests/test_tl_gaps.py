@@ -23,8 +23,8 @@ pytest.importorskip("transformers")
 import interp  # noqa: E402
 from hf_cases import build_hf  # noqa: E402
 from interp.interop import bridge_from_hf, to_tl_cache  # noqa: E402
-from interp.models.factored import FactoredBroadcastError, FactoredMatrix, FactoredShapeError  # noqa: E402
-from interp.models.weights import stored  # noqa: E402
+from interp.models.readouts.factored import FactoredBroadcastError, FactoredMatrix, FactoredShapeError  # noqa: E402
+from interp.models.readouts.weights import stored  # noqa: E402
 from tl_pairs import CLEAN, CORRUPTED, TEXT, close, metric, pair, tokenizer  # noqa: E402
 from transformer_lens import patching  # noqa: E402
 from transformer_lens.utilities import get_act_name  # noqa: E402

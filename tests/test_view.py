@@ -324,7 +324,7 @@ def test_circuitsvis_calls_run_unchanged_and_carry_the_same_data():
 def test_one_packing_for_tensors_and_arrays():
     """The report viewer packs a tensor on its device, the views an array on the host: the same codes,
     halves rounded to even both ways, against round-half-even written here."""
-    from interp.models.attention_view import codes_u8
+    from interp.models.readouts.attention_view import codes_u8
 
     a = torch.cat([causal(2, 9).flatten(), torch.tensor([0.5 / 255, 1.5 / 255, 2.5 / 255, 1.0, 0.0])])
     on_device = codes_u8(a).numpy()

@@ -17,8 +17,9 @@ from .importance import attribution_correlation, head_importance
 from interp.analyses.extrapolation.lengths import how_far, length_scores, role_changes, scores_by_length
 from .plots import plot_composition, plot_curve, plot_head_scores
 from .pruning import pruning_curve
-from .sinks import attention_sinks, sink_rate, sliding_window, window_eval
-from interp.models.stats import (
+from .sinks import attention_sinks, sink_rate
+from .streaming import sliding_window, window_eval
+from interp.models.readouts.head_statistics import (
     attention_logsumexp,
     attention_weights_at,
     for_each_layer_qk,

@@ -15,7 +15,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from interp.models.device import to_numpy
+from interp.models.placement.device import to_numpy
 
 HeadList = Sequence[tuple[int, int]]
 

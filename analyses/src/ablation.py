@@ -29,8 +29,8 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from interp.models.transformer import lm_loss
-from interp.models.weights import stored
+from interp.models.base import lm_loss
+from interp.models.readouts.weights import stored
 
 from ._common import HeadList, progress, resolve_heads, token_input, valid_mask
 

@@ -28,9 +28,9 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from interp.models.device import to_numpy
-from interp.models.factored import FactoredMatrix
-from interp.models.factored import composition_scores as _scores
+from interp.models.placement.device import to_numpy
+from interp.models.readouts.factored import FactoredMatrix
+from interp.models.readouts.factored import composition_scores as _scores
 
 KINDS = ("q", "k", "v")
 

@@ -32,7 +32,7 @@ from interp.kernels import attention_stats
 
 from ._common import head_frame, pair_mask, token_input, valid_mask
 from .detect import DETECTION_PATTERNS, ErrorMeasure, canonical_kind, pattern_scores
-from interp.models.stats import attention_logsumexp, attention_weights_at, for_each_layer_qk, layer_scoring
+from interp.models.readouts.head_statistics import attention_logsumexp, attention_weights_at, for_each_layer_qk, layer_scoring
 
 METHODS = ("auto", "streaming", "pattern")
 # "auto" runs "pattern" up to this many tokens per sequence (measured crossovers, `python -m

@@ -10,7 +10,7 @@ sliding window.
   ||v_k|| of each sink key is reported next to the mean norm of the other keys.
   Exact and O(pos) memory: one fused forward; per layer, each query's weight on key 0 is the streaming
   statistics' `sink` (n_sink = 1: the pass the head detectors share, `interp.analyses.atlas.atlas_pass`), or for
-  more keys each row's log-sum-exp and then only the columns k < n_sink of the pattern (`interp.models.stats`).
+  more keys each row's log-sum-exp and then only the columns k < n_sink of the pattern (`interp.models.readouts.head_statistics`).
 * StreamingLLM (what keeping the sinks buys a sliding window) is in `analyses/src/streaming.py`.
 """
 
@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ._common import kv_group, token_input, valid_mask
 from .heads import layer_pass
-from interp.models.stats import attention_logsumexp, attention_weights_at, layer_scoring
+from interp.models.readouts.head_statistics import attention_logsumexp, attention_weights_at, layer_scoring
 
 
 def attention_sinks(
@@ -115,4 +115,3 @@ def sink_rate(frame: pd.DataFrame, epsilon: float | None = None) -> pd.DataFrame
     return out.rename(columns={"above": "sink_rate"}).assign(epsilon=eps)[["layer", "key", "sink_rate", "epsilon"]]
 
 
-from .streaming import sliding_window, streaming_loss, window_eval  # noqa: E402,F401  (their old home)

@@ -34,7 +34,7 @@ import warnings
 import zlib
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import pandas as pd
@@ -186,8 +186,12 @@ class OutputFolder:
     OS releases when the process dies, so a killed sweep never leaves the folder locked.
     """
 
-    def __init__(self, path) -> None:
+    def __init__(self, path, adopt: Callable[[Path], set[str] | None] | None = None) -> None:
+        """`adopt`: for a folder another interp command wrote before manifests existed (a training run's
+        folder), the paths of its own layout it holds, or None for any other folder; such a folder is
+        adopted as a sweep folder from before manifests is (`_legacy`), its other files left alone."""
         self.path = Path(path)
+        self.adopt = adopt
         self.manifest = self.path / MANIFEST
         self._read: tuple[tuple, frozenset] | None = None  # (the manifest's stat, its paths): read once per change
         self.owner_seen: str | None = None  # what held results here when a study checked the folder (`study`)
@@ -203,7 +207,7 @@ class OutputFolder:
             for own in (MANIFEST, LOCK):
                 _refuse_link(p / own)
             self.paths()  # every listed entry inside the folder, before anything is written or removed
-            if not self.manifest.exists() and not self._legacy():
+            if not self.manifest.exists() and not self._legacy() and self._foreign_layout() is None:
                 others = sorted(n for n in os.listdir(p) if n not in (MANIFEST, LOCK))
                 if others:
                     shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
@@ -228,6 +232,9 @@ class OutputFolder:
                                   "of what interp wrote there)")
         return settings if isinstance(settings, dict) and SETTINGS_KEYS <= settings.keys() else None
 
+    def _foreign_layout(self) -> set[str] | None:
+        return self.adopt(self.path) if self.adopt is not None and self.path.is_dir() else None
+
     def _adopted(self) -> set[str]:
         """What a pre-manifest sweep folder holds of interp's own layout: the fixed files, the part files
         and their folders, and the report's figures (named after the settings' runs)."""
@@ -237,7 +244,7 @@ class OutputFolder:
             rel = part.relative_to(p).as_posix()
             paths.update([rel, *_parents(rel)])
         runs = list(settings.get("runs", {}))
-        prefixes = tuple({f"{r.replace('/', '_')}_" for r in runs} | {f"{_slug(r)}_" for r in runs})
+        prefixes = tuple({f"{r.replace('/', '_')}_" for r in runs} | {f"{slug(r)}_" for r in runs})
         for fig in p.glob("figures/*.png"):
             if prefixes and fig.name.startswith(prefixes):
                 paths.update([f"figures/{fig.name}", "figures/"])
@@ -250,7 +257,7 @@ class OutputFolder:
         self.check()
         with self.lock():
             if not self.manifest.exists():
-                adopted = self._adopted() if self._legacy() else set()
+                adopted = self._adopted() if self._legacy() else (self._foreign_layout() or set())
                 for rel in adopted:
                     self._inside(rel)  # a pre-manifest folder's parts/ may be a link out of it
                 self._save(adopted)
@@ -410,7 +417,7 @@ def _parents(rel: str) -> list[str]:
     return ["/".join(parts[: i + 1]) + "/" for i in range(len(parts))]
 
 
-def _slug(name: str) -> str:
+def slug(name: str) -> str:
     """A file-name-safe form of `name`; a hash keeps two names that slug alike apart."""
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "_"
     return safe if safe == name else f"{safe}-{zlib.crc32(name.encode()):08x}"
@@ -445,7 +452,7 @@ class ResultStore:
 
     # ---- per-task files ----------------------------------------------------------------------
     def _rel(self, run: str, checkpoint: str, analysis: str, suffix: str) -> str:
-        return f"parts/{_slug(run)}/{_slug(checkpoint)}/{_slug(analysis)}{suffix}"
+        return f"parts/{slug(run)}/{slug(checkpoint)}/{slug(analysis)}{suffix}"
 
     def _path(self, run: str, checkpoint: str, analysis: str, suffix: str) -> Path:
         return self.out / self._rel(run, checkpoint, analysis, suffix)
@@ -485,14 +492,25 @@ class ResultStore:
     def write_fingerprint(self, run: str, checkpoint: str, step: int | None, fingerprint: dict) -> None:
         """Keep a checkpoint's weights' fingerprint (`atlas.fingerprints.fingerprint`) in the results."""
         record = {"run": run, "checkpoint": checkpoint, "step": step, **fingerprint}
-        self.folder.write_text(f"fingerprints/{_slug(run)}/{_slug(checkpoint)}.json", json.dumps(record))
+        self.folder.write_text(f"fingerprints/{slug(run)}/{slug(checkpoint)}.json", json.dumps(record))
 
     def fingerprints(self) -> list[dict]:
-        """Every kept fingerprint: [{run, checkpoint, step, weights, sketch}]."""
+        """Every kept fingerprint file that reads as one (a JSON object with run, checkpoint, step and weights):
+        [{run, checkpoint, step, weights, ...}]. `atlas.fingerprints.kept` judges them, naming the others."""
         folder = self.out / "fingerprints"
-        if not folder.is_dir():
-            return []
-        return [read_json_file(f, "interp's fingerprint file") for f in sorted(folder.glob("*/*.json"))]
+        records = []
+        for f in sorted(folder.glob("*/*.json")) if folder.is_dir() else ():
+            try:
+                record = json.loads(f.read_text())
+            except (OSError, ValueError, UnicodeDecodeError):
+                continue
+            if isinstance(record, dict) and {"run", "checkpoint", "step", "weights"} <= record.keys():
+                records.append(record)
+        return records
+
+    def remove_part(self, run: str, checkpoint: str, analysis: str) -> None:
+        """Forget a finished (checkpoint, analysis): its checkpoint's weights are not those it was computed from."""
+        self.folder.remove(self._rel(run, checkpoint, analysis, ".json"))
 
     def clear_load_error(self, run: str, checkpoint: str) -> None:
         self.folder.remove(self._rel(run, checkpoint, LOAD, ".error.json"))

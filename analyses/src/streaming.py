@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from interp.models import lm_loss
-from interp.models.attention import narrow_windows
+from interp.models.native.attention_layer import narrow_windows
 from interp.kernels.attention import soft_cap
 
 from ._common import token_batch, valid_mask

@@ -60,7 +60,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from interp.models.device import compute_record, installed_version
+from interp.models.placement.device import compute_record, installed_version
 from interp.errors import as_user_errors
 from interp.models.rope.choice import as_hf, describe
 
@@ -182,9 +182,9 @@ class StudySettings:
     model     the name the report and settings.json give the model
     data      the tokens it reads (`StudyData`; None for a study that reads none)
     device    where the command loads the model (memory is checked there before loading)
-    offload   None, "disk" or "cpu": the model loaded layer by layer (`interp.models.offload`)
+    offload   None, "disk" or "cpu": the model loaded layer by layer (`interp.models.placement.offload`)
     device_map None, "auto" or the command line's LAYERS:DEVICE,...: the blocks split over devices
-              (`interp.models.device_map`); memory is checked on each
+              (`interp.models.placement.device_map`); memory is checked on each
     progress  progress bars: None on a terminal only, False never"""
 
     model: str = "model"
@@ -253,7 +253,7 @@ class Study:
 
     def uses_kv_cache(self, settings) -> bool:
         """Whether the study, with these settings, reads interp's KV cache (decoding, cache policies): refused on
-        a model split over several devices (`interp.models.device_map`), whose cache would be on one."""
+        a model split over several devices (`interp.models.placement.device_map`), whose cache would be on one."""
         return False
 
     def files(self) -> str:

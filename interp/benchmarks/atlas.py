@@ -70,7 +70,7 @@ def _streaming(model, stream, windows, n_sink):
 
 
 def _composition(model):
-    from interp.models.factored import composition_scores
+    from interp.models.readouts.factored import composition_scores
 
     def per_pair(mode):
         L, H = model.cfg.n_layers, model.cfg.n_heads

@@ -18,7 +18,7 @@ skipped, not run), each step's failure reported on the page without stopping the
    weights of its shape), in the model's dtype.
 3. **exactness**: every backend against the float64 materialised oracle (`kernels/src/stats/reference.py`)
    on the device, float32 and bf16 / fp16 inputs, GQA, a window, left padding, ALiBi; the fused route also
-   with its fused call written in torch ops (`interp.kernels.stats.fused._attend_math`), in case the device's kernel
+   with its fused call written in torch ops (`interp.kernels.stats.fused.attend_math`), in case the device's kernel
    is the inexact part.
 4. **placement**: a SmolLM2-shaped bf16 checkpoint held whole on the GPU, offloaded to pinned host memory and
    to its mapped files (each block brought to the GPU when it runs), and split by `device_map="auto"`: forward
@@ -192,7 +192,7 @@ def exactness_table(device: str = "cuda", *, backends=("fused", "torch", "triton
 
     from interp.kernels import Scoring, attention_stats
     from interp.kernels.stats.common import AttentionStats, STAT_NAMES, validate
-    from interp.kernels.stats.fused import _attend_math, attention_stats_fused
+    from interp.kernels.stats.fused import attend_math, attention_stats_fused
     from interp.kernels.stats.reference import reference_stats
 
     deadline = deadline or Deadline(float("inf"))
@@ -219,7 +219,7 @@ def exactness_table(device: str = "cuda", *, backends=("fused", "torch", "triton
                 try:
                     if method == "fused (torch-ops call)":
                         norm = validate(q, k, tokens, scoring, key_padding_mask=kpm)
-                        got = AttentionStats.from_stacked(attention_stats_fused(q, k, attend=_attend_math, **norm))
+                        got = AttentionStats.from_stacked(attention_stats_fused(q, k, attend=attend_math, **norm))
                     else:
                         got = attention_stats(q, k, tokens, scoring, key_padding_mask=kpm, backend=method)
                     worst = 0.0

@@ -125,6 +125,7 @@ def _load() -> str:
         return ""
 
 
+WRITTEN_BY = "Written by `interp bench`"  # the page's mark: `suite.check_page` overwrites only a page that has it
 CLOCK_TEXT = {
     "cpu": "process CPU time (`time.process_time`), not wall time: on this shared machine the wall clock also "
            "counts the time slices other jobs get; with one torch thread, CPU time is what an idle machine's "
@@ -155,7 +156,7 @@ def render(sections: Sequence[Section], *, command: str, threads: int, started: 
     lines = [
         "# Benchmarks: interp side by side with TransformerLens and Hugging Face",
         "",
-        "_Written by `interp bench`; rerun the command below to regenerate it (do not edit by hand)._",
+        f"_{WRITTEN_BY}; rerun the command below to regenerate it (do not edit by hand)._",
         "",
         f"- Command: `{command}`",
         f"- Date: {started.strftime('%Y-%m-%d %H:%M')} (total wall time {wall / 60:.1f} min)",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import gc
+import os
 import sys
 import time
 import traceback
@@ -21,9 +22,10 @@ import torch
 
 from . import (ablation, atlas, caching, forward, generation, gpu, head_scan, kv_cache, kv_policies, long_context, patching,
                real_model, scale, stats_kernel, window_bands, wrapped)
-from interp.errors import check_threads
+from interp.analyses.store import atomic_write_text
+from interp.errors import UserError, check_threads
 
-from .report import Options, Section, load_average, render
+from .report import WRITTEN_BY, Options, Section, load_average, render
 from .timing import default_clock
 
 SECTIONS: dict[str, Callable[[Options], Section]] = {
@@ -63,6 +65,8 @@ def run(
     unknown = [s for s in sections if s not in ALL]
     if unknown:
         raise ValueError(f"unknown benchmark sections {unknown}; choose from {list(ALL)}")
+    if out:
+        check_page(Path(out))  # before any benchmark runs
     if check_threads(threads):
         torch.set_num_threads(threads)
     threads = torch.get_num_threads()
@@ -90,9 +94,35 @@ def run(
     page = render(done, command=command, threads=threads, started=started, wall=time.perf_counter() - t0, options=opts,
                   load_at_start=load)
     if out:
-        Path(out).write_text(page)
+        check_page(Path(out))  # again: the benchmarks took minutes, and a file may have appeared there meanwhile
+        atomic_write_text(Path(out), page)
         echo(f"[interp bench] wrote {out} ({time.perf_counter() - t0:.0f} s)")
     return done
+
+
+def check_page(out: Path) -> None:
+    """The page `out` is interp bench's to write: not a link (it would overwrite what the link points at), not a
+    folder, and either new or a page interp bench wrote (its `WRITTEN_BY` line); its folder exists and is writable.
+    One line otherwise (a `UserError`), before any benchmark runs. The page is then written atomically."""
+    if out.is_symlink():
+        raise UserError(f"--out {out} is a symbolic link: interp bench never writes through a link (it would overwrite "
+                        "what it points at); remove the link, or give another --out file")
+    if out.is_dir():
+        raise UserError(f"--out {out} is a folder: give the Markdown file to write, e.g. {out / 'BENCHMARKS.md'}")
+    if out.exists():
+        try:
+            with open(out, encoding="utf-8", errors="replace") as f:
+                head = f.read(4096)
+        except OSError as e:
+            raise UserError(f"cannot read {out} ({e.strerror}): give another --out file") from None
+        if WRITTEN_BY not in head:
+            raise UserError(f"{out} exists and was not written by interp bench: move it away, or give another --out "
+                            "file (interp never overwrites a file it did not write)")
+    folder = out.absolute().parent
+    if not folder.is_dir():
+        raise UserError(f"--out {out}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write to {folder} (permission denied): give an --out file in a folder you can write to")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

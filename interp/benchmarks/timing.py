@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from interp.models.memory import meminfo
+from interp.models.placement.memory import meminfo
 
 
 def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from interp.kernels.attention import AttentionMask, _expand_kv, fused_attention
+from interp.kernels.attention import AttentionMask, expand_kv, fused_attention
 
 from .report import Options, Section, Table
 from .timing import available_bytes, compare_times, fmt_bytes, measure_memory
@@ -44,7 +44,7 @@ def section(opts: Options) -> Section:
 
         def whole():
             m = AttentionMask(n, n).visible(WINDOW, q.device)  # built per call, as a forward does
-            return F.scaled_dot_product_attention(q, _expand_kv(k, HEADS), _expand_kv(v, HEADS), attn_mask=m, scale=scale)
+            return F.scaled_dot_product_attention(q, expand_kv(k, HEADS), expand_kv(v, HEADS), attn_mask=m, scale=scale)
 
         mask_bytes = n * n * (1 + 4 * HEADS)  # the bool mask, and the float scores a masked call may make per head
         fns = {"ours": ours}

@@ -20,8 +20,7 @@ Long context: every head score streams (no n x n pattern at any length), sliding
 in bands, and a length is checked before loading: past the model's trained context only with
 --extrapolate (the default --seq-len of 256 is fitted to a shorter context, said in one line), and
 one the memory cannot hold is refused with the longest that fits. Scores at several lengths:
-`interp lengths MODEL --lengths 1024,4096,8192` (the old `interp analyze --lengths` still works, for
-one release).
+`interp lengths MODEL --lengths 1024,4096,8192`.
 """
 
 

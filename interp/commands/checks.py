@@ -48,7 +48,7 @@ def device_map_of(args, cfg=None, path=None):
     text = getattr(args, "device_map", None)
     if text is None:
         return None
-    from interp.models.device_map import DeviceMapRefused, parse_device_map, resolve_device_map
+    from interp.models.placement.device_map import DeviceMapRefused, parse_device_map, resolve_device_map
 
     if getattr(args, "offload", None) is not None:
         raise DeviceMapRefused(f"--device-map and --offload {args.offload} both say where the weights go: give one of "
@@ -68,7 +68,7 @@ def device_map_of(args, cfg=None, path=None):
 def load_device(args, device_map):
     """The device= a load gets: --device (resolved), or None when a --device-map says where (the map then puts
     the embedding where it says)."""
-    from interp.models.device import resolve_device
+    from interp.models.placement.device import resolve_device
 
     return None if device_map is not None and args.device is None else resolve_device(args.device)
 
@@ -190,7 +190,7 @@ def run_command(study, args, settings, *, path=None) -> int:
         why = ("reads interp's KV cache, which holds every layer on one device" if study.uses_kv_cache(settings)
                else study.one_device)
         if device_map is not None and why is not None:
-            from interp.models.device_map import DeviceMapRefused, is_split, resolve_device_map
+            from interp.models.placement.device_map import DeviceMapRefused, is_split, resolve_device_map
 
             if is_split(resolve_device_map(device_map, cfg, device=args.device)):
                 raise DeviceMapRefused(f"interp {study.name} {why}, and --device-map splits the model over several "

@@ -25,7 +25,6 @@ KV_POLICY_FORMS = ("full", "fp32", "fp16", "bf16", "int8", "fp8", "int4", "kivi4
                    "h2o(budget)", "snapkv(budget)", "knorm(budget)", "tova(budget)")  # interp.models.kv.policies.policy_names()
 GATE_STEPS = 32  # interp.analyses.kv.roles_study.GATE_STEPS
 LOSS_TOKENS = 1024  # interp.analyses.kv.roles_study.LOSS_TOKENS
-KV_TASKS = ("precisions", "passkey", "needle")  # the old `interp kv --task` (commands.legacy): precisions, tasks.VARIANTS
 ROPE_TYPES = ("default", "linear", "dynamic", "ntk", "yarn", "llama3", "longrope")  # interp.models.rope.choice.ROPE_TYPES
 ROPE_SCALING_HELP = ("run a rotary model with this RoPE scaling in place of its own, as TYPE:FACTOR[:ORIGINAL_LEN] "
                      "(e.g. yarn:2, or yarn:2:4096; the original length defaults to the model's trained context), "

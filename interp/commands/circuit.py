@@ -79,7 +79,8 @@ def add_arguments(p) -> None:
                    help="heads (1.0 or L1H0, comma-separated) whose scores from the answer position are split into "
                         "(query-side sender, key-side sender) terms: qk.parquet and a report section each")
     q.add_argument("--qk-keys", type=int, default=3, help="the keys each query's scores are split at: the ones the "
-                                                          "head attends to most (default 3)")
+                                                          "head attends to most (default 3; at most the keys a query "
+                                                          "sees, each once)")
     checks.add_output_options(p)
 
 
@@ -91,7 +92,8 @@ def run(args) -> int:
         return CircuitSettings(**checks.common(args), task=args.task, method=args.method, steps=args.steps,
                                ig=args.ig, ig_points=args.ig_points, metric=args.metric, prompts=args.prompts, seed=args.seed,
                                batch_size=args.batch_size, select=args.select, size=args.size, oracle=args.oracle,
-                               qk=args.qk, qk_keys=args.qk_keys, positions=args.positions, length=args.length)
+                               qk=args.qk, qk_keys=args.qk_keys, positions=args.positions, length=args.length,
+                               rope_scaling=args.rope_scaling)
 
     return checks.run_command(CircuitStudy(), args, settings)
 

@@ -21,7 +21,7 @@ def run(args) -> int:
     import torch
 
     import interp
-    from interp.models.device import resolve_device
+    from interp.models.placement.device import resolve_device
 
     device = resolve_device(args.device)  # one line naming the devices there are, before any work
     cfg = interp.ModelConfig(

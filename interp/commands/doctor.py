@@ -41,7 +41,7 @@ def run(args) -> int:
     import torch
 
     from interp.kernels import resolve_backend
-    from interp.models.device import available_devices, compute_record, device_name, resolve_device
+    from interp.models.placement.device import available_devices, compute_record, device_name, resolve_device
     from interp.errors import check_int
 
     device = resolve_device(args.device)  # an unknown or absent device: one line, before any work
@@ -89,7 +89,7 @@ def _version(module: str) -> str | None:
     """A module's distribution version; "installed" when it imports without package metadata; None if absent."""
     import importlib.util
 
-    from interp.models.device import installed_version
+    from interp.models.placement.device import installed_version
 
     found = installed_version({"transformer_lens": "transformer-lens"}.get(module, module))
     if found is None and module != "interp" and importlib.util.find_spec(module) is not None:

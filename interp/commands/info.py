@@ -60,7 +60,7 @@ def run(args) -> int:
     if model.offload is not None:
         print(f"offloaded              {model.offload.describe()}")
     if getattr(model, "device_map", None) is not None:
-        from interp.models.device_map import describe
+        from interp.models.placement.device_map import describe
 
         print(f"device map             {describe(model.device_map)}")
     if getattr(model, "native", True):

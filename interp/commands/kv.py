@@ -5,8 +5,7 @@ chosen by the analysis (`interp.analyses.kv.precision_study`); passkey: what cac
 StreamingLLM, H2O, SnapKV, ...) cost in long-context retrieval, perplexity and bytes
 (`interp.analyses.kv.policies`); select: head roles (retrieval, RazorAttention, streaming loss,
 DuoAttention's gates) compiled into cache policies at equal shares of the KV heads kept full
-(`interp.analyses.kv.roles_study`). The checks are `interp.commands.checks`'; the old spellings
-(`interp kv MODEL --task passkey`, `--select ...`) are rewritten by `interp.commands.legacy`.
+(`interp.analyses.kv.roles_study`). The checks are `interp.commands.checks`'.
 """
 
 from __future__ import annotations

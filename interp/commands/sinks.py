@@ -43,13 +43,14 @@ def add_arguments(p) -> None:
     g.add_argument("--epsilon", type=float, default=0.3,
                    help="a head is a sink head when its sink mass exceeds this share, in [0, 1] (default 0.3, "
                         "Gu et al.)")
-    g.add_argument("--top-k", type=int, default=4, help="massive-activation rows per layer (default 4)")
+    g.add_argument("--top-k", type=int, default=None, help="massive-activation rows per layer (default 4)")
     g.add_argument("--over-checkpoints", action="store_true",
                    help="MODEL is a training run (a zoo name or run folder): at every checkpoint, the share of sink "
                         "heads, the largest residual activation over its layer's median and the induction score on "
-                        "the zoo's held-out text, and the step each first crosses its threshold (onset.csv, "
-                        "onset_steps.csv, onset.png; analyses/src/sink_origins/onset.py); --n-seqs windows of the "
-                        "model's context")
+                        "same text (the zoo's held-out text for a byte-level zoo run, else the Language Reference; "
+                        "--text-file, --data-file, --seq-len and --n-seqs as for one model), and the step each first "
+                        "crosses its threshold: onset.*, onset_steps.* and a report in --out, like every study "
+                        "(analyses/src/sink_origins/onset_study.py)")
     checks.add_text_options(p, SEQ_LEN, "the text every pass reads")
     p.add_argument("--n-seqs", type=int, default=N_SEQS, help=f"sequences of the text (default {N_SEQS})")
     checks.add_output_options(p)
@@ -71,35 +72,50 @@ def run(args) -> int:
 
     def settings():
         return SinksSettings(**checks.common(args), data=checks.text_data(args, SEQ_LEN), interventions=names,
-                             mlp_layers=layers, epsilon=args.epsilon, top_k=args.top_k)
+                             mlp_layers=layers, epsilon=args.epsilon, top_k=4 if args.top_k is None else args.top_k)
 
     return checks.run_command(SinksStudy(), args, settings, path=path)
 
 
 def _over_checkpoints(args) -> int:
-    """`--over-checkpoints`: `sink_onset` over the run's checkpoints, its onset steps and figure, into --out."""
-    from pathlib import Path
-
+    """`--over-checkpoints`: the onset study (`interp.analyses.sink_origins.onset_study.OnsetStudy`) over the run's
+    checkpoints, through the one output folder like every study. Every option is honoured or refused in one line."""
+    from interp.analyses.sink_origins.onset_study import OnsetSettings, OnsetStudy  # start-up time: torch
     from interp.errors import as_user_errors
+    from interp.models.runs.names import resolve_run
 
-    with as_user_errors(ValueError, FileNotFoundError):
-        if not 0 <= args.epsilon <= 1:
-            raise ValueError(f"--epsilon must be in [0, 1], got {args.epsilon}")
-        if args.n_seqs < 1:
-            raise ValueError(f"--n-seqs must be at least 1, got {args.n_seqs}")
-        out = Path(args.out)
-        if out.exists() and not out.is_dir():
-            raise ValueError(f"--out {out} is a file, not a folder")
-        from interp.analyses.sink_origins.onset import onset_steps, plot_onset, sink_onset
-        from interp.models.runs.discover import discover
+    with as_user_errors(ValueError, FileNotFoundError, ImportError):
+        unused = [flag for flag, value in (("--interventions", args.interventions), ("--mlp-layers", args.mlp_layers),
+                                           ("--top-k", args.top_k)) if value is not None]
+        if unused:
+            raise ValueError(f"{', '.join(unused)} belong to the interventions of one model, which --over-checkpoints "
+                             "does not run: leave them out (the onset reads the sink-head share, the largest "
+                             "activation, induction and loss at every checkpoint)")
+        run_ = resolve_run(args.model)
+        stepped = sorted((c for c in run_.checkpoints if c.step is not None), key=lambda c: c.step)
+        if len(stepped) < 2:
+            raise ValueError(f"{args.model} has {len(stepped)} checkpoint(s) that name their step: --over-checkpoints "
+                             "reads a training run (a zoo name or a run folder of step_XXXXX checkpoints)")
+        path = stepped[-1].path
+        args.model = run_.name
 
-        discover(args.model)  # an unknown run in one line, before any model is loaded
-    frame = sink_onset(args.model, n_seqs=args.n_seqs, epsilon=args.epsilon, progress=not args.no_progress)
-    onsets = onset_steps(frame)
-    out.mkdir(parents=True, exist_ok=True)
-    frame.to_csv(out / "onset.csv", index=False)
-    onsets.to_csv(out / "onset_steps.csv", index=False)
-    plot_onset(frame).savefig(out / "onset.png", dpi=120)
-    print(onsets.to_string(index=False))
-    print(f"wrote {out / 'onset.csv'}, {out / 'onset_steps.csv'}, {out / 'onset.png'}")
-    return 0
+    def settings():
+        return OnsetSettings(**checks.common(args), data=_onset_data(args, path), run=run_.name,
+                             checkpoints=tuple(stepped), epsilon=args.epsilon)
+
+    return checks.run_command(OnsetStudy(), args, settings, path=path)
+
+
+def _onset_data(args, path: str):
+    """The tokens every checkpoint reads: --data-file's ids, --text-file's text, or by default the zoo's held-out
+    text for a run with the zoo's byte tokenizer (windows of its context, seed 1: the numbers docs/atlas.md gives)
+    and the Language Reference for any other tokenizer; a model without one is refused on text, as `interp sinks`
+    refuses it."""
+    from interp.analyses.data import DataSpec, resolve_kind
+    from interp.analyses.study import StudyData
+
+    if args.data_file or args.text_file:
+        return checks.text_data(args, SEQ_LEN, rows=args.n_seqs)
+    kind = "corpus" if resolve_kind("auto", [path]) == "corpus" else "text"
+    spec = DataSpec(kind=kind, n_seqs=args.n_seqs, seq_len=SEQ_LEN if args.seq_len is None else args.seq_len, seed=1)
+    return StudyData.of(spec, default_length=args.seq_len is None)

@@ -118,7 +118,7 @@ def settings_from_args(args):
                   "without --offload)")
     if args.device_map is not None and args.analyses == args.default_analyses:  # the defaults: what runs split
         from interp.analyses.atlas.registry import ANALYSES
-        from interp.models.device_map import may_split, parse_device_map
+        from interp.models.placement.device_map import may_split, parse_device_map
 
         dropped = [a for a in analyses if ANALYSES[a].kv_cache]
         if dropped and may_split(parse_device_map(args.device_map)):

@@ -4,7 +4,7 @@ cell (`_repr_html_`: Jupyter, JupyterLab, VS Code), a page (`View.save`), or a b
 It takes checked numbers and strings, never a model or a tensor: numpy and the standard library only
 (tests/test_view.py imports it without torch). Below the models in the layers, so that
 `ActivationCache.view` (interp/models/cache.py) can draw without the models holding HTML: the checks of
-what a user hands a view, and the turning of tensors into arrays, are `interp.models.attention_view`;
+what a user hands a view, and the turning of tensors into arrays, are `interp.models.readouts.attention_view`;
 `interp.view` is what a notebook calls; the report's viewer (`interp.analyses.atlas.registry.viewer`) takes
 the packing and the shared JavaScript from here.
 
@@ -59,7 +59,7 @@ def inline_json(value) -> str:
 
 def codes_u8(weights) -> np.ndarray:
     """Attention weights in [0, 1] as uint8 codes, round(A * 255): the packing of the report viewer and of
-    every view, decoded as code / 255 (within 0.002). (A tensor on its device: `interp.models.attention_view.codes_u8`.)"""
+    every view, decoded as code / 255 (within 0.002). (A tensor on its device: `interp.models.readouts.attention_view.codes_u8`.)"""
     c = np.clip(np.asarray(weights, np.float32), 0.0, 1.0)  # one float32 copy, scaled and rounded in place
     c *= 255.0
     return np.rint(c, out=c).astype(np.uint8)  # half to even, as torch.round
@@ -137,7 +137,7 @@ def _warn_html(warnings) -> str:
 
 
 def pattern_page(payload: dict, title: str, warnings: list[str]) -> View:
-    """The attention pattern view of checked data (`interp.models.attention_view.pattern_view` builds
+    """The attention pattern view of checked data (`interp.models.readouts.attention_view.pattern_view` builds
     `payload`: tokens, head names, the packed codes, the colour range and choices)."""
     frag = fill(template("pattern.html"), UID=_uid("attn"), TITLE=html.escape(title), WARN=_warn_html(warnings),
                 DATA=inline_json(payload))
@@ -145,7 +145,7 @@ def pattern_page(payload: dict, title: str, warnings: list[str]) -> View:
 
 
 def stats_page(payload: dict, title: str) -> View:
-    """The streaming statistics view of checked data (`interp.models.attention_view.stats_view` builds
+    """The streaming statistics view of checked data (`interp.models.readouts.attention_view.stats_view` builds
     `payload`: layers, heads, per-position codes and per-head means)."""
     frag = fill(template("stats.html"), UID=_uid("stats"), TITLE=html.escape(title), DATA=inline_json(payload))
     return View(frag, title)

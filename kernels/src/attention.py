@@ -143,7 +143,7 @@ class AttentionFn(Protocol):
     ) -> Tensor: ...
 
 
-def _expand_kv(x: Tensor, n_heads: int) -> Tensor:
+def expand_kv(x: Tensor, n_heads: int) -> Tensor:
     """[batch, kv_head, k, d] -> [batch, head, k, d] by repeating each kv-head for its group."""
     groups = n_heads // x.shape[1]
     if groups == 1:
@@ -169,7 +169,7 @@ def fused_attention(q, k, v, mask, *, scale, window=None, alibi_slopes=None, sco
         # not every fused kernel takes enable_gqa, and the fallback would materialise the pattern.
         gqa = {"enable_gqa": True}
     else:
-        k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
+        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     if sink_logits is not None:
         return _attention_with_sink_key(q, k, v, mask, scale=scale, window=window, alibi_slopes=alibi_slopes,
                                         sink_limit=sink_limit, sink_logits=sink_logits, gqa=gqa)
@@ -304,7 +304,7 @@ def _capped_attention(q, k, v, mask: AttentionMask, *, scale, window, alibi_slop
     if mask.explicit is not None and alibi_slopes is not None:
         raise ValueError("ALiBi biases need positions a mask given outright does not carry")
     batch, heads, n_q, _ = q.shape
-    k, v = _expand_kv(k, heads), _expand_kv(v, heads)
+    k, v = expand_kv(k, heads), expand_kv(v, heads)
     device, off, n_k = q.device, mask.offset, mask.n_k
     n_sink = mask.n_sink if window is not None else 0
     span = n_k if window is None or not mask.causal else min(n_k, CAP_BLOCK + window + n_sink)
@@ -345,7 +345,7 @@ def instrumented_attention(q, k, v, mask, *, scale, window=None, alibi_slopes=No
     half-precision inputs). Learned sink logits (`sink_logits` [head]) join each row's softmax as one
     more column after `scores_hook` and leave before `pattern_hook`, as Hugging Face's eager gpt-oss and
     TransformerLens's bridge show them: the pattern's rows then sum to less than 1."""
-    k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
+    k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
     if softcap is not None:
         scores = soft_cap(scores, softcap)
@@ -438,6 +438,7 @@ ATTENTION_BACKENDS: dict[str, AttentionBackend] = {  # in order of preference wh
                                      softcap=True, sink_logits=True),
 }
 BACKEND_CHOICES = ("auto", *ATTENTION_BACKENDS)  # what a layer may be set to
+BackendChoice = str  # "auto" or a name registered in ATTENTION_BACKENDS (BACKEND_CHOICES)
 
 
 def get_backend(name: str) -> AttentionBackend:

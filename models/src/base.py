@@ -2,7 +2,7 @@
 
 Two classes stand on it:
 
-    HookedTransformer  interp's own transformer (`interp.models.transformer`): it computes every layer,
+    HookedTransformer  interp's own transformer (`interp.models.native.transformer`): it computes every layer,
                        so it also gives what needs its own implementation: GGUF and our format, the KV
                        cache and its per-head policies, TransformerLens's weight processing and weight
                        views, RoPE rescaled at inference, the split-input hook points.
@@ -32,13 +32,14 @@ from torch import Tensor
 from interp.errors import UserError
 from interp.kernels.attention import BACKEND_CHOICES
 
-from .attention import BackendChoice
-from .cache import ActivationCache, to_tl_cache
+from interp.kernels.attention import BackendChoice
+from .readouts.activation_cache import ActivationCache, to_tl_cache
 from .families import FAMILIES
 from .hooks import HookedRootModule, HookPoint, NamesFilter, caching_hook
 from .rope.choice import rope_spec
 from .runtime import Runtime
-from .stats import kv_cache_attention_stats, model_attention_stats
+from .readouts.head_statistics import kv_cache_attention_stats, model_attention_stats
+from .placement.tensor_files import check_files, mapped_files
 from .text import TextMixin, _is_text
 
 
@@ -102,8 +103,8 @@ class HookedModel(TextMixin, HookedRootModule):
     `dtype` and `generate`."""
 
     native: bool  # interp's own implementation (True), or transformers' model with our hooks (False)
-    offload = None  # `interp.models.offload.Offload` when the weights stay off the device (load(offload=))
-    device_map = None  # {unit: torch.device} of a model loaded with load(device_map=) (`interp.models.device_map`)
+    offload = None  # `interp.models.placement.offload.Offload` when the weights stay off the device (load(offload=))
+    device_map = None  # {unit: torch.device} of a model loaded with load(device_map=) (`interp.models.placement.device_map`)
     _core: str  # a submodule that exists once the model is built (`_refresh_view` waits for it)
 
     def __init__(self, *, tokenizer=None) -> None:
@@ -126,6 +127,24 @@ class HookedModel(TextMixin, HookedRootModule):
             if isinstance(prop, property):
                 prop.fget(self)
             raise
+
+    _weight_files: tuple | None = None  # the mapped checkpoint files the weights are views of (None: not looked yet)
+
+    def check_weight_files(self) -> None:
+        """Refuse in one line (`tensor_files.CheckpointChanged`) when a checkpoint file this model's weights are
+        memory-mapped from was written over or truncated in place since the load, before anything reads a
+        weight; warn once when the path now holds another file (the model keeps what it loaded). The native
+        forward calls it first. One os.stat per mapped file; a model whose weights were copied has none. Which
+        files those are is found once (the tensors' addresses against the live mappings) and again after a
+        move or a cast (`_apply`) or weight processing. See `interp.models.placement.tensor_files` for what is caught."""
+        files = self._weight_files
+        if files is None:
+            held = [*self.parameters(), *self.buffers()]
+            files = mapped_files(held)
+            if self.offload is not None:  # the offloaded units' sources: their blocks check them again as they run
+                files = tuple(dict.fromkeys(files + self.offload.files))
+            self._weight_files = files
+        check_files(files)
 
     def holding(self, *layers):
         """Hold the blocks `layers` (ints, or unit names: "unembed") on the device for the `with` block: for code
@@ -170,6 +189,7 @@ class HookedModel(TextMixin, HookedRootModule):
     def _apply(self, fn, *args, **kwargs):
         # Every move or cast (.to, .cuda, .half, to_empty) goes through here: keep cfg.device/.dtype true.
         out = super()._apply(fn, *args, **kwargs)
+        self._weight_files = None  # a cast or a move may have copied the weights out of their files
         self._refresh_view()
         return out
 
@@ -331,7 +351,7 @@ class HookedModel(TextMixin, HookedRootModule):
         From `tokens`: one fused forward that hands each layer's q/k (as attention receives them) to the
         streaming kernel as the layer is computed, then drops them. From `kv_cache` (native models; made
         with capture_queries=True): after a forward or a generation, without re-running the model.
-        `interp.models.stats.stats_frame` turns the result into a tidy table."""
+        `interp.models.readouts.head_statistics.stats_frame` turns the result into a tidy table."""
         if (tokens is None) == (kv_cache is None):
             raise ValueError("give exactly one of tokens or kv_cache=...")
         if kv_cache is not None:

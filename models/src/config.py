@@ -10,7 +10,7 @@ Axis names used across the package (and in einops patterns):
     d_mlp  : MLP hidden width
     vocab  : vocabulary
 
-The config is pure data: choices are made once, when the model is built (see `models/src/transformer.py`),
+The config is pure data: choices are made once, when the model is built (see `models/src/native/transformer.py`),
 never by branching on strings inside a forward pass.
 """
 
@@ -187,7 +187,7 @@ class ModelConfig:
     qkv_bias: bool = True
     attn_out_bias: bool = True
     mlp_bias: bool = True  # with experts: each expert's biases (gpt-oss)
-    # Mixture of experts (Shazeer et al. 2017; Mixtral, Jiang et al. 2024; `interp.models.moe`): with
+    # Mixture of experts (Shazeer et al. 2017; Mixtral, Jiang et al. 2024; `interp.models.native.moe`): with
     # num_experts set, every block's MLP is num_experts experts (each an MLP of width d_mlp, gated or not
     # as gated_mlp) and a linear router (`mlp.W_gate` [d_model, num_experts], TransformerLens's name) that
     # sends each token to its experts_per_token best experts, weighted by the router's softmax over all

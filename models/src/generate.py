@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from .kv.cache import KVCache
 
     from .base import HookedModel
-    from .transformer import HookedTransformer
+    from .native.transformer import HookedTransformer
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@ from .. import plots
 from ..document import Section, head_name, md_escape, write_document
 from .registry import ANALYSES, RunView, metrics
 from .registry.induction import phase_change  # noqa: F401 - public here since the report first computed it
-from ..store import PartialResults, ResultStore, _slug, load_results
-from .fingerprints import findings
+from ..store import PartialResults, ResultStore, slug, load_results
+from .fingerprints import analyse, findings, kept
 from ..data import source_line
 from interp.models.rope.choice import describe
 
@@ -84,7 +84,7 @@ def run_view(table: pd.DataFrame, run: str, several: bool, settings: dict, log_s
         latest[e["analysis"]] = e["extra"]  # the last checkpoint's wins
     last = _last(t)
     step = last["step"].dropna() if len(last) else pd.Series(dtype=float)
-    return RunView(run, t, last, settings, f"{md_escape(run)}: " if several else "", _slug(run),
+    return RunView(run, t, last, settings, f"{md_escape(run)}: " if several else "", slug(run),
                    f"step {int(step.max())}" if len(step) else "the last checkpoint", log_steps, latest)
 
 
@@ -104,7 +104,7 @@ def build_sections(out, log_steps: bool = False) -> tuple[str, list[Section]]:
     views = [run_view(table, run, len(runs) > 1, settings, log_steps, extras) for run in runs]
     single = all(len(settings.get("runs", {}).get(r, {}).get("checkpoints", [])) <= 1 for r in runs) and \
         table.groupby("run")["checkpoint"].nunique().le(1).all()
-    sections = [_summary(settings, table, errors, timing, store, views), _errors(errors), _integrity(store)]
+    sections = [_summary(settings, table, errors, timing, store, views), _errors(errors), _integrity(store, settings)]
     heatmaps = Section(*_HEATMAPS)
     ran = [a for a in ANALYSES.values() if a.name in analyses]
     across = [] if single else [(s, Section(s.id, s.title)) for a in ran for s in a.across]
@@ -186,6 +186,8 @@ def _summary(settings, table, errors, timing, store, views: list[RunView]) -> Se
               .agg(tasks=("seconds", "size"), seconds=("seconds", "sum"), per_task=("seconds", "mean")).round(2))
     for line in _headlines(views, markdown=True, partial=table.attrs.get("partial")):
         s.add(line)
+    for line in integrity_lines(store.out, settings):
+        s.add(f"**{md_escape(line)}** (see Checkpoint integrity)")
     for v in views:
         windows = settings.get("runs", {}).get(v.run, {}).get("layer_windows")
         line = _layer_kinds(v, windows)
@@ -271,7 +273,13 @@ def headline(out) -> str:
     table = _results(out)
     runs = list(settings.get("runs", {})) or sorted(table["run"].dropna().unique())
     return "\n".join(_headlines([run_view(table, r, len(runs) > 1, settings) for r in runs],
-                                partial=table.attrs.get("partial")))
+                                partial=table.attrs.get("partial")) + integrity_lines(out, settings))
+
+
+def integrity_lines(out, settings: dict) -> list[str]:
+    """`checkpoint integrity: ...`, one line per finding of the folder's trusted fingerprints (`fingerprints`):
+    the headline's and the summary's, beside the curves they call into doubt."""
+    return [f"checkpoint integrity: {line}" for line in findings(kept(out, settings.get("runs"), check_files=True).prints)]
 
 
 def _results(out) -> pd.DataFrame:
@@ -281,20 +289,29 @@ def _results(out) -> pd.DataFrame:
         return load_results(out)
 
 
-def _integrity(store: ResultStore) -> Section:
-    """Whether the checkpoints are what their steps say (`fingerprints`): identical weights, steps out of place."""
+def _integrity(store: ResultStore, settings: dict) -> Section:
+    """Whether the checkpoints are what their steps say (`fingerprints`): identical weights, near-copies and
+    which of them are the copies, steps out of place; and the fingerprint files that were not used, and why."""
     s = Section("integrity", "Checkpoint integrity")
-    prints = store.fingerprints()
-    if not prints:
+    judged = kept(store.out, settings.get("runs"), check_files=True)
+    notes = judged.notes()
+    if not judged.prints and not notes:
         return s.add("No fingerprints: these checkpoints were analysed before interp kept them (a sweep keeps one "
                      "for each checkpoint it loads).")
-    found = findings(prints)
+    found = findings(judged.prints)
     s.add(*(f"**{md_escape(line)}**" for line in found) if found else
-          ["Every checkpoint's weights differ from the others', and none is much nearer a later step than its "
-           "neighbours."])
+          [("Every checkpoint's" if not notes else "Of the fingerprints used here, every checkpoint's") + " weights "
+           "differ from the others', none is a near-copy of another, and each one's distance to the final weights "
+           "falls with its step as training goes."] if judged.prints else [])
+    s.add(*(md_escape(line) for line in notes))
+    to_final = {(r["run"], c): v for r in analyse(judged.prints) for c, v in r["to_final"].items()}
     frame = pd.DataFrame([{"run": p["run"], "checkpoint": p["checkpoint"], "step": p["step"],
-                           "weights": p["weights"][:12]} for p in prints])
-    return s.add("Fingerprints (a hash over every tensor's bytes, taken as the sweep loaded the checkpoint; "
+                           "weights": p["weights"][:12],
+                           "to the final": (f"{to_final[k]:.4g}" if (k := (p["run"], p["checkpoint"])) in to_final
+                                            else "not compared")}
+                          for p in sorted(judged.prints, key=lambda p: (p["run"], p["step"] is None, p["step"] or 0))])
+    return s.add("Fingerprints (a hash over every tensor's bytes, and the distance of the weights to the run's last "
+                 "genuine checkpoint's, from a count sketch of every value; taken as the sweep loaded the checkpoint; "
                  "fingerprints.csv):", frame)
 
 

@@ -10,6 +10,11 @@ Each finished pair is written as its own small file the moment it arrives (`Resu
 parts are merged into `results.parquet`/`results.csv` as checkpoints finish and at the end. A
 sweep killed at any point and started again with the same settings recomputes nothing finished.
 
+A finished part stands only while its checkpoint holds the weights it was computed from. Each checkpoint's
+fingerprint (`fingerprints`) is kept with a stamp of its files; a resumed sweep loads again a checkpoint whose
+files changed since (or whose fingerprint is missing or malformed), and one whose weights are not those its parts
+were computed from has them recomputed, said in one line per checkpoint.
+
 A checkpoint that fails to load (truncated or corrupt weights), an analysis that raises, or one
 whose numbers are not all finite (NaN or inf is an error, never a result) is recorded in
 `errors.json`, shown in the summary and the report, and skipped; the sweep goes on, and a later
@@ -38,14 +43,14 @@ import torch
 
 from .._common import auto_tqdm
 from .executors import ExecutorSettings, make_executor
-from .fingerprints import findings, fingerprint
+from .fingerprints import Kept, checkpoints_of, files_stamp, findings, fingerprint, kept
 from .registry import ANALYSES, Context, as_output, resolve_analyses
 from .report import write_report
 from interp.models.formats import checkpoint  # checkpoint.load_checkpoint looked up at call time: tests monkeypatch it
 from interp.models.formats.checkpoint import CheckpointError, is_wrapped, read_config, rope_scaling_for
-from interp.models.device import compute_record, resolve_device
-from interp.models.memory import check_fits
-from interp.models.device_map import DeviceMapRefused, check_fits_split, is_split, parse_device_map, resolve_device_map
+from interp.models.placement.device import compute_record, resolve_device
+from interp.models.placement.memory import check_fits
+from interp.models.placement.device_map import DeviceMapRefused, check_fits_split, is_split, parse_device_map, resolve_device_map
 from interp.models.rope.choice import as_hf, choose, rope_spec
 from interp.models.formats.folder import refuse_code_in
 from interp.models.runs.names import resolve_run
@@ -77,10 +82,10 @@ class SweepSettings:
     expensive_on "last": analyses marked expensive (ablation, pruning, importance: a forward pass
                  per head or more) run on the last checkpoint of each run only; "all": everywhere.
     device       where models run (None: CUDA when available); not part of the results' meaning.
-    offload      None, "disk" or "cpu": each model loaded layer by layer (`interp.models.offload`): the
+    offload      None, "disk" or "cpu": each model loaded layer by layer (`interp.models.placement.offload`): the
                  same numbers, so not part of the results' meaning either.
     device_map   None, "auto" or {layer or unit: device} (or the command line's LAYERS:DEVICE,...): each model's
-                 blocks split over devices (`interp.models.device_map`); the same numbers, not part of the
+                 blocks split over devices (`interp.models.placement.device_map`); the same numbers, not part of the
                  results' meaning.
     rope_scaling a RoPE scaling every model runs with, in place of its own (`interp.models.rope.choice`:
                  transformers' dict, or any spelling `rope_spec` reads; None: each checkpoint's own);
@@ -128,6 +133,9 @@ class CheckpointTask:
     rope_scaling: dict | None = None  # `SweepSettings.rope_scaling`
     offload: str | None = None  # `SweepSettings.offload`
     device_map: str | dict | None = None  # `SweepSettings.device_map`
+    expected: str | None = None  # the kept fingerprint's hash: the weights its finished parts were computed from
+    redo: tuple[str, ...] = ()  # its analyses with finished parts: run again when the weights are not `expected`
+    files: tuple = ()  # `fingerprints.files_stamp` of the checkpoint when planned, kept beside its fingerprint
 
 
 @dataclass(frozen=True)
@@ -144,6 +152,7 @@ class FingerprintEvent:
     checkpoint: Checkpoint
     fingerprint: dict  # `fingerprints.fingerprint` of the weights as loaded
     n_analyses: int = 0  # none of the pending analyses: the progress counts parts and errors
+    stale: tuple[str, ...] = ()  # finished analyses run again: the weights are not those they were computed from
 
 
 @dataclass(frozen=True)
@@ -181,10 +190,13 @@ def run_checkpoint(task: CheckpointTask) -> Iterator[PartEvent | ErrorEvent]:
     except Exception as e:  # noqa: BLE001 - any failure to load is reported, and the sweep goes on
         yield ErrorEvent(ckpt, LOAD, type(e).__name__, str(e), n_analyses=len(task.analyses))
         return
-    yield FingerprintEvent(ckpt, fingerprint(model))
+    fp = fingerprint(model)
+    changed = task.expected is not None and fp["weights"] != task.expected
+    stale = tuple(a for a in task.redo if a in ANALYSES) if changed else ()
+    yield FingerprintEvent(ckpt, fp, stale=stale)
     ctx = Context(model=model, tokens=tokens, data=task.data, checkpoint=ckpt)
     try:
-        for name in task.analyses:
+        for name in dict.fromkeys((*task.analyses, *stale)):
             start = time.perf_counter()
             try:
                 result = as_output(ANALYSES[name].run(ctx))  # analyzers set their own grad mode (importance needs gradients)
@@ -210,22 +222,40 @@ def run_checkpoint(task: CheckpointTask) -> Iterator[PartEvent | ErrorEvent]:
 
 # ---- the driver ------------------------------------------------------------------------------
 def plan(runs: Sequence[Run], settings: SweepSettings, done: set,
-         wrapped: frozenset = frozenset()) -> tuple[list[CheckpointTask], int]:
+         wrapped: frozenset = frozenset(), prints: Kept | None = None) -> tuple[list[CheckpointTask], int]:
     """The checkpoint tasks still to do, and how many (checkpoint, analysis) pairs are already done.
-    Runs named in `wrapped` (models transformers runs, `interp.models.wrapped`) skip native-only analyses."""
+    Runs named in `wrapped` (models transformers runs, `interp.models.wrapped`) skip native-only analyses.
+
+    Finished parts stand only while their checkpoint holds the weights they were computed from: every task
+    carries the kept fingerprint's hash (`prints`, `fingerprints.kept`) and the analyses with parts, which its
+    worker runs again when the weights it loads are other. A checkpoint whose parts are all finished is loaded
+    again, to check, when its fingerprint is not trusted: missing, malformed, from an older interp, or taken
+    from other files than it has now (`fingerprints.files_stamp`)."""
+    prints = prints or Kept()
+    stored = {(p["run"], p["checkpoint"]): p for p in prints.stored()}
+    trusted = {(p["run"], p["checkpoint"]) for p in prints.prints}
+    finished: dict[tuple[str, str], list[str]] = {}
+    for run_name, ckpt_name, analysis in sorted(done):
+        finished.setdefault((run_name, ckpt_name), []).append(analysis)
     tasks, skipped = [], 0
     for run in runs:
         last = run.checkpoints[-1]
         for ckpt in run.checkpoints:
+            key = (run.name, ckpt.name)
             wanted = [a for a in settings.analyses
                       if (not ANALYSES[a].expensive or settings.expensive_on == "all" or ckpt == last)
                       and not (ANALYSES[a].native_only and run.name in wrapped)]
             pending = tuple(a for a in wanted if (run.name, ckpt.name, a) not in done)
             skipped += len(wanted) - len(pending)
-            if pending:
+            files = files_stamp(ckpt.path)
+            record = stored.get(key)
+            checked = key in trusted and record["files"] == files
+            if pending or (finished.get(key) and not checked):
                 tasks.append(CheckpointTask(ckpt, pending, settings.data, settings.device,
                                             rope_scaling=settings.rope_scaling, offload=settings.offload,
-                                            device_map=settings.device_map))
+                                            device_map=settings.device_map,
+                                            expected=record["weights"] if record else None,
+                                            redo=tuple(finished.get(key, ())), files=tuple(map(tuple, files))))
     return tasks, skipped
 
 
@@ -315,7 +345,17 @@ def sweep(
         record = _check_settings(store, settings, found, force)
         store.read_json("timing.json")  # damaged: said now, in one line, not after the work
         store.write_json("settings.json", record)
-        tasks, skipped = plan(found, settings, store.done(), wrapped)
+        prints = kept(store.out, record["runs"])
+        for line in prints.malformed:
+            log(f"note: {line}: not a fingerprint interp wrote; ignored (taken again if it stands for a checkpoint of "
+                "this sweep)")
+        if prints.orphans:
+            log(f"note: fingerprints ignored, of checkpoints not in this folder's runs: {checkpoints_of(prints.orphans)}")
+        tasks, skipped = plan(found, settings, store.done(), wrapped, prints)
+        if again := sum(1 for t in tasks if not t.analyses):
+            log(f"note: {again} checkpoint(s) with every result finished are loaded again to check their weights (their "
+                "fingerprint is missing, malformed, from an older interp, or their files changed since it was taken); "
+                "their results are recomputed only where the weights are not those they were computed from")
         store.start({r.name: [a for a in settings.analyses if r.name not in wrapped or a not in skip] for r in found})
         store.claim_tasks((t.checkpoint.run, t.checkpoint.name, a) for t in tasks for a in (*t.analyses, LOAD))
         if tasks and (tokens := prebuild_tokens(settings.data)) is not None:
@@ -341,13 +381,23 @@ def _run_tasks(store, found, settings, tasks, skipped, executor, start, tqdm, pr
 
     n_run, last_merge, complete = 0, time.perf_counter(), False
     remaining = {(t.checkpoint.run, t.checkpoint.name): len(t.analyses) for t in tasks}
+    by_key = {(t.checkpoint.run, t.checkpoint.name): t for t in tasks}
     ex = make_executor(executor) if tasks else None
     bar = tqdm(total=n_pairs, unit="task", desc="sweep", disable=not progress or not tasks, dynamic_ncols=True)
     try:
         for event in ex.run(run_checkpoint, tasks) if ex else ():
             c = event.checkpoint
             if isinstance(event, FingerprintEvent):
-                store.write_fingerprint(c.run, c.name, c.step, event.fingerprint)
+                task = by_key[(c.run, c.name)]
+                store.clear_load_error(c.run, c.name)  # it loaded this time
+                if task.redo and task.expected not in (None, event.fingerprint["weights"]):
+                    _drop_stale(store, task, event, log)
+                    extra = len(event.stale)
+                    bar.total += extra
+                    remaining[(c.run, c.name)] += extra
+                    skipped -= extra
+                store.write_fingerprint(c.run, c.name, c.step, {**event.fingerprint, "path": c.path,
+                                                                "files": [list(f) for f in task.files]})
                 continue
             if isinstance(event, PartEvent):
                 store.clear_load_error(c.run, c.name)  # it loaded this time
@@ -381,8 +431,22 @@ def _run_tasks(store, found, settings, tasks, skipped, executor, start, tqdm, pr
                                       "seconds": round(seconds, 2), "executor": ex.description if ex else "none",
                                       "tasks_run": n_run, "tasks_skipped": skipped})
         store.write_json("timing.json", timing)
+    runs = (store.read_json("settings.json") or {}).get("runs", {})
     return SweepResult(store.out, table, store.errors(), n_run, skipped, seconds,
-                       integrity=findings(store.fingerprints()))
+                       integrity=findings(kept(store.out, runs, check_files=True).prints))
+
+
+def _drop_stale(store: ResultStore, task: CheckpointTask, event: FingerprintEvent, log) -> None:
+    """The weights of `task`'s checkpoint are not those its finished parts were computed from: remove those parts
+    (a sweep killed while recomputing them then recomputes the rest) and say so in one line."""
+    c = event.checkpoint
+    for analysis in task.redo:
+        store.remove_part(c.run, c.name, analysis)
+    gone = [a for a in task.redo if a not in event.stale]
+    log(f"{c.run}/{c.name}: its weights are not those its results were computed from (fingerprint "
+        f"{task.expected[:12]}, now {event.fingerprint['weights'][:12]}): "
+        + (f"recomputing {', '.join(event.stale)}" if event.stale else "")
+        + (f"{'; ' if event.stale else ''}dropped {', '.join(gone)} (no longer registered analyses)" if gone else ""))
 
 
 def summary(result: SweepResult, runs: Sequence[Run]) -> str:

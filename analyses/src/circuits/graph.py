@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from interp.models.device import to_numpy
+from interp.models.placement.device import to_numpy
 
 METHODS = ("patching", "eap", "eap-ig")
 IG_ON = ("inputs", "activations")

@@ -104,13 +104,14 @@ def _substitution(runner, i: int, point):
 
 def _stream(runner, i: int, point, substitute) -> tuple[list[Tensor], Tensor]:
     """Each block's input and the final stream of the run the gradient is taken at."""
-    cached_resid, cached_final = runner._cache[i]["clean"][1], runner._cache[i]["clean"][2]
+    c = runner._chunk(i)
+    cached_resid, cached_final = c["clean"][1], c["clean"][2]
     if point is None:
         return cached_resid, cached_final
     model, g = runner.model, runner.graph
     alpha, on = point
     if on == "inputs":
-        clean0, corrupt0 = cached_resid[0], runner._cache[i]["corrupted"][1][0]
+        clean0, corrupt0 = cached_resid[0], c["corrupted"][1][0]
         x = corrupt0 + alpha * (clean0 - corrupt0)
     else:
         x = cached_resid[0]

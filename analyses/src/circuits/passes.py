@@ -1,6 +1,8 @@
 """One forward through the circuit graph's hook points (`_Pass`): every sender's value collected in the
 graph's order, each receiver's input open to change. What the runner's patching and attribution and the QK
-attribution (`qk`) both run on; a room of its own so that neither imports the other's internals."""
+attribution (`qk`) both run on; a room of its own so that neither imports the other's internals. And what a
+patched run changes each receiver's input by (`_Patching`), from the senders' differences (`Corrupted`: the
+whole cache's; `LeanDifferences`: the lean cache's, written over in place)."""
 
 from __future__ import annotations
 
@@ -150,3 +152,162 @@ class Stacked:
         if self.count != self.n:
             raise RuntimeError(f"{self.count} of {self.n} senders' values came")
         return self._buffer
+
+
+# ---- patched runs -------------------------------------------------------------------------------------------
+ROWS = 16  # buffered differences a receiver reads at once (a view where they are consecutive, else a copy of them)
+
+
+def _groups(rows: list[int], most: int, split: int) -> list[list[int]]:
+    """Ascending indices in groups of at most `most`, none holding indices on both sides of `split`."""
+    out: list[list[int]] = []
+    for r in rows:
+        if out and len(out[-1]) < most and (out[-1][0] < split) == (r < split):
+            out[-1].append(r)
+        else:
+            out.append([r])
+    return out
+
+
+class _Patching:
+    """receive(): input_r - sum_s mask[s, r] (value_s now - value_s corrupted). A few senders are stacked.
+    Past that the differences are read from a buffer, each written once as its sender computes it, with
+    their running sum: a receiver reads every sender computed before it (but a parallel block's MLP), so
+    its change is also that sum less sum_s (1 - mask[s, r]) times the differences, and whichever of the
+    two forms has fewer senders is used (a circuit's complement: few kept edges, one product). The buffer is
+    read `ROWS` senders at a time: a receiver that reads most of 300 senders never copies them all (at 4,096
+    tokens such a copy was as large as the buffer itself)."""
+
+    STACK = 16  # senders up to which a receiver's change is stacked rather than read from the buffer
+
+    def __init__(self, g: Graph, mask: Tensor, source) -> None:
+        """`source`: each sender's value now less its corrupted value (`Corrupted`, `LeanDifferences`), and
+        the buffer that holds them (`source.buffer`); senders below `source.below` are in it already, negated
+        (the lean cache's corrupted - clean)."""
+        self.g, self.mask, self.source = g, mask, source
+        self.below = getattr(source, "below", 0)
+        self.diff: Tensor | None = None
+        self.total: Tensor | None = None  # sum of the differences written so far
+        self.filled = 0
+
+    def __call__(self, group, x, values):
+        rs = self.g.groups[group]
+        n = len(values)
+        sub = self.mask[:n, rs]
+        senders = sub.any(1).nonzero().flatten()
+        if senders.numel() == 0:
+            return x
+        if senders.numel() <= self.STACK and not self.source.lean:
+            picked = senders.tolist()
+            diff = torch.stack([self.source.difference(s, values, x.dtype) for s in picked])  # [k, b, p, d]
+            change = self._product(sub[picked], diff, x)
+        else:
+            self._fill(values, x)
+            allowed = self.g.allowed[:n, rs]
+            change = self._buffered(sub, (1 - sub) * allowed, bool(allowed.all()), senders, x)
+        return self._applied(x, change)
+
+    def _buffered(self, sub: Tensor, kept: Tensor, reads_all: bool, senders: Tensor, x: Tensor) -> Tensor:
+        """The change from the buffer of differences: the patched senders' (`sub`), or, for a receiver that reads
+        every earlier sender (`reads_all`), the running sum less the kept ones', whichever has fewer senders."""
+        rows = kept.flatten(1).any(1).nonzero().flatten()
+        if reads_all and rows.numel() < senders.numel():
+            return self.total[None] - self._rows(kept, rows, x)
+        return self._rows(sub, senders, x)
+
+    def _rows(self, w: Tensor, rows: Tensor, x: Tensor) -> Tensor:
+        """sum over the senders `rows` (ascending) of w[s] times the buffered difference of s, `ROWS` senders at
+        a time (`_product`; consecutive ones as a view of the buffer); those below `below` are held negated, so
+        their part is negated back (exactly: a float's sign is one bit)."""
+        out = None
+        for group in _groups(rows.tolist(), ROWS, self.below):
+            s, e = group[0], group[-1] + 1
+            if e - s == len(group):
+                part = self._product(w[s:e], self.diff[s:e], x)
+            else:
+                at = torch.tensor(group)
+                part = self._product(w[at], self.diff.index_select(0, at.to(self.diff.device)), x)
+            if s < self.below:
+                part = part.neg_()
+            out = part if out is None else out.add_(part)
+        return out if out is not None else self._product(w[:0], self.diff[:0], x)
+
+    @staticmethod
+    def _applied(x: Tensor, change: Tensor) -> Tensor:
+        """x less the change ([n_receivers, b, p, d]), per head ([b, p, n, d]) or for the one receiver."""
+        if x.dim() == 4:
+            return x - change.permute(1, 2, 0, 3)
+        return x - change[0]
+
+    def _fill(self, values, x) -> None:
+        if self.diff is None:
+            shape = (x.shape[0], x.shape[1], x.shape[-1])  # every receiver reads the stream [b, p, d_model]
+            self.diff = self.source.buffer(len(self.g.senders), shape, x.dtype, x.device)
+            self.total = torch.zeros(shape, dtype=x.dtype, device=x.device)
+        for s in range(self.filled, len(values)):
+            if s < self.below:  # held as corrupted - clean: the difference is its negation
+                self.total -= self.diff[s]
+            else:
+                self.source.difference(s, values, x.dtype, out=self.diff[s])
+                self.total += self.diff[s]
+            if self.source.lean:  # read from the buffer from now on: the value is not held twice
+                values[s] = None
+                self.source.release(s)
+        self.filled = len(values)
+
+    @staticmethod
+    def _product(w: Tensor, diff: Tensor, x: Tensor) -> Tensor:
+        """sum_k w[k, r] diff[k] for each receiver r: [n_receivers, b, p, d]."""
+        w = w.to(device=x.device, dtype=x.dtype)
+        if w.shape[0] == 0:
+            return torch.zeros((w.shape[1],) + diff.shape[1:], dtype=x.dtype, device=x.device)
+        return (w.T @ diff.flatten(1)).view(w.shape[1], *diff.shape[1:])
+
+
+class Corrupted:
+    """A patching's source (`_Patching`): value now - the cached corrupted value of each sender, in a buffer
+    of its own."""
+
+    lean = False
+    below = 0
+
+    def __init__(self, corrupted: Tensor) -> None:
+        self.corrupted = corrupted
+
+    def buffer(self, n: int, shape: tuple, dtype, device) -> Tensor:
+        return torch.empty((n,) + tuple(shape), dtype=dtype, device=device)
+
+    def difference(self, s: int, values, dtype, out: Tensor | None = None) -> Tensor:
+        return torch.sub(values[s], self.corrupted[s].to(dtype), out=out)
+
+
+class LeanDifferences:
+    """A patching's source on a lean cache (`Runner.lean`): the cache of each sender's corrupted - clean value
+    is the buffer itself. Below the resumed run's first block each value now is the clean one, so its
+    difference is the cached corrupted - clean negated (`_Patching` reads it so, bit for bit clean -
+    corrupted); from there on, the value now less the corrupted value formed again block by block (`extend`),
+    written over the cached one (the runner forms those again when it next needs them, `Runner._chunk`).
+    So a patched run holds no second copy of the senders' differences. Read once each (then `release`d)."""
+
+    lean = True
+
+    def __init__(self, cached: Tensor, below: int) -> None:
+        self.cached, self.below, self.formed = cached, below, []
+
+    def buffer(self, n: int, shape: tuple, dtype, device) -> Tensor:
+        if self.cached.dtype != dtype or tuple(self.cached.shape) != (n,) + tuple(shape):
+            raise RuntimeError(f"the lean cache {tuple(self.cached.shape)} {self.cached.dtype} cannot hold "
+                               f"{n} x {tuple(shape)} {dtype}")
+        return self.cached
+
+    def extend(self, values) -> None:
+        self.formed.extend(values)
+
+    def difference(self, s: int, values, dtype, out: Tensor | None = None) -> Tensor:
+        if s < self.below:
+            return torch.neg(self.cached[s].to(dtype), out=out)
+        return torch.sub(values[s], self.formed[s - self.below].to(dtype), out=out)
+
+    def release(self, s: int) -> None:
+        if s >= self.below:
+            self.formed[s - self.below] = None

@@ -16,11 +16,12 @@ import random
 from interp.analyses.kv.tasks import KEY_RANGE, passkey_prompt
 
 from .graph import Task
-from .tasks import _token_task
+from .tasks import _token_task, context
 
 
 def passkey_task(model, length: int, n_prompts: int = 2, *, seed: int = 0, metric: str = "logit-diff") -> Task:
-    """`n_prompts` clean/corrupted pairs of at most `length` tokens (the needle at depths drawn from `seed`)."""
+    """`n_prompts` clean/corrupted pairs of at most `length` tokens (the needle at depths drawn from `seed`); at most
+    the model's context, or what the RoPE scaling it runs with gives (`tasks.context`)."""
     rng = random.Random(f"circuit-passkey:{seed}:{length}")
     clean_rows, corrupt_rows, answers, wrongs, texts = [], [], [], [], []
     for _ in range(n_prompts):
@@ -52,7 +53,9 @@ def passkey_task(model, length: int, n_prompts: int = 2, *, seed: int = 0, metri
 
 def _running_on(model, length: int, depth: float, key: str) -> tuple[list[int], int]:
     """The prompt's tokens run on to just before the key's first digit, and that token."""
-    p = passkey_prompt(model, length - 2, depth, key)  # room for the answer's lead-in
+    longest = context(model.cfg)  # past n_ctx under a RoPE scaling that stretches it (--rope-scaling)
+    p = passkey_prompt(model, length - 2, depth, key,  # room for the answer's lead-in
+                       max_length=longest if longest > model.cfg.n_ctx else None)
     full = model.to_tokens(p.text + " " + key, truncate=False)[0].tolist()
     n = p.n_tokens
     if full[:n] != p.tokens[0].tolist():

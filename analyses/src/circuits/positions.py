@@ -32,7 +32,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from interp.models.device import to_numpy
+from interp.models.placement.device import to_numpy
 
 from .._common import progress
 from .graph import FRACTIONS, Graph, Task, prune_dangling

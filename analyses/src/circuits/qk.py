@@ -43,7 +43,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from interp.models.device import to_numpy
+from interp.models.placement.device import to_numpy
 
 from .graph import Graph
 from .passes import _Pass
@@ -68,11 +68,19 @@ def parse_head(text, cfg=None) -> tuple[int, int]:
 
 
 def parse_heads(text: str, cfg=None) -> list[tuple[int, int]]:
-    """"1.0,L1H2" or "1.0 1.2" -> [(1, 0), (1, 2)]."""
+    """"1.0,L1H2" or "1.0 1.2" -> [(1, 0), (1, 2)]; a head named twice ("1.0,L1H0") is refused."""
     parts = [p for p in re.split(r"[\s,;]+", str(text).strip()) if p]
     if not parts:
         raise ValueError("--qk needs at least one head (LAYER.HEAD, e.g. 1.0, or L1H0)")
-    return [parse_head(p, cfg) for p in parts]
+    heads = [parse_head(p, cfg) for p in parts]
+    twice = [(p, h) for i, (p, h) in enumerate(zip(parts, heads)) if h in heads[:i]]
+    if twice:
+        p, (layer, head) = twice[0]
+        first = parts[heads.index((layer, head))]
+        said = f"{first!r} and {p!r} both name" if first != p else f"{p!r} names"
+        raise ValueError(f"--qk {text}: {said} L{layer}H{head}" + (" twice" if first == p else "")
+                         + ": give each head once")
+    return heads
 
 
 def check_head(cfg, layer: int, head: int) -> None:
@@ -130,6 +138,10 @@ class QKAttribution:
     query_senders / key_senders  the names of the rows / columns of `terms`: the senders below the layer,
                       then `bias`; `alibi` (its own term, [N, K]) when the model has ALiBi
     prompts, query_pos [N]; key_pos [N, K]: where each (prompt, key) sits
+    key_on            [N, K] bool: which of the K slots hold a key. With keys chosen by the pattern, a query
+                      that sees fewer than `top_keys` keys is split at every key it sees, each once (K is the
+                      most any query got); its other slots are off (key_pos -1, terms 0) and left out of every
+                      mean, `frame` and `pairs`. All on when the keys were given.
     terms, contrast   [N, K, Sq, Sk] (float32): scale * <Q_a(i), K_b(j)>, and the same less its mean over
                       the keys query i sees
     score, contrast_score [N, K]: the model's pre-softmax score (from hook_attn_scores; before the soft cap
@@ -164,10 +176,31 @@ class QKAttribution:
     weight_first_order: Tensor | None = None
     weight_true: Tensor | None = None
     delta_max_error: float | None = None
+    key_on: Tensor | None = None  # None: every slot holds a key
 
     @property
     def name(self) -> str:
         return f"L{self.layer}H{self.head}"
+
+    @property
+    def on(self) -> Tensor:
+        """[N, K] bool: the slots that hold a key (`key_on`, all True when None)."""
+        return self.key_on if self.key_on is not None else torch.ones(self.key_pos.shape, dtype=torch.bool)
+
+    def keys_seen(self) -> tuple[int, int]:
+        """The fewest and the most keys a query was split at."""
+        n = self.on.sum(1)
+        return int(n.min()), int(n.max())
+
+    def _mean(self, t: Tensor) -> Tensor:
+        """The mean of `t` [N, K, ...] over the slots that hold a key (float64): [...]."""
+        w = self.on.to(torch.float64).reshape(*self.on.shape, *([1] * (t.dim() - 2)))
+        return (t.double() * w).sum((0, 1)) / w.sum()
+
+    def mean_at_keys(self, t: Tensor) -> Tensor:
+        """[K]: the mean of `t` [N, K] over the queries whose slot k holds a key (every slot does in one query)."""
+        w = self.on.to(torch.float64)
+        return (t.double() * w).sum(0) / w.sum(0)
 
     @property
     def frame(self) -> pd.DataFrame:
@@ -202,6 +235,8 @@ class QKAttribution:
         if self.delta is not None:
             out["delta_term"] = flat(self.delta, None)
             out["weight_change"] = flat(self.weight_change, None)
+        if self.key_on is not None:
+            out = out[np.repeat(to_numpy(self.key_on.reshape(-1), np.bool_), per)].reset_index(drop=True)
         return out
 
     def pairs(self) -> pd.DataFrame:
@@ -209,19 +244,18 @@ class QKAttribution:
         contrast term (and the change of term and of the weight, with corrupted tokens); largest mean |term|
         first."""
         Sq, Sk = len(self.query_senders), len(self.key_senders)
-        t = self.terms.double().flatten(0, 1)
+        mean = lambda t: to_numpy(self._mean(t).flatten(), np.float64)  # noqa: E731  (over the keys, `key_on`)
         cols = {"query_sender": np.repeat(self.query_senders, Sk), "key_sender": np.tile(self.key_senders, Sq),
-                "mean_term": to_numpy(t.mean(0).flatten(), np.float64),
-                "mean_abs_term": to_numpy(t.abs().mean(0).flatten(), np.float64),
-                "mean_contrast": to_numpy(self.contrast.double().flatten(0, 1).mean(0).flatten(), np.float64)}
+                "mean_term": mean(self.terms), "mean_abs_term": mean(self.terms.abs()),
+                "mean_contrast": mean(self.contrast)}
         if self.delta is not None:
-            cols["mean_delta"] = to_numpy(self.delta.double().flatten(0, 1).mean(0).flatten(), np.float64)
-            cols["mean_weight_change"] = to_numpy(self.weight_change.double().flatten(0, 1).mean(0).flatten(), np.float64)
+            cols["mean_delta"] = mean(self.delta)
+            cols["mean_weight_change"] = mean(self.weight_change)
         out = pd.DataFrame(cols)
         if self.alibi is not None:
-            row = {"query_sender": ALIBI, "key_sender": ALIBI, "mean_term": float(self.alibi.double().mean()),
-                   "mean_abs_term": float(self.alibi.double().abs().mean()),
-                   "mean_contrast": float(self.alibi_contrast.double().mean())}
+            row = {"query_sender": ALIBI, "key_sender": ALIBI, "mean_term": float(self._mean(self.alibi)),
+                   "mean_abs_term": float(self._mean(self.alibi.abs())),
+                   "mean_contrast": float(self._mean(self.alibi_contrast))}
             if self.delta is not None:
                 row.update(mean_delta=0.0, mean_weight_change=0.0)
             out = pd.concat([out, pd.DataFrame([row])], ignore_index=True)
@@ -230,11 +264,11 @@ class QKAttribution:
     def matrix(self, top: int = 6, value: str = "term") -> pd.DataFrame:
         """[top query senders x top key senders] of the mean `value` ("term" or "contrast"), the senders
         ranked by their mean |term| summed over the other side."""
-        mag = self.terms.double().abs().flatten(0, 1).mean(0)  # [Sq, Sk]
+        mag = self._mean(self.terms.abs())  # [Sq, Sk]
         qi = mag.sum(1).argsort(descending=True)[:top].tolist()
         ki = mag.sum(0).argsort(descending=True)[:top].tolist()
         src = self.terms if value == "term" else self.contrast
-        m = src.double().flatten(0, 1).mean(0)[qi][:, ki]
+        m = self._mean(src)[qi][:, ki]
         return pd.DataFrame(to_numpy(m, np.float64), index=[self.query_senders[i] for i in qi],
                             columns=[self.key_senders[i] for i in ki])
 
@@ -419,7 +453,7 @@ def qk_attribution(model, tokens: Tensor, layer: int, head: int, query_pos, key_
                    given=None) -> QKAttribution:
     """Decompose head (`layer`, `head`)'s pre-softmax scores at `query_pos` into (query-side sender, key-side
     sender) terms, at `key_pos` (one list for all queries or [queries, K]; None: the `top_keys` keys the head
-    attends to most from each query).
+    attends to most from each query, or every key it sees when it sees fewer: `QKAttribution.key_on`).
 
     tokens     [batch, pos] token ids (one forward each, up to the head's layer)
     query_pos  one position for every row, or one per query
@@ -457,8 +491,8 @@ def qk_attribution(model, tokens: Tensor, layer: int, head: int, query_pos, key_
             score, vis, pat, alibi, q, K = c["score"], c["visible"], c["pattern"], c["alibi"], c["q"], c["K"]
             if k_pos is None:
                 w = torch.where(vis, pat, torch.full_like(pat, -1.0))
+                # at most the keys the query sees, each once (never padded with copies: `key_on`)
                 keys = w.argsort(descending=True, stable=True)[:min(top_keys, int(vis.sum()))]
-                keys = torch.cat([keys, keys[-1:].expand(top_keys - keys.numel())])  # a short prompt: repeat the last
             else:
                 keys = k_pos[n].to(score.device)
             T = scale * torch.einsum("ad,kbd->kab", q, K[:, keys].transpose(0, 1))  # [K, Sq, Sk]
@@ -489,15 +523,22 @@ def qk_attribution(model, tokens: Tensor, layer: int, head: int, query_pos, key_
                 out.update(delta=D.float().cpu(), weight=Wc.float().cpu(), first=Wc.sum((1, 2)).float().cpu(),
                            true=(d["pattern"] - pat)[keys].float().cpu())
 
-    def stack(name):
+    K = max(int(results[n]["keys"].numel()) for n in range(N))
+
+    def stack(name, fill=0):  # [N, K, ...]: a query with fewer keys than K padded with `fill`, its slots off
         got = [results[n][name] for n in range(N) if name in results[n]]
-        return torch.stack(got) if got else None
+        if not got:
+            return None
+        return torch.stack([torch.cat([t, t.new_full((K - t.shape[0], *t.shape[1:]), fill)]) for t in got])
+
+    counts = torch.tensor([int(results[n]["keys"].numel()) for n in range(N)])
+    key_on = torch.arange(K)[None] < counts[:, None]
 
     return QKAttribution(
         layer=layer, head=head, kv_head=kv, query_senders=list(senders), key_senders=list(senders),
-        prompts=rows.clone(), query_pos=q_pos.cpu(), key_pos=stack("keys"), terms=stack("terms"),
+        prompts=rows.clone(), query_pos=q_pos.cpu(), key_pos=stack("keys", -1), terms=stack("terms"),
         contrast=stack("contrast"), alibi=stack("alibi"), alibi_contrast=stack("alibi_c"), score=stack("score"),
         contrast_score=stack("cscore"), pattern=stack("pattern"), max_error=err, contrast_max_error=cerr,
         softcapped=cap is not None, delta=stack("delta"), weight_change=stack("weight"),
         weight_first_order=stack("first"), weight_true=stack("true"),
-        delta_max_error=derr if corrupted is not None else None)
+        delta_max_error=derr if corrupted is not None else None, key_on=None if bool(key_on.all()) else key_on)

@@ -1,28 +1,43 @@
 """Runs through the graph: exact edge and node patching (resumed at the first changed layer), EAP and
-EAP-IG (`Runner`), and faithfulness over circuit sizes (`faithfulness_curve`)."""
+EAP-IG (`Runner`), and faithfulness over circuit sizes (`faithfulness_curve`).
+
+What a runner holds: each chunk of prompts' clean and corrupted runs (`Runner._chunk`). Short prompts: every
+chunk's, each sender's value in both runs. Long prompts (block by block, `layered`): a chunk is as many prompts
+as fit in `HELD_BYTES` (at least one), and as many chunks' lean runs as fit in it are held (at least one); a
+chunk that is not held is run again when a stage needs it (the same values, bit for bit). Every stage goes
+chunk by chunk (each point of EAP-IG, each run of a faithfulness curve, each node or edge patched), the chunks
+held first, so a stage runs a chunk again at most once: at 4,096 tokens on SmolLM2 one prompt's runs (3.4 GB)
+are held, not every prompt's."""
 
 from __future__ import annotations
 
+import hashlib
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import pandas as pd
 import torch
 from torch import Tensor
 
-from interp.models.device import to_host
-from interp.models.memory import per_token_bytes
+from interp.models.placement.device import to_host, to_numpy
 
 from .._common import frozen_params, progress
 from .graph import FRACTIONS, IG_ON, Graph, Task, select
-from .layered import SENDER_CHUNK, layered_attribution
-from .passes import Stacked, _Pass, graph_mode
+from .layered import layered_attribution
+from .passes import Corrupted, LeanDifferences, Stacked, _Pass, _Patching, graph_mode
 from .qk import parse_head, qk_attribution
 
 
 # bytes of the whole graph's receiver gradients past which attribution goes block by block: at 1,021 tokens on
 # SmolLM2 (1.98 GB of them) the whole graph peaked at 9.15 GiB and block by block at 2.13 GiB, in the same time
 LAYERED_ABOVE = 2 ** 30
+# block by block, the runs held at once: a chunk is as many prompts as fit (at least one), and as many chunks as
+# fit are held (at least one); at 1,024 tokens one SmolLM2 prompt's lean runs are 0.86 GB
+HELD_BYTES = 2 ** 30
+# EAP-IG's most steps: its integral's midpoint rule errs by O(1 / steps^2), so tens of steps are plenty (the
+# default is 5) and thousands only cost: each step is a forward and a backward over every prompt
+MAX_STEPS = 1000
+MEMO = 64  # circuits whose faithfulness a runner remembers (a circuit drawn after its curve is not run again)
 IG_POINTS = ("midpoint", "left")  # where EAP-IG takes its gradients between the corrupted (0) and clean (1) run
 EAP_KL = ("EAP takes the metric's gradient at the clean run, where KL from the clean run is least (gradient 0, every "
           "score 0): use EAP-IG or exact patching (--method eap-ig or patching) with the kl metric")
@@ -47,51 +62,74 @@ def goes_by_layer(graph: Graph, d_model: int, batch: int, positions: int) -> boo
     return len(graph.receivers) * batch * positions * d_model * 4 > LAYERED_ABOVE
 
 
-def cache_bytes(cfg, graph: Graph, n_prompts: int, positions: int, batch_size: int, element_size: int = 4,
-                layered: bool = False) -> int:
-    """Peak bytes of a `Runner` beyond the model: what it caches for every prompt, clean and corrupted (each
-    sender's value and each block's input at every position: 2 (senders + layers + 1) x positions x d_model
-    values; `layered`: each sender's difference and both runs' block inputs, (senders + 2 (layers + 1)) x
-    positions x d_model), plus one chunk's working set: a forward's activations, and the receivers' inputs and
-    gradients that attribution holds (all of them; `layered`: one block's, and a few senders' differences)."""
-    runs = 1 if layered else 2  # runs whose senders' values are cached (layered: their difference)
-    cached = (runs * len(graph.senders) + 2 * (graph.n_layers + 1)) * positions * cfg.d_model * element_size
-    if layered:
-        per_block = max(sum(len(rs) for (l, _), rs in graph.groups.items() if l == layer)
-                        for layer in range(graph.n_layers + 1))  # one block's receivers
-        held = 2 * (per_block + min(SENDER_CHUNK, len(graph.senders))) * cfg.d_model * 4
-    else:
-        held = 2 * (len(graph.senders) + len(graph.receivers)) * cfg.d_model * 4
-    return n_prompts * cached + batch_size * positions * (per_token_bytes(cfg) + held)
+def run_bytes(cfg, graph: Graph, positions: int, element_size: int = 4, lean: bool = False) -> int:
+    """Bytes of one prompt's cached runs: each sender's value in both runs (`lean`: their difference) and both
+    runs' block inputs and final streams, each positions x d_model."""
+    rows = (1 if lean else 2) * len(graph.senders) + 2 * (graph.n_layers + 1)
+    return rows * positions * cfg.d_model * element_size
+
+
+def chunking(cfg, graph: Graph, n_prompts: int, positions: int, batch_size: int, layered: bool,
+             element_size: int = 4) -> tuple[int, int]:
+    """(prompts per chunk, chunks held at once) of a `Runner`: `batch_size` and every chunk; block by block, as
+    many prompts as fit in `HELD_BYTES` (at most `batch_size`, at least one) and as many such chunks as fit."""
+    if not layered:
+        return batch_size, max(1, -(-n_prompts // batch_size))
+    per = run_bytes(cfg, graph, positions, element_size, lean=True)
+    size = max(1, min(batch_size, n_prompts, HELD_BYTES // per))
+    chunks = -(-n_prompts // size)
+    return size, max(1, min(chunks, HELD_BYTES // (size * per)))
+
+
+def steps_refused(steps: int) -> str | None:
+    """Why EAP-IG refuses `steps` points (one line), or None."""
+    if steps < 1:
+        return f"EAP-IG needs at least one step, got {steps}"
+    if steps > MAX_STEPS:
+        return (f"--steps {steps:,}: EAP-IG takes at most {MAX_STEPS:,} steps (its integral's midpoint rule errs by "
+                "O(1/steps^2): tens of steps are plenty, the default is 5, and each step is a forward and a backward "
+                "over every prompt)")
+    return None
 
 
 class Runner:
     """Clean and corrupted runs of a task on a model, cached per chunk of prompts, and the scores."""
 
     def __init__(self, model, task: Task, *, batch_size: int = 16, show_progress: bool | None = None,
-                 layered: bool | None = None) -> None:
+                 layered: bool | None = None, hold: int | None = None) -> None:
         """`layered`: EAP and EAP-IG one block at a time (`layered`: memory that grows with positions x d_model,
         not with the receivers' gradients); None: so when the whole graph's gradients would pass `LAYERED_ABOVE`
-        bytes (prompts of ~500 tokens on SmolLM2)."""
+        bytes (prompts of ~500 tokens on SmolLM2). `hold`: the chunks whose runs are kept at once (None: every
+        chunk's; block by block, as many as fit in `HELD_BYTES`, and a chunk is as many prompts as fit in it)."""
         if not getattr(model, "native", True):
             raise NotImplementedError("circuits need interp's own transformer (per-head inputs and outputs); this "
                                       "model is wrapped (run by transformers): load a natively supported family")
         _check_sandwich(model)
         self.model, self.task, self.graph = model, task, Graph(model.cfg)
         self.batch_size, self.show_progress = batch_size, show_progress
-        self.chunks = list(task.chunks(batch_size))
+        n, positions = task.clean.shape
         if layered is None:
-            layered = goes_by_layer(self.graph, model.cfg.d_model, min(batch_size, task.clean.shape[0]),
-                                    task.clean.shape[1])
+            layered = goes_by_layer(self.graph, model.cfg.d_model, min(batch_size, n), positions)
         self.layered = bool(layered)
         # Block by block, the cache is lean: each sender's corrupted - clean value (all that attribution reads)
         # rather than both runs' values, half the bytes (3 GB per 4,096-token prompt on SmolLM2); a patched run
         # forms the corrupted values again, block by block, from the corrupted stream (`_lean_patched`).
         self.lean = self.layered
-        self._cache: dict[int, dict] = {}
+        element = next(model.parameters()).element_size()
+        self.chunk_size, held = chunking(model.cfg, self.graph, n, positions, batch_size, self.layered, element)
+        self.chunks = list(task.chunks(self.chunk_size))
+        self.hold = held if hold is None else max(1, int(hold))
+        g = self.graph
+        self._below = [0] + [sum(1 for l in g.sender_layer if l < start) for start in range(1, g.n_layers + 1)]
+        self._cache: dict[int, dict] = {}  # chunk -> its runs (`_build`), the most recently used last
+        self._memo: dict[bytes, float] = {}  # a circuit's faithfulness, by the circuit (`faithfulness_many`)
+        clean = corrupted = 0.0
         with torch.no_grad():
-            clean = self._values("clean")
-            corrupted = self._values("corrupted")
+            for i in range(len(self.chunks)):
+                c, k = self._build(i)
+                clean += c
+                corrupted += k
+        clean, corrupted = clean / task.n_answers, corrupted / task.n_answers
         self.clean_metric, self.corrupted_metric = clean, corrupted
         if not (math.isfinite(clean) and math.isfinite(corrupted)):
             raise ValueError(f"the task's metric is not finite (clean {clean}, corrupted {corrupted}): check the "
@@ -101,83 +139,157 @@ class Runner:
                              "nothing to attribute; the corrupted prompts must change the answer")
 
     # -- runs --
-    def _values(self, which: str) -> float:
-        """Run every chunk of the clean or corrupted prompts, keeping the senders' values and each block's
-        input; the metric."""
+    def _build(self, i: int) -> tuple[float, float]:
+        """Run chunk i's clean and corrupted prompts, keeping the senders' values (lean: their difference) and each
+        block's input, in place of the least recently used chunk's past `hold`; the sums of their metric values."""
+        while len(self._cache) >= self.hold:
+            self._cache.pop(next(iter(self._cache)))
+        entry: dict = {}
+        clean, corrupted = self._run(i, "clean", entry), self._run(i, "corrupted", entry)
+        entry["written_from"] = self.graph.n_layers  # lean: the first block whose senders' differences a patched
+        self._cache[i] = entry                       # run wrote over (`_lean_patched`); none yet
+        return clean, corrupted
+
+    def _run(self, i: int, which: str, entry: dict) -> float:
+        """Chunk i's clean or corrupted run into `entry`: (senders' values, block inputs, final stream); the sum of
+        its metric values. Lean, the corrupted run writes each value over the clean one as corrupted - clean."""
+        part, answers = self.chunks[i]
         tokens = self.task.clean if which == "clean" else self.task.corrupted
-        total = 0.0
-        for i, (part, answers) in enumerate(self.chunks):
-            p = _Pass(self.model, self.graph, store=len(self.graph.senders))
-            lean = self.lean and which == "corrupted"
-            if lean:  # each value written over the clean one as corrupted - clean
-                p.values = Stacked(len(self.graph.senders), minus=self._cache[i]["clean"][0])
-            resid: dict[int, Tensor] = {}
-            hooks = p.hooks() + [(f"blocks.{l}.hook_resid_pre", _keeper(resid, l)) for l in range(self.graph.n_layers)]
-            with graph_mode(self.model), self.model.hooks(hooks):
-                final = self.model(tokens[part].to(self.model.device), stop_at_layer=self.model.cfg.n_layers)
-            values = _final(self.model, final, self.task, answers, part.start)
-            total += float(values.double().sum())
-            kept = p.values.stacked
-            if lean:
-                self._cache[i]["diff"], kept = kept, None
-                self._cache[i]["clean"] = (None,) + self._cache[i]["clean"][1:]
-            self._cache.setdefault(i, {})[which] = (kept, [resid[l] for l in range(self.graph.n_layers)], final)
-        return total / self.task.n_answers
+        p = _Pass(self.model, self.graph, store=len(self.graph.senders))
+        lean = self.lean and which == "corrupted"
+        if lean:
+            p.values = Stacked(len(self.graph.senders), minus=entry["clean"][0])
+        resid: dict[int, Tensor] = {}
+        hooks = p.hooks() + [(f"blocks.{l}.hook_resid_pre", _keeper(resid, l)) for l in range(self.graph.n_layers)]
+        with graph_mode(self.model), self.model.hooks(hooks):
+            final = self.model(tokens[part].to(self.model.device), stop_at_layer=self.model.cfg.n_layers)
+        values = _final(self.model, final, self.task, answers, part.start)
+        kept = p.values.stacked
+        if lean:
+            entry["diff"], kept = kept, None
+            entry["clean"] = (None,) + entry["clean"][1:]
+        entry[which] = (kept, [resid[l] for l in range(self.graph.n_layers)], final)
+        return float(values.double().sum())
+
+    def _chunk(self, i: int) -> dict:
+        """Chunk i's runs: held, or run again (`_build`: the same values, bit for bit)."""
+        if i in self._cache:
+            self._cache[i] = self._cache.pop(i)  # now the most recently used
+        else:
+            with torch.no_grad():
+                self._build(i)
+        return self._cache[i]
+
+    def _order(self) -> list[int]:
+        """The chunks, those held first: a stage that goes chunk by chunk runs again only those not held."""
+        n = len(self.chunks)
+        return [i for i in range(n) if i in self._cache] + [i for i in range(n) if i not in self._cache]
+
+    def release(self) -> None:
+        """Drop every chunk's runs (each is run again when next needed)."""
+        self._cache.clear()
 
     def _differences(self, i: int, s: int = 0, e: int | None = None) -> Tensor:
         """Senders s..e's corrupted - clean values in chunk i, [e - s, b, p, d]: cached (`lean`) or formed."""
-        c = self._cache[i]
+        c = self._chunk(i)
         if self.lean:
+            if (len(self.graph.senders) if e is None else e) > self._below[c["written_from"]]:
+                self._form_again(i)
             return c["diff"][s:e]
         return c["corrupted"][0][s:e] - c["clean"][0][s:e]
+
+    def _form_again(self, i: int) -> None:
+        """Chunk i's lean differences that a patched run wrote over, formed again block by block from both runs'
+        block inputs: the runs' own values, bit for bit (each block run alone is the block the run ran)."""
+        model, g, c = self.model, self.graph, self._cache[i]
+        s = self._below[c["written_from"]]
+        with torch.no_grad(), graph_mode(model):
+            for l in range(c["written_from"], g.n_layers):
+                formed = []
+                for which in ("corrupted", "clean"):
+                    p = _Pass(model, g, start=l)
+                    with model.hooks(p.hooks()):
+                        model(c[which][1][l], start_at_layer=l, stop_at_layer=l + 1)
+                    formed.append(p.values)
+                for corrupted, clean in zip(*formed):
+                    torch.sub(corrupted, clean, out=c["diff"][s])
+                    s += 1
+        c["written_from"] = g.n_layers
 
     def patched(self, mask: Tensor, *, show_progress: bool | None = False) -> float:
         """The metric with every edge where `mask` [S, R] is 1 patched from the corrupted run (a float
         mask mixes: 0.5 is halfway). Resumes from the clean stream below the first receiver it changes."""
-        g = self.graph
-        mask = (mask.to(torch.float32) * g.allowed)
-        touched = mask.any(0).nonzero().flatten()
-        if touched.numel() == 0:
-            return self.clean_metric
-        start = min(g.receiver_layer[r] for r in touched.tolist())
-        return self._patched_run(lambda i, part, corrupted: _Patching(g, mask, corrupted), start, show_progress)
+        return self.patched_many([mask], show_progress=show_progress)[0]
+
+    def patched_many(self, masks: Sequence[Tensor], *, show_progress: bool | None = False,
+                     desc: str = "patched run") -> list[float]:
+        """`patched` of each mask, chunk by chunk: each chunk's runs held, or run again once for all of them."""
+        g, out, jobs = self.graph, [], []
+        for mask in masks:
+            mask = mask.to(torch.float32) * g.allowed
+            touched = mask.any(0).nonzero().flatten()
+            if touched.numel() == 0:
+                out.append(self.clean_metric)
+                continue
+            start = min(g.receiver_layer[r] for r in touched.tolist())
+            jobs.append((lambda i, part, source, mask=mask: _Patching(g, mask, source), start))
+            out.append(None)
+        found = iter(self._patched_runs(jobs, show_progress, desc))
+        return [next(found) if value is None else value for value in out]
 
     def _patched_run(self, patching, start: int, show_progress: bool | None = False) -> float:
-        """The metric with each chunk's receivers changed by `patching(i, part, corrupted values)` (a
-        `receive`), resumed from the clean stream at layer `start`."""
+        """The metric with each chunk's receivers changed by `patching(i, part, source)` (a `receive`; source: the
+        senders' differences, `Corrupted` or `LeanDifferences`), resumed from the clean stream at layer `start`."""
+        return self._patched_runs([(patching, start)], show_progress)[0]
+
+    def _patched_runs(self, jobs: Sequence[tuple[Callable, int]], show_progress: bool | None = False,
+                      desc: str = "patched run") -> list[float]:
+        """`_patched_run` of each (patching, start), chunk by chunk (the held chunks first); each metric summed over
+        the chunks in their order."""
         g = self.graph
-        total = 0.0
+        sums = [[0.0] * len(self.chunks) for _ in jobs]
+        steps = [(i, j) for i in self._order() for j in range(len(jobs))]
         with torch.no_grad(), graph_mode(self.model):
-            for i, (part, answers) in progress(list(enumerate(self.chunks)), desc="patched run", enabled=show_progress):
+            for i, j in progress(steps, desc=desc, enabled=show_progress):
+                (part, answers), (patching, start) = self.chunks[i], jobs[j]
                 if self.lean:
                     final = self._lean_patched(i, part, patching, start)
-                    total += float(_final(self.model, final, self.task, answers, part.start).double().sum())
-                    continue
-                clean, resid, final = self._cache[i]["clean"]
-                receive = patching(i, part, Corrupted(self._cache[i]["corrupted"][0]))
-                p = _Pass(self.model, g, receive, given=list(clean), start=min(start, g.n_layers))
-                with self.model.hooks(p.hooks()):
-                    if start >= g.n_layers:  # only the logits change
-                        final = receive((g.n_layers, "logits"), final, list(clean))
-                    else:
-                        final = self.model(resid[start], start_at_layer=start, stop_at_layer=g.n_layers)
-                total += float(_final(self.model, final, self.task, answers, part.start).double().sum())
-        return total / self.task.n_answers
+                else:
+                    c = self._chunk(i)
+                    clean, resid, final = c["clean"]
+                    receive = patching(i, part, Corrupted(c["corrupted"][0]))
+                    p = _Pass(self.model, g, receive, given=list(clean), start=min(start, g.n_layers))
+                    with self.model.hooks(p.hooks()):
+                        if start >= g.n_layers:  # only the logits change
+                            final = receive((g.n_layers, "logits"), final, list(clean))
+                        else:
+                            final = self.model(resid[start], start_at_layer=start, stop_at_layer=g.n_layers)
+                sums[j][i] = float(_final(self.model, final, self.task, answers, part.start).double().sum())
+        out = []
+        for row in sums:
+            total = 0.0
+            for value in row:  # in the chunks' order, whichever order they ran in
+                total += value
+            out.append(total / self.task.n_answers)
+        return out
 
     def _lean_patched(self, i: int, part: slice, patching, start: int) -> Tensor:
         """The final stream of chunk i's patched run on the lean cache, block by block from `start`: each block's
         senders' corrupted values formed again from the corrupted stream entering it (the cached run's, bit for
-        bit) just before the patched block reads them, and dropped once their differences are buffered."""
+        bit) just before the patched block reads them; their differences are written over the cached ones
+        (`LeanDifferences`), so the run resumes no later than the first block a run wrote over."""
         model, g = self.model, self.graph
-        _, resid, final = self._cache[i]["clean"]
-        start = min(start, g.n_layers)
-        below = sum(1 for l in g.sender_layer if l < start) if start > 0 else 0
-        source = LeanDifferences(self._cache[i]["diff"], below)
+        c = self._chunk(i)
+        _, resid, final = c["clean"]
+        start = min(start, g.n_layers, c["written_from"])
+        below = self._below[start]
+        source = LeanDifferences(c["diff"], below)
         receive = patching(i, part, source)
         p = _Pass(model, g, receive, given=[None] * below, start=start)
         if start >= g.n_layers:  # only the logits change
             return receive((g.n_layers, "logits"), final, p.values)
-        x, corrupted = resid[start], self._cache[i]["corrupted"][1]
+        c["written_from"] = start
+        x, corrupted = resid[start], c["corrupted"][1]
         for l in range(start, g.n_layers):
             formed = _Pass(model, g, start=l)
             with model.hooks(formed.hooks()):
@@ -197,12 +309,11 @@ class Runner:
         t = self.task
 
         def given(which: str, part: slice):  # the cached runs: only the head's block runs again
-            i = part.start // self.batch_size
-            values, resid, _ = self._cache[i][which]
+            values, resid, _ = self._chunk(part.start // self.chunk_size)[which]
             return values, resid[layer]
 
         return qk_attribution(self.model, t.clean, layer, h, t.positions, key_pos=key_pos, top_keys=top_keys,
-                              corrupted=t.corrupted if corrupted else None, batch_size=self.batch_size, rows=t.rows,
+                              corrupted=t.corrupted if corrupted else None, batch_size=self.chunk_size, rows=t.rows,
                               given=None if self.lean else given)  # a lean cache keeps no sender's value
 
     # -- scores --
@@ -212,40 +323,45 @@ class Runner:
         `positions` (`positions.Positions`): [S, R, C], the sum kept apart per position class."""
         if self.task.metric_name == "kl":
             raise ValueError(EAP_KL)
-        return self._attribution([None], positions)
+        return self._attribution(1, lambda k: None, positions)
 
     def eap_ig(self, steps: int = 5, on: str = "inputs", positions=None, points: str = "midpoint") -> Tensor:
         """EAP-IG edge scores [S, R] with `steps` points between the corrupted (0) and the clean run (1), on the
         embeddings (`on="inputs"`) or on every receiver's input at once (`"activations"`); [S, R, C] with
         `positions`, as `eap`. `points`: "midpoint", (k + 1/2) / steps (the integral's midpoint rule), or
-        "left", k / steps from the corrupted run (hannamw/EAP-IG's own points: its scores, to round-off)."""
+        "left", k / steps from the corrupted run (hannamw/EAP-IG's own points: its scores, to round-off). The
+        points are made one at a time; at most `MAX_STEPS`."""
         if on not in IG_ON:
             raise ValueError(f"EAP-IG interpolates 'inputs' or 'activations', got {on!r}")
-        if steps < 1:
-            raise ValueError(f"EAP-IG needs at least one step, got {steps}")
+        refused = steps_refused(steps)
+        if refused is not None:
+            raise ValueError(refused)
         if points not in IG_POINTS:
             raise ValueError(f"EAP-IG's points are {' or '.join(map(repr, IG_POINTS))}, got {points!r}")
         offset = 0.5 if points == "midpoint" else 0.0
-        return self._attribution([((k + offset) / steps, on) for k in range(steps)], positions)
+        return self._attribution(steps, lambda k: ((k + offset) / steps, on), positions)
 
-    def _attribution(self, points: list, positions=None) -> Tensor:
+    def _attribution(self, n_points: int, point: Callable[[int], object], positions=None) -> Tensor:
+        """The scores averaged over `n_points` points, `point(k)` each (None: EAP's clean run; (alpha, on): an
+        EAP-IG point), chunk by chunk (the held chunks first)."""
         g, model = self.graph, self.model
         extra = () if positions is None else (positions.n_classes,)
         scores = torch.zeros(len(g.senders), len(g.receivers), *extra, dtype=torch.float64)
-        jobs = [(i, point) for i in range(len(self.chunks)) for point in points]
+        jobs = ((i, k) for i in self._order() for k in range(n_points))
         with frozen_params(model), graph_mode(model):
-            for i, point in progress(jobs, desc="attribution", enabled=self.show_progress):
+            for i, k in progress(jobs, total=len(self.chunks) * n_points, desc="attribution",
+                                 enabled=self.show_progress):
                 part, answers = self.chunks[i]
                 if self.layered:  # block by block, contracted as each block's gradients come
-                    layered_attribution(self, i, point, scores, 1 / len(points), positions)
+                    layered_attribution(self, i, point(k), scores, 1 / n_points, positions)
                     continue
-                grads = self._gradients(i, part, answers, point)
+                grads = self._gradients(i, part, answers, point(k))
                 if positions is not None:  # [S, b, p, d] . [R, b, p, d] summed per class: [S, R, C]
                     part_scores = positions.contract(part, self._differences(i), grads)
                 else:
                     diff = self._differences(i).flatten(1).float()  # [S, b*p*d]
                     part_scores = diff @ grads.flatten(1).float().T
-                scores += to_host(part_scores).double() / len(points)
+                scores += to_host(part_scores).double() / n_points
         return (scores * g.allowed.reshape(g.allowed.shape + (1,) * len(extra))).float()
 
     def _final_metric(self, final: Tensor, answers: Tensor, start: int) -> Tensor:
@@ -259,7 +375,8 @@ class Runner:
         receivers_at = None
         if point is not None:
             alpha, on = point
-            clean0, corrupt0 = self._cache[i]["clean"][1][0], self._cache[i]["corrupted"][1][0]
+            c = self._chunk(i)
+            clean0, corrupt0 = c["clean"][1][0], c["corrupted"][1][0]
             if on == "inputs":
                 embed = lambda x: (corrupt0 + alpha * (clean0 - corrupt0)).requires_grad_(True)
             else:
@@ -295,8 +412,8 @@ class Runner:
 
     def _receiver_inputs(self, i: int, which: str) -> dict:
         """Each receiver group's input in the clean or corrupted run of chunk i (no gradient)."""
-        key = f"{which}_inputs"
-        if key not in self._cache[i]:
+        key, c = f"{which}_inputs", self._chunk(i)
+        if key not in c:
             inputs = {}
 
             def receive(group, x, values):
@@ -307,54 +424,86 @@ class Runner:
             tokens = (self.task.clean if which == "clean" else self.task.corrupted)[part]
             with torch.no_grad(), graph_mode(self.model), self.model.hooks(_Pass(self.model, self.graph, receive).hooks()):
                 self.model(tokens.to(self.model.device), stop_at_layer=self.graph.n_layers)
-            self._cache[i][key] = inputs
-        return self._cache[i][key]
+            c[key] = inputs
+        return c[key]
 
     def patch_edges(self, edges: Sequence[tuple[int, int]] | None = None) -> Tensor:
         """Exact edge patching: [S, R] with metric(edge s -> r patched) - metric(clean) for each edge
-        (default every edge: one run each, resumed at the receiver's layer)."""
+        (default every edge: one run each, resumed at the receiver's layer), chunk by chunk."""
         g = self.graph
         if edges is None:
             s, r = g.edges()
             edges = list(zip(s.tolist(), r.tolist()))
+        edges = [(s, r) for s, r in edges if g.allowed[s, r]]  # the rest are not edges: 0
+
+        def job(s: int, r: int):
+            def patching(i, part, source):  # its mask made when it runs, not held for every edge
+                mask = torch.zeros(len(g.senders), len(g.receivers))
+                mask[s, r] = 1
+                return _Patching(g, mask, source)
+            return patching, g.receiver_layer[r]
+
+        values = self._patched_runs([job(s, r) for s, r in edges], self.show_progress, "patching edges")
         out = torch.zeros(len(g.senders), len(g.receivers))
-        for s, r in progress(edges, desc="patching edges", enabled=self.show_progress):
-            mask = torch.zeros(len(g.senders), len(g.receivers))
-            mask[s, r] = 1
-            out[s, r] = self.patched(mask) - self.clean_metric
+        for (s, r), value in zip(edges, values):
+            out[s, r] = value - self.clean_metric
         return out
 
     def patch_nodes(self, senders: Sequence[int] | None = None) -> Tensor:
         """Exact node patching: [S] with metric(every edge out of s patched) - metric(clean) for each sender in
         `senders` (default all; the others 0). Patched where the
         sender writes (its value in the stream swapped for the corrupted one: nothing below it has changed, so
-        every reader gets exactly what the edges' mask would give), resumed at its layer, on the fused path."""
+        every reader gets exactly what the edges' mask would give), resumed at its layer, on the fused path;
+        chunk by chunk."""
         g, model, L = self.graph, self.model, self.graph.n_layers
         out = torch.zeros(len(g.senders))
+        todo = list(range(len(g.senders)) if senders is None else senders)
+        sums = [[0.0] * len(self.chunks) for _ in todo]
+        steps = [(i, j) for i in self._order() for j in range(len(todo))]
         with torch.no_grad():
-            todo = range(len(g.senders)) if senders is None else senders
-            for s in progress(todo, desc="patching nodes", enabled=self.show_progress):
+            for i, j in progress(steps, desc="patching nodes", enabled=self.show_progress):
+                s, (part, answers) = todo[j], self.chunks[i]
                 name, layer = g.senders[s], g.sender_layer[s]
-                total = 0.0
-                for i, (part, answers) in enumerate(self.chunks):
-                    resid = self._cache[i]["clean"][1]
-                    change = self._differences(i, s, s + 1)[0]
-                    add = lambda x, hook: x + change.to(x.dtype)  # noqa: E731
-                    if name == "embed":
-                        start, point = 0, "blocks.0.hook_resid_pre"
-                    else:
-                        start, point = layer, f"blocks.{layer}.hook_{'mlp' if name.startswith('MLP') else 'attn'}_out"
-                    with model.hooks([(point, add)]):
-                        final = model(resid[start], start_at_layer=start, stop_at_layer=L)
-                    total += float(_final(model, final, self.task, answers, part.start).double().sum())
-                out[s] = total / self.task.n_answers - self.clean_metric
+                change = self._differences(i, s, s + 1)[0]
+                resid = self._chunk(i)["clean"][1]
+                add = lambda x, hook: x + change.to(x.dtype)  # noqa: E731
+                if name == "embed":
+                    start, point = 0, "blocks.0.hook_resid_pre"
+                else:
+                    start, point = layer, f"blocks.{layer}.hook_{'mlp' if name.startswith('MLP') else 'attn'}_out"
+                with model.hooks([(point, add)]):
+                    final = model(resid[start], start_at_layer=start, stop_at_layer=L)
+                sums[j][i] = float(_final(model, final, self.task, answers, part.start).double().sum())
+        for s, row in zip(todo, sums):
+            total = 0.0
+            for value in row:  # in the chunks' order
+                total += value
+            out[s] = total / self.task.n_answers - self.clean_metric
         return out
 
     def faithfulness(self, circuit: Tensor) -> float:
         """(metric(circuit) - metric(corrupted)) / (metric(model) - metric(corrupted)), with every edge
         outside the bool [S, R] `circuit` patched from the corrupted run: 1 is the model, 0 the corrupted run."""
-        value = self.patched((~circuit) & self.graph.allowed)
-        return (value - self.corrupted_metric) / (self.clean_metric - self.corrupted_metric)
+        return self.faithfulness_many([circuit])[0]
+
+    def faithfulness_many(self, circuits: Sequence[Tensor], *, show_progress: bool | None = False) -> list[float]:
+        """`faithfulness` of each circuit, their patched runs chunk by chunk (`patched_many`). A circuit among the
+        last `MEMO` asked is not run again: its faithfulness is remembered (the circuit a report draws is one of
+        its curve's)."""
+        keys = [hashlib.blake2b(to_numpy(c.bool()).tobytes(), digest_size=16).digest() for c in circuits]
+        new = list(dict.fromkeys(k for k in keys if k not in self._memo))
+        at = {k: i for i, k in enumerate(keys)}
+        masks = [(~circuits[at[k]].bool()) & self.graph.allowed for k in new]
+        values = self.patched_many(masks, show_progress=show_progress, desc="faithfulness") if masks else []
+        found = {k: self._memo[k] for k in keys if k in self._memo}
+        found.update({k: (v - self.corrupted_metric) / (self.clean_metric - self.corrupted_metric)
+                      for k, v in zip(new, values)})
+        for k, value in found.items():  # the most recently asked last
+            self._memo.pop(k, None)
+            self._memo[k] = value
+        while len(self._memo) > MEMO:
+            self._memo.pop(next(iter(self._memo)))
+        return [found[k] for k in keys]
 
 
 def _keeper(store: dict, l: int):
@@ -364,119 +513,15 @@ def _keeper(store: dict, l: int):
     return hook
 
 
-class _Patching:
-    """receive(): input_r - sum_s mask[s, r] (value_s now - value_s corrupted). A few senders are stacked.
-    Past that the differences are read from a buffer, each written once as its sender computes it, with
-    their running sum: a receiver reads every sender computed before it (but a parallel block's MLP), so
-    its change is also that sum less sum_s (1 - mask[s, r]) times the differences, and whichever of the
-    two forms has fewer senders is used (a circuit's complement: few kept edges, one product)."""
-
-    STACK = 16  # senders up to which a receiver's change is stacked rather than read from the buffer
-
-    def __init__(self, g: Graph, mask: Tensor, source) -> None:
-        """`source`: each sender's value now less its corrupted value (`Corrupted`, `LeanDifferences`)."""
-        self.g, self.mask, self.source = g, mask, source
-        self.diff: Tensor | None = None
-        self.total: Tensor | None = None  # sum of the differences written so far
-        self.filled = 0
-
-    def __call__(self, group, x, values):
-        rs = self.g.groups[group]
-        n = len(values)
-        sub = self.mask[:n, rs]
-        senders = sub.any(1).nonzero().flatten()
-        if senders.numel() == 0:
-            return x
-        if senders.numel() <= self.STACK and not self.source.lean:
-            picked = senders.tolist()
-            diff = torch.stack([self.source.difference(s, values, x.dtype) for s in picked])  # [k, b, p, d]
-            change = self._product(sub[picked], diff, x)
-        else:
-            self._fill(values, x)
-            allowed = self.g.allowed[:n, rs]
-            change = self._buffered(sub, (1 - sub) * allowed, bool(allowed.all()), senders, x)
-        return self._applied(x, change)
-
-    def _buffered(self, sub: Tensor, kept: Tensor, reads_all: bool, senders: Tensor, x: Tensor) -> Tensor:
-        """The change from the buffer of differences: the patched senders' (`sub`), or, for a receiver that reads
-        every earlier sender (`reads_all`), the running sum less the kept ones', whichever has fewer senders."""
-        rows = kept.flatten(1).any(1).nonzero().flatten()
-        if reads_all and rows.numel() < senders.numel():
-            return self.total[None] - self._product(kept[rows], self.diff[rows], x)
-        return self._product(sub[senders], self.diff[senders], x)
-
-    @staticmethod
-    def _applied(x: Tensor, change: Tensor) -> Tensor:
-        """x less the change ([n_receivers, b, p, d]), per head ([b, p, n, d]) or for the one receiver."""
-        if x.dim() == 4:
-            return x - change.permute(1, 2, 0, 3)
-        return x - change[0]
-
-    def _fill(self, values, x) -> None:
-        if self.diff is None:
-            shape = (x.shape[0], x.shape[1], x.shape[-1])  # every receiver reads the stream [b, p, d_model]
-            self.diff = torch.empty((len(self.g.senders),) + shape, dtype=x.dtype, device=x.device)
-            self.total = torch.zeros(shape, dtype=x.dtype, device=x.device)
-        for s in range(self.filled, len(values)):
-            self.source.difference(s, values, x.dtype, out=self.diff[s])
-            self.total += self.diff[s]
-            if self.source.lean:  # read from the buffer from now on: the value is not held twice
-                values[s] = None
-                self.source.release(s)
-        self.filled = len(values)
-
-    @staticmethod
-    def _product(w: Tensor, diff: Tensor, x: Tensor) -> Tensor:
-        """sum_k w[k, r] diff[k] for each receiver r: [n_receivers, b, p, d]."""
-        w = w.to(device=x.device, dtype=x.dtype)
-        if w.shape[0] == 0:
-            return torch.zeros((w.shape[1],) + diff.shape[1:], dtype=x.dtype, device=x.device)
-        return (w.T @ diff.flatten(1)).view(w.shape[1], *diff.shape[1:])
-
-
-class Corrupted:
-    """A patching's source (`_Patching`): value now - the cached corrupted value of each sender."""
-
-    lean = False
-
-    def __init__(self, corrupted: Tensor) -> None:
-        self.corrupted = corrupted
-
-    def difference(self, s: int, values, dtype, out: Tensor | None = None) -> Tensor:
-        return torch.sub(values[s], self.corrupted[s].to(dtype), out=out)
-
-
-class LeanDifferences:
-    """A patching's source on a lean cache (`Runner.lean`). Below the resumed run's first block each value now
-    is the clean one, so its difference is the cached corrupted - clean negated (bit for bit clean - corrupted);
-    from there on, the value now less the corrupted value formed again block by block (`extend`). Read once
-    each (`_Patching` buffers them, then `release`s)."""
-
-    lean = True
-
-    def __init__(self, cached: Tensor, below: int) -> None:
-        self.cached, self.below, self.formed = cached, below, []
-
-    def extend(self, values) -> None:
-        self.formed.extend(values)
-
-    def difference(self, s: int, values, dtype, out: Tensor | None = None) -> Tensor:
-        if s < self.below:
-            return torch.neg(self.cached[s].to(dtype), out=out)
-        return torch.sub(values[s], self.formed[s - self.below].to(dtype), out=out)
-
-    def release(self, s: int) -> None:
-        if s >= self.below:
-            self.formed[s - self.below] = None
-
-
 def faithfulness_curve(runner: Runner, scores: Tensor, fractions: Sequence[float] = FRACTIONS, how: str = "top",
                        show_progress: bool | None = None) -> pd.DataFrame:
     """Faithfulness of the circuits of each size: `fraction` of the graph's edges chosen (`select`),
-    `edges` kept after pruning, `faithfulness` (see `Runner.faithfulness`)."""
-    g, rows = runner.graph, []
-    for f in progress(list(fractions), desc="faithfulness", enabled=show_progress):
+    `edges` kept after pruning, `faithfulness` (see `Runner.faithfulness`), their patched runs chunk by chunk
+    (`Runner.faithfulness_many`: the faithfulness of one of these circuits asked again costs nothing)."""
+    g, circuits = runner.graph, []
+    for f in fractions:
         n = int(round(f * g.n_edges)) if f < 1 else g.n_edges
-        circuit = select(g, scores, max(n, 1) if f > 0 else 0, how)
-        rows.append({"fraction": float(f), "edges": int(circuit.sum()), "faithfulness": runner.faithfulness(circuit)})
-    return pd.DataFrame(rows)
+        circuits.append(select(g, scores, max(n, 1) if f > 0 else 0, how))
+    values = runner.faithfulness_many(circuits, show_progress=show_progress)
+    return pd.DataFrame([{"fraction": float(f), "edges": int(c.sum()), "faithfulness": v}
+                         for f, c, v in zip(fractions, circuits, values)])

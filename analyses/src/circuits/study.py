@@ -23,8 +23,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from interp.models.device import to_numpy
-from interp.models.memory import FIXED_BYTES, GiB, available_bytes, held_weight_bytes
+from interp.models.placement.device import to_numpy
+from interp.models.placement.memory import FIXED_BYTES, GiB, available_bytes, held_weight_bytes
+from interp.models.rope.choice import choose as choose_rope
 from interp.errors import as_user_errors
 
 from .._common import spearman
@@ -32,9 +33,10 @@ from .graph import FRACTIONS, IG_ON, METHODS, SELECTIONS, Graph, Task, areas, se
 from .positions import check_mode as check_positions, measure as measure_positions, positions_for
 from .positions import record as position_record, section as position_section
 from .qk import check_model, parse_heads
-from .runner import IG_POINTS, Runner, cache_bytes, faithfulness_curve, goes_by_layer
+from .cost import duration, estimate, machine_flops
+from .runner import IG_POINTS, Runner, faithfulness_curve, steps_refused
 from .passkey import passkey_task
-from .tasks import METRICS, TASKS, build_task, read_task_file
+from .tasks import METRICS, TASKS, build_task, context, read_task_file
 from ..document import Html, Section, number, png
 from ..heads import induction_scores
 from ..study import Measured, Study, StudySettings, Table
@@ -67,7 +69,10 @@ class CircuitSettings(StudySettings):
              (the task's named positions: IOI's S1, S2, IO, END, other) or some class names ("S2,END"); scored
              by the same method, with a faithfulness curve beside the plain one
     length   the passkey task's prompt length in tokens (default 1024; `passkey.passkey_task`); EAP and EAP-IG go
-             block by block past ~500 tokens (`layered`), in memory that grows with the length, not its square"""
+             block by block past ~500 tokens (`layered`), in memory that grows with the length, not its square; at
+             most the model's context, or what the RoPE scaling it runs with gives (`tasks.context`)
+    rope_scaling the command's --rope-scaling (any spelling of `interp.models.rope.choice`), which the model is
+             loaded with: `check` reads the passkey length against the context it gives (None: the model's own)"""
 
     task: str = "ioi"
     method: str = "eap-ig"
@@ -85,6 +90,7 @@ class CircuitSettings(StudySettings):
     qk_keys: int = 3
     positions: str = "none"
     length: int | None = None
+    rope_scaling: str | dict | None = None
 
 
 def chosen_size(curve: pd.DataFrame) -> float:
@@ -121,6 +127,25 @@ class CircuitMeasured(Measured):
     positions: tuple = ()  # with --positions: (Positions, positions.measure's dict)
 
 
+def _check_passkey_length(cfg, s: CircuitSettings) -> None:
+    """--length against the context the model reads: n_ctx, or what the chosen --rope-scaling gives (factor f on
+    an original length L: f * L, `tasks.context`), as `interp extrapolate` reads a rotary model past n_ctx."""
+    scaled = cfg if s.rope_scaling is None else cfg.replace(rope_scaling=choose_rope(cfg, s.rope_scaling))
+    longest, length = context(scaled), s.length or DEFAULT_PASSKEY
+    if MIN_PASSKEY <= length <= longest:
+        return
+    flag = f"--length {length}" + (" (the default)" if s.length is None else "")
+    if longest > cfg.n_ctx:
+        scaling = scaled.rope_scaling
+        of = f"{scaling.factor:g} x {scaling.original_max_position or cfg.n_ctx:,}"
+        raise ValueError(f"{flag}: the passkey prompts need {MIN_PASSKEY} .. {longest:,} tokens (the context "
+                         f"--rope-scaling {s.rope_scaling} gives this model: {of})")
+    way = (f"; a --rope-scaling such as yarn:{-(-length // cfg.n_ctx)} stretches a rotary model's"
+           if length > cfg.n_ctx and cfg.positional == "rotary" else "")
+    raise ValueError(f"{flag}: the passkey prompts need {MIN_PASSKEY} .. {longest:,} tokens (the model's context"
+                     f"{way})")
+
+
 def _task(model, s: CircuitSettings) -> Task:
     if s.task == "passkey":
         return passkey_task(model, s.length or DEFAULT_PASSKEY, s.prompts or 2, seed=s.seed,
@@ -128,27 +153,47 @@ def _task(model, s: CircuitSettings) -> Task:
     return build_task(model, s.task, n_prompts=s.prompts, seed=s.seed, metric=s.metric)
 
 
-def check_memory(model, task: Task, batch_size: int, available: int | None = None) -> None:
-    """Refuse, in one line naming the most prompts that fit, a task whose cached runs (`runner.cache_bytes`)
-    would not fit beside the model on its device; before any run."""
-    available = available_bytes(model.device) if available is None else available
-    if available is None:
-        return
-    cfg, graph = model.cfg, Graph(model.cfg)
+def check_memory(model, task: Task, batch_size: int, available: int | None = None, *, method: str = "eap-ig",
+                 steps: int = 5, ig: str = "inputs", oracle: str = "none") -> str:
+    """Before any run: refuse, in one line, EAP-IG steps past `runner.MAX_STEPS`, and a task whose stages' peak
+    memory (`cost.estimate`: the runs held, and each stage's working set) would not fit beside the model on its
+    device, naming the most prompts that fit (the whole graph) or the longest prompts (block by block, where a
+    prompt's runs are held at a time); else the estimate's line: memory and time (`cost.CircuitCost.line`)."""
+    cfg = model.cfg
     n, positions = int(task.clean.shape[0]), int(task.clean.shape[1])
     element = next(model.parameters()).element_size()
     fixed = FIXED_BYTES + held_weight_bytes(cfg, element, getattr(model.offload, "kind", None))
-    layered = goes_by_layer(graph, cfg.d_model, min(batch_size, n), positions)
-    needed = fixed + cache_bytes(cfg, graph, n, positions, min(batch_size, n), element, layered)
-    if needed <= available:
-        return
-    per_prompt = cache_bytes(cfg, graph, 1, positions, 0, element, layered)
-    most = max(0, (available - fixed - cache_bytes(cfg, graph, 0, positions, batch_size, element, layered))
-               // per_prompt)
+    flops = machine_flops(cfg, model.device)
+
+    def cost(n: int, positions: int):
+        return estimate(cfg, n, positions, batch_size, method=method, steps=steps, ig=ig, oracle=oracle,
+                        element_size=element, flops=flops)
+
+    found = cost(n, positions)
+    if method == "eap-ig" and (refused := steps_refused(steps)) is not None:
+        raise ValueError(f"{refused}; these would take about {duration(found.seconds['eap-ig'])} here")
+    available = available_bytes(model.device) if available is None else available
+    if available is None or fixed + found.peak <= available:
+        return found.line(fixed)
+    needed = fixed + found.peak
     where = "this machine's" if torch.device(model.device).type == "cpu" else f"{model.device}'s"
-    raise ValueError(f"--prompts {n}: about {needed / GiB:.1f} GiB needed for the clean and corrupted runs of {n} "
-                     f"prompts of {positions} tokens ({len(graph.senders)} senders cached at every position), more "
-                     f"than {where} {available / GiB:.1f} GiB free; at most about {most:,} prompts fit (--prompts)")
+    if found.held < found.chunks or cost(1, positions).peak == found.peak:  # more prompts cost no more memory
+        low, high = 0, positions  # the longest prompts that fit
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if fixed + cost(n, mid).peak <= available else (low, mid - 1)
+        raise ValueError(f"prompts of {positions} tokens: about {needed / GiB:.1f} GiB needed (its peak in "
+                         f"{found.peak_stage}, {found.held * found.per_chunk} prompt(s)' runs held at a time: "
+                         f"{len(Graph(cfg).senders)} senders at every position), more than {where} "
+                         f"{available / GiB:.1f} GiB free; prompts of at most about {low:,} tokens fit")
+    low, high = 0, n  # the most prompts that fit
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fixed + cost(mid, positions).peak <= available else (low, mid - 1)
+    raise ValueError(f"--prompts {n}: about {needed / GiB:.1f} GiB needed for {n} prompts of {positions} tokens (its "
+                     f"peak in {found.peak_stage}: the clean and corrupted runs, {len(Graph(cfg).senders)} senders "
+                     f"cached at every position), more than {where} {available / GiB:.1f} GiB free; at most about "
+                     f"{low:,} prompts fit (--prompts)")
 
 
 class CircuitStudy(Study):
@@ -170,11 +215,14 @@ class CircuitStudy(Study):
             read_task_file(s.task)
         if s.length is not None and s.task != "passkey":
             raise ValueError(f"--length sets the passkey task's prompt length; the {s.task!r} task sets its own")
-        if s.task == "passkey" and not MIN_PASSKEY <= (s.length or DEFAULT_PASSKEY) <= cfg.n_ctx:
-            raise ValueError(f"--length {s.length}: the passkey prompts need {MIN_PASSKEY} .. {cfg.n_ctx} tokens (the "
-                             "model's context)")
+        if s.task == "passkey":
+            _check_passkey_length(cfg, s)
         if s.method not in METHODS:
             raise ValueError(f"unknown method {s.method!r}: choose one of {', '.join(METHODS)}")
+        if s.offload is not None and s.method in ("eap", "eap-ig"):
+            raise ValueError(f"--offload {s.offload} with --method {s.method}: {s.method.upper()} takes gradients "
+                             "through every layer, and an offloaded model gives none (autograd would hold every "
+                             "layer's weights): use --method patching (forward passes only), or run without --offload")
         if s.ig not in IG_ON:
             raise ValueError(f"--ig must be one of {', '.join(IG_ON)}, got {s.ig!r}")
         if s.ig_points not in IG_POINTS:
@@ -211,11 +259,14 @@ class CircuitStudy(Study):
             n_patched = Graph(model.cfg).n_edges * (pos.n_classes if pos is not None else 0)
             if s.method == "patching" and n_patched > MAX_PATCHED_EDGES:
                 raise ValueError(_edge_cost_line(n_patched))
-            check_memory(model, task, s.batch_size)
+            print("circuit: " + check_memory(model, task, s.batch_size, method=s.method, steps=s.steps, ig=s.ig,
+                                             oracle=s.oracle))
             runner = stage("clean and corrupted", lambda: Runner(model, task, batch_size=s.batch_size,
                                                                  show_progress=s.progress))
             qk = [stage(f"qk L{l}H{h}", lambda l=l, h=h: runner.qk_attribution((l, h), top_keys=s.qk_keys))
                   for l, h in heads]
+        if (note := _qk_keys_note(qk, s.qk_keys)) is not None:
+            print(note)
         g = runner.graph
         if s.method == "patching":
             scores = stage("patching", runner.patch_edges)
@@ -260,6 +311,7 @@ class CircuitStudy(Study):
         if qk:
             tables["qk"] = pd.concat([r.pairs().assign(head=r.name) for r in qk], ignore_index=True)[
                 ["head", *qk[0].pairs().columns]]
+        self.written = tuple(tables)
         return CircuitMeasured(tables=tables, task=task, runner=runner, graph=g, scores=scores, circuit=circuit,
                                drawn=drawn, size=size, roles=roles, movers=movers, patterns=patterns,
                                agreement=agreement, qk=qk, positions=by_position)
@@ -280,11 +332,20 @@ class CircuitStudy(Study):
                 "roles": {k: v for k, v in m.roles.items()},
                 "movers": None if m.movers is None else m.movers.to_dict("records"),
                 "agreement_spearman": m.agreement,
-                "qk": [_qk_record(r) for r in m.qk] if m.qk else None,
+                "qk": [_qk_record(r, s.qk_keys) for r in m.qk] if m.qk else None,
                 "positions": position_record(m.positions[0], s.positions, m.positions[1]) if m.positions else None}
 
     def sections(self, s: CircuitSettings, m: CircuitMeasured, record) -> list[Section]:
         return _sections(s, m, record)
+
+    written: tuple[str, ...] | None = None  # the tables the last `measure` made (set there)
+
+    def files(self) -> str:
+        """What `run` wrote (the command's last line): qk.* and position_*.* only when they were measured
+        (--qk, --positions); before a run, the tables every run writes."""
+        written = self.written
+        names = [t.name for t in self.tables if (t.name in written if written is not None else not t.optional)]
+        return ", ".join(["report.md", *(f"{n}.*" for n in names)])
 
 
 # ---- measuring helpers -------------------------------------------------------------------------------
@@ -423,7 +484,7 @@ def _sections(s: CircuitSettings, m: CircuitMeasured, record) -> list[Section]:
                     "prompts).", m.movers)] if m.movers is not None else []),
                 Section("nodes", "Top nodes").add(_top(nodes.drop(columns=["method"]), 25))]
     if m.patterns is not None:
-        from interp.models.attention_view import pattern_view
+        from interp.models.readouts.attention_view import pattern_view
 
         names, stack, strings = m.patterns
         view = pattern_view(strings, stack, head_names=names, title="the circuit's heads on the first clean prompt")
@@ -538,16 +599,30 @@ def _svg(g: Graph, edges: pd.DataFrame, circuit, max_edges: int = 80) -> str:
 
 
 # ---- QK attribution (--qk) -----------------------------------------------------------------------------------
-def _qk_record(r) -> dict:
-    out = {"head": r.name, "kv_head": r.kv_head, "queries": int(r.terms.shape[0]), "keys_per_query": int(r.terms.shape[1]),
+def _qk_record(r, keys_asked: int) -> dict:
+    fewest, most = r.keys_seen()
+    at_keys = lambda t: [float(x) for x in r.mean_at_keys(t)]  # noqa: E731  (over the queries that have a k-th key)
+    out = {"head": r.name, "kv_head": r.kv_head, "queries": int(r.terms.shape[0]), "keys_per_query": most,
+           "fewest_keys_per_query": fewest, "keys_asked": keys_asked,
            "softcapped": r.softcapped, "max_abs_error": r.max_error, "contrast_max_abs_error": r.contrast_max_error,
-           "mean_weight_at_keys": [float(x) for x in r.pattern.double().mean(0)],
-           "mean_score_at_keys": [float(x) for x in r.score.double().mean(0)]}
+           "mean_weight_at_keys": at_keys(r.pattern), "mean_score_at_keys": at_keys(r.score)}
     if r.delta is not None:
         out.update(delta_max_abs_error=r.delta_max_error,
-                   mean_weight_change_first_order=[float(x) for x in r.weight_first_order.double().mean(0)],
-                   mean_weight_change_true=[float(x) for x in r.weight_true.double().mean(0)])
+                   mean_weight_change_first_order=at_keys(r.weight_first_order),
+                   mean_weight_change_true=at_keys(r.weight_true))
     return out
+
+
+def _qk_keys_note(qk: list, asked: int) -> str | None:
+    """One line when some head's queries see fewer keys than --qk-keys asks for: each such query is split at every
+    key it sees (never at copies of one), and how many that is."""
+    short = [(r.name, *r.keys_seen()) for r in qk if r.keys_seen()[0] < asked]
+    if not short:
+        return None
+    seen = ", ".join(f"{name} {lo}" + (f" to {hi}" if hi != lo else "") for name, lo, hi in short)
+    return (f"note: --qk-keys {asked} is more keys than some queries see ({seen} keys visible from the answer "
+            "positions): each of those is split at every key it sees, once each (settings.json: qk keys_per_query, "
+            "fewest_keys_per_query)")
 
 
 def _qk_section(r, rec: dict, task, model, top: int = 6) -> Section:
@@ -590,9 +665,15 @@ def _qk_section(r, rec: dict, task, model, top: int = 6) -> Section:
     ax.set_xlabel("key position")
     ax.set_ylabel("query position")
     fig.tight_layout()
-    weights = ", ".join(f"{w:.3f}" for w in rec["mean_weight_at_keys"])
+    weights = ", ".join(f"{w:.3f}" for w in rec["mean_weight_at_keys"][:8]) + (
+        ", ..." if len(rec["mean_weight_at_keys"]) > 8 else "")
+    fewer = rec["fewest_keys_per_query"] < rec["keys_asked"]
+    keys = (f"the {rec['keys_per_query']} keys it attends to most" if not fewer else
+            f"the keys it attends to most, at most {rec['keys_asked']} (--qk-keys) and never more than a query sees: "
+            f"{rec['fewest_keys_per_query']}" + (f" to {rec['keys_per_query']}" if rec['keys_per_query'] !=
+                                                 rec['fewest_keys_per_query'] else "") + " keys, each once")
     lines = [f"Why {r.name} attends where it does: its pre-softmax score from each answer position (the query, "
-             f"{rec['queries']} of them) to the {rec['keys_per_query']} keys it attends to most (mean weights {weights}), "
+             f"{rec['queries']} of them) to {keys} (mean weights {weights}), "
              "split into (query-side sender, key-side sender) terms, every norm's scale frozen at the clean run; `bias` "
              "is the norms' and projections' constants plus what the senders leave out of the stream. The contrast "
              "term is the term at the key less its mean over every key the query sees: what sets this key apart.",

@@ -136,6 +136,16 @@ def task_metric(model, kind: str, clean: Tensor, rows: Tensor, positions: Tensor
     return token_metric(kind, answers, wrongs)
 
 
+def context(cfg) -> int:
+    """The longest prompt the model of `cfg` reads: its n_ctx, or, under a RoPE scaling that stretches it (a factor f
+    on an original length L, `interp.models.rope.choice`: f * L), that, when longer. A checkpoint whose n_ctx is its
+    scaled context already (Llama 3.1: 131,072 from 8 x 8,192) keeps it."""
+    s = getattr(cfg, "rope_scaling", None)
+    if s is None or cfg.positional != "rotary":
+        return cfg.n_ctx
+    return max(cfg.n_ctx, int(s.factor * (s.original_max_position or cfg.n_ctx)))
+
+
 def _padded(lists: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:
     k = max(len(x) for x in lists)
     ids = torch.zeros(len(lists), k, dtype=torch.long)
@@ -209,6 +219,22 @@ def _resolve(at: str, position: int, n: int) -> int:
     return position % n
 
 
+def _refuse_same_position(at: str, given: list[int], n: int | None) -> None:
+    """One line when two answer entries of a prompt are at one position (as written, or once resolved against
+    the prompt's `n` tokens: -1 and n - 1), which would weigh that position double in the mean."""
+    seen: dict[int, int] = {}
+    for j, p in enumerate(given):
+        key = p % n if n is not None and -n <= p < n else p
+        if key in seen:
+            k = seen[key]
+            same = (f"position {p}" if given[k] == p
+                    else f"positions {given[k]} and {p} (one token of this {n}-token prompt)")
+            raise ValueError(f"{at}: answers[{k}] and answers[{j}] are both at {same}: give each position once (list "
+                             'several answer tokens in one entry: "answer_ids": [..]), or the position weighs double '
+                             "in the mean")
+        seen[key] = j
+
+
 def _check_spot(at: str, position: int, answer, wrong, metric: str, vocab: int) -> None:
     """One line for an answer position that `metric` cannot read: no answer (only kl reads none), no wrong
     answer (logit-diff, prob-diff), or answer ids outside the vocabulary."""
@@ -223,6 +249,16 @@ def _check_spot(at: str, position: int, answer, wrong, metric: str, vocab: int) 
         if bad:
             raise ValueError(f"{at}: the {which} id {bad[0]} at position {position} is outside the model's "
                              f"vocabulary (ids 0 to {vocab - 1})")
+        _refuse_repeats(f"{at}: the {which} ids at position {position}", list(ids or ()))
+
+
+def _refuse_repeats(what: str, ids: list) -> None:
+    """One line when a position lists a token twice: its probability would be summed twice (prob past 1, loss
+    below 0) and its logit weigh double in the mean."""
+    twice = [t for i, t in enumerate(ids) if t in ids[:i]]
+    if twice:
+        raise ValueError(f"{what}: {twice[0]!r} is listed {ids.count(twice[0])} times: give each token once (a "
+                         "position's probability sums its answers, so a repeat would count twice)")
 
 
 def _token_task(model, name: str, c_rows: list[list[int]], x_rows: list[list[int]], spots, metric: str,
@@ -233,11 +269,12 @@ def _token_task(model, name: str, c_rows: list[list[int]], x_rows: list[list[int
     "pair i + 1"); prompts are right-padded; the metric is `task_metric`'s."""
     if metric not in METRICS:
         raise ValueError(f"unknown metric {metric!r}: choose one of {', '.join(METRICS)}")
-    n_ctx, vocab = model.cfg.n_ctx, model.cfg.d_vocab
+    n_ctx, vocab = context(model.cfg), model.cfg.d_vocab
     rows, positions, answers, wrongs = [], [], [], []
     for i, (c, x) in enumerate(zip(c_rows, x_rows)):
         at = where[i] if where else f"pair {i + 1}"
         _check_prompts(at, c, x, n_ctx, vocab, texts[i] if texts else None)
+        _refuse_same_position(at, [p for p, _, _ in spots[i]], len(c))
         for position, answer, wrong in spots[i]:
             _check_spot(at, position, answer, wrong, metric, vocab)
             rows.append(i)
@@ -351,7 +388,8 @@ def induction_task(model, n_prompts: int = 64, seq_len: int = 20, *, seed: int =
     positions = pos.repeat(n_prompts)
     answers = clean[rows, positions + 1][:, None].tolist()
     wrongs = corrupted[rows, positions + 1][:, None].tolist()
-    return Task("induction", clean, corrupted, rows, positions, token_metric(metric, answers, wrongs), metric,
+    return Task("induction", clean, corrupted, rows, positions,
+                task_metric(model, metric, clean, rows, positions, answers, wrongs), metric,
                 f"induction: {n_prompts} x (a random sequence of {seq_len} tokens, twice); corrupted: another "
                 "repeated random sequence", answer_tokens=torch.tensor([a[0] for a in answers]),
                 wrong_tokens=torch.tensor([w[0] for w in wrongs]))
@@ -437,11 +475,13 @@ def _answer(entry: dict, key: str, at: str):
         v = [entry[key]] if isinstance(entry[key], str) else entry[key]
         if not (isinstance(v, list) and v and all(isinstance(x, str) for x in v)):
             raise ValueError(f'{at}: "{key}" must be a string or a list of strings')
+        _refuse_repeats(f'{at}: "{key}"', v)
         return "text", v
     if ids in entry:
         v = [entry[ids]] if _is_id(entry[ids]) else entry[ids]
         if not (isinstance(v, list) and v and all(_is_id(x) for x in v)):
             raise ValueError(f'{at}: "{ids}" must be a token id or a non-empty list of them (integers from 0)')
+        _refuse_repeats(f'{at}: "{ids}"', v)
         return "ids", v
     return None
 
@@ -479,6 +519,7 @@ def parse_pair(row: dict, at: str) -> tuple:
         _check_prompts(at, clean, corrupted, None, None)
         for position, _, _ in spots:
             _resolve(at, position, len(clean))
+    _refuse_same_position(at, [p for p, _, _ in spots], len(clean) if isinstance(clean, list) else None)
     return clean, corrupted, spots
 
 

@@ -39,7 +39,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from interp.models.device import to_numpy
+from interp.models.placement.device import to_numpy
 from interp.models.rope.choice import choose
 
 from .._common import spearman

@@ -45,10 +45,10 @@ import torch
 from torch import Tensor
 
 from interp.kernels import attention_stats
-from interp.models.device import to_numpy
+from interp.models.placement.device import to_numpy
 from interp.errors import as_user_errors
-from interp.models.device_map import check_fits_for
-from interp.models.stats import for_each_layer_qk, layer_scoring
+from interp.models.placement.device_map import check_fits_for
+from interp.models.readouts.head_statistics import for_each_layer_qk, layer_scoring
 
 from .._common import progress
 from ..document import Section, head_name, png

@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 
 from interp.errors import as_user_errors, check_int, check_real
-from interp.models.device_map import check_fits_for
+from interp.models.placement.device_map import check_fits_for
 from interp.models.rope.choice import as_hf, choose
 from interp.models.rope.heads import logn_heads, scaled_heads
 

@@ -82,7 +82,7 @@ from torch import Tensor
 
 from interp.kernels.attention import with_sink_column
 from interp.kernels.visibility import visible
-from interp.models.device import to_numpy
+from interp.models.placement.device import to_numpy
 from interp.errors import BadValue, check_int, check_real
 
 from .._common import frozen_params, kv_group, progress, token_batch

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from interp.errors import BadValue, as_user_errors, check_int
 from interp.models.kv.policies import WINDOW, Policy, PolicyMap, is_window, parse_policies, resolve_policies, split_policies
-from interp.models.device_map import check_fits_for
+from interp.models.placement.device_map import check_fits_for
 
 from .. import plots
 from .._common import progress, stages

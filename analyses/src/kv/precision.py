@@ -30,7 +30,7 @@ from torch import Tensor
 from interp.kernels.attention import with_sink_column
 from interp.kernels.kv_quant import check_precision, fake_quantize
 from interp.models import lm_loss
-from interp.models.stats import for_each_layer_qk
+from interp.models.readouts.head_statistics import for_each_layer_qk
 
 from .._common import frozen_params, progress, token_batch
 

@@ -20,7 +20,7 @@ import pandas as pd
 import torch
 
 from interp.kernels.kv_quant import check_precision, code_shape
-from interp.models.device_map import check_fits_for
+from interp.models.placement.device_map import check_fits_for
 
 from .. import plots
 from .._common import spearman

@@ -4,7 +4,7 @@ residual stream's massive activations, and the interventions that ask which comp
 Shapes: batch (sequences), pos (positions), head (query heads), kv (key/value heads), d_model, d_head.
 
 * `sink_pass`: ONE forward (the model's own, with its loss) whose hooks hand every layer's queries and keys
-  (as attention scores them, after RoPE and QK-norm) to `layer_sinks`, as `interp.models.stats` does:
+  (as attention scores them, after RoPE and QK-norm) to `layer_sinks`, as `interp.models.readouts.head_statistics` does:
   - `first`: Gu et al. (2024)'s alpha_0, the mean over the queries that see key 0 of each one's weight on it,
     from the streaming statistics (`attention_stats(n_sink=1).sink`: no pattern is built);
   - `delimiter`: the same for the sequence's first delimiter (the first newline, period, comma, colon, ...
@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 
 from interp.kernels import attention_stats
-from interp.models import device_map as device_maps
-from interp.models.stats import attention_logsumexp, attention_weights_at, layer_scoring
+from interp.models.placement import device_map as device_maps
+from interp.models.readouts.head_statistics import attention_logsumexp, attention_weights_at, layer_scoring
 
 # The token kinds of a position (the massive-activation table, the other sinks).
 KINDS = ("first", "first_delimiter", "delimiter", "token")

@@ -23,8 +23,8 @@ import pandas as pd
 import torch
 
 from interp.errors import check_int, check_real
-from interp.models.device import to_numpy
-from interp.models.device_map import check_fits_for
+from interp.models.placement.device import to_numpy
+from interp.models.placement.device_map import check_fits_for
 
 from .._common import progress
 from ..document import Section, png

@@ -99,7 +99,6 @@ def attention_stats(
     stats=None,
     block_q: int | None = None,
     block_k: int | None = None,
-    **old,
 ) -> AttentionStats:
     """Exact per-query statistics of ``softmax(q k^T * scale + mask)``, without the pattern.
 
@@ -118,9 +117,7 @@ def attention_stats(
             ``1 / sqrt(d)``), sliding window, ALiBi slopes ``[heads]`` (``-slope[h] * |p - j|``), soft cap
             (``softcap * tanh(scores / softcap)`` before ALiBi and the mask), learned sink logits ``[heads]``
             (gpt-oss: each joins its head's denominator and is no key, so the rows sum to less than 1; not
-            in ``"triton"``) and causality. None: causal, nothing else. For one release the old keywords
-            ``scale=``, ``window=``, ``alibi_slopes=``, ``softcap=``, ``sink_logits=``, ``causal=`` still
-            work (folded into it, over `scoring` when both are given).
+            in ``"triton"``) and causality. None: causal, nothing else.
         n_sink: the first ``n_sink`` keys count as the attention sink (``>= 0``).
         key_padding_mask: bool ``[batch, n_k]``, True for a real token; None for all real.
         backend: ``"auto"`` (the default: the fused route off CUDA for statistics without ``max``, the
@@ -149,7 +146,7 @@ def attention_stats(
         ValueError / TypeError: on malformed inputs (messages name the offending shapes).
         ImportError: ``backend="triton"`` without Triton installed.
     """
-    scoring = Scoring.fold(scoring, **old)
+    scoring = Scoring.of(scoring)
     if scoring.sink_logits is not None and backend == "triton":
         raise ValueError("learned sink logits (gpt-oss) are in the fused route and the torch statistics kernel only: "
                          "pass backend='auto', 'fused' or 'torch'")

@@ -142,16 +142,11 @@ class AttentionStats:
         return "\n".join(lines) + ")"
 
 
-def validate(q, k, tokens, scoring: Scoring | None = None, *old, n_sink: int = 1,
+def validate(q, k, tokens, scoring: Scoring | None = None, *, n_sink: int = 1,
              key_padding_mask: Tensor | None = None) -> dict:
     """Check shapes and dtypes; return the routes' normalised keyword arguments: ``tokens``, ``n_sink``,
-    ``key_padding_mask`` (on q's device) and ``scoring`` (:meth:`Scoring.checked`).
-
-    The old positional call ``validate(q, k, tokens, n_sink, window, scale, key_padding_mask,
-    alibi_slopes, softcap=None)`` still works for one release."""
-    if scoring is not None and not isinstance(scoring, Scoring):  # the old positional call
-        window, scale, key_padding_mask, alibi_slopes, softcap = (*old, None, None, None, None, None)[:5]
-        n_sink, scoring = scoring, Scoring(scale=scale, window=window, alibi_slopes=alibi_slopes, softcap=softcap)
+    ``key_padding_mask`` (on q's device) and ``scoring`` (:meth:`Scoring.checked`)."""
+    scoring = Scoring.of(scoring)
     _check_qk(q, k)
     batch, n_k = q.shape[0], k.shape[2]
     tokens = _per_key("tokens", tokens, batch, n_k, k, q.device, "an integer",
@@ -161,7 +156,7 @@ def validate(q, k, tokens, scoring: Scoring | None = None, *old, n_sink: int = 1
     if isinstance(n_sink, bool) or not isinstance(n_sink, int) or n_sink < 0:
         raise ValueError(f"n_sink must be an int >= 0, got {n_sink!r}")
     return dict(tokens=tokens, n_sink=n_sink, key_padding_mask=key_padding_mask,
-                scoring=(scoring or Scoring()).checked(q))
+                scoring=scoring.checked(q))
 
 
 def _check_qk(q, k) -> None:

@@ -42,7 +42,7 @@ and ALiBi without causality (``|p - j|`` is not linear in j), are not this route
 
 The fused kernel, per device: CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` (returns the
 logsumexp); CUDA ``aten._scaled_dot_product_efficient_attention`` with ``compute_log_sumexp``; any other
-device the same in plain torch ops (:func:`_attend_math`, also the tests' cross-check of the merging).
+device the same in plain torch ops (:func:`attend_math`, also the tests' cross-check of the merging).
 Everything runs in float32 whatever the input dtype (fp16/bf16 kernels round the pattern to 8-11 bits
 before ``P @ V``), so the statistics equal the float64 materialised pattern's
 (`kernels/src/stats/reference.py`) to float32 round-off.
@@ -110,16 +110,15 @@ def unsupported(scoring: Scoring) -> str | None:
 @torch.no_grad()
 def attention_stats_fused(q: Tensor, k: Tensor, scoring: Scoring | None = None, *, tokens: Tensor | None = None,
                           n_sink: int = 1, key_padding_mask: Tensor | None = None, stats=STAT_NAMES,
-                          block_q: int | None = None, attend=None, **old) -> Tensor:
+                          block_q: int | None = None, attend=None) -> Tensor:
     """Float32 ``[len(STAT_NAMES) + added, batch, heads, n_q]``: the built-in statistics, then the added
     separable ones named in `stats` (`kernels/src/stats/separable.py`); those not in `stats` are NaN (not
     computed).
 
-    Arguments as :func:`interp.kernels.attention_stats`, validated by it (`scoring` checked; the old
-    geometry keywords fold into it for one release). `block_q`: queries per fused call (None:
+    Arguments as :func:`interp.kernels.attention_stats`, validated by it (`scoring` checked). `block_q`: queries per fused call (None:
     :data:`CHUNK`, or smaller for ALiBi, windows and explicit masks). `attend`: the fused call (None: the
     device's, :func:`attend_for`)."""
-    scoring = Scoring.fold(scoring, **old)
+    scoring = Scoring.of(scoring)
     why = unsupported(scoring)
     if why is not None:
         raise ValueError(f"backend='fused': {why}")
@@ -319,7 +318,7 @@ def attend_for(device: torch.device):
         return _attend_cpu
     if kind == "cuda":
         return _attend_cuda
-    return _attend_math
+    return attend_math
 
 
 def _attend_cpu(qx, kx, mask, is_causal, scale):
@@ -348,14 +347,14 @@ def _attend_cuda(qx, kx, mask, is_causal, scale):
     that kernel refuses the call gets the same call in torch ops (said once, as a warning)."""
     global _CUDA_KERNEL_FAILED
     if _CUDA_KERNEL_FAILED:
-        return _attend_math(qx, kx, mask, is_causal, scale)
+        return attend_math(qx, kx, mask, is_causal, scale)
     try:
         return _attend_efficient(qx, kx, mask, is_causal, scale)
     except RuntimeError as error:
         _CUDA_KERNEL_FAILED = True
         warnings.warn(f"attention_stats(backend='fused'): the memory-efficient CUDA kernel refused the call ({error}); "
                       "running its blocks in torch ops instead", RuntimeWarning, stacklevel=2)
-        return _attend_math(qx, kx, mask, is_causal, scale)
+        return attend_math(qx, kx, mask, is_causal, scale)
 
 
 _CUDA_KERNEL_FAILED = False
@@ -376,7 +375,7 @@ def _attend_efficient(qx, kx, mask, is_causal, scale):
     return o, lse[..., :L]
 
 
-def _attend_math(qx, kx, mask, is_causal, scale, budget: int = 1 << 24):
+def attend_math(qx, kx, mask, is_causal, scale, budget: int = 1 << 24):
     """The fused call in plain torch ops, a few queries at a time (devices without a fused kernel that
     returns the logsumexp; and the tests' check of the merging on the CPU)."""
     batch, heads, L, W = qx.shape
@@ -419,14 +418,13 @@ def _attend_math(qx, kx, mask, is_causal, scale, budget: int = 1 << 24):
 
 @torch.no_grad()
 def pairwise_masses(qf: Tensor, kf: Tensor, tokens: Tensor | None, lse: Tensor, scoring: Scoring | None = None, *,
-                    key_padding_mask: Tensor | None = None, budget: int = PAIR_BUDGET, **old) -> dict[str, Tensor]:
+                    key_padding_mask: Tensor | None = None, budget: int = PAIR_BUDGET) -> dict[str, Tensor]:
     """``{"previous", and with tokens "duplicate", "induction": float32 [batch, heads, n_q]}``: the mass of
     each query's row (``P_ij = exp(s_ij - lse_i)``, `lse` the row's full logsumexp) on those pairs.
 
-    `scoring` as the layer's (scale resolved; the old keywords ``window=``, ``scale=``, ``alibi_slopes=``,
-    ``softcap=`` fold into it for one release). Scores are capped (``cap * tanh(s / cap)``) before ALiBi, as
+    `scoring` as the layer's (scale resolved). Scores are capped (``cap * tanh(s / cap)``) before ALiBi, as
     the model and the Triton kernel score them (the fused route never sees a capped layer)."""
-    scoring = Scoring.fold(scoring, **old)
+    scoring = Scoring.of(scoring)
     out = {"previous": _previous(qf, kf, lse, scoring, key_padding_mask)}
     if tokens is None:
         return out

@@ -44,7 +44,7 @@ def reference_stats(q, k, tokens=None, scoring: Scoring | None = None, *, n_sink
     """Statistics from the materialised float64 pattern, on the host; [batch, heads, n_q] each, float64:
     the seven built-in ones and every added separable one (`kernels/src/stats/separable.py`). Arguments as
     :func:`interp.kernels.attention_stats` (the old geometry keywords fold into `scoring`)."""
-    scoring = Scoring.fold(scoring, **old)
+    scoring = Scoring.of(scoring)
     q, k = q.detach().cpu(), k.detach().cpu()
     tokens = None if tokens is None else tokens.cpu()
     key_padding_mask = None if key_padding_mask is None else key_padding_mask.cpu()

@@ -1,5 +1,5 @@
 """How one attention layer scores a (query, key) pair: the `Scoring` every statistics route, the
-float64 oracle and `validate` take, built once per layer (`attn.scoring`, `models/src/attention.py`).
+float64 oracle and `validate` take, built once per layer (`attn.scoring`, `models/src/native/attention_layer.py`).
 
     score(p, j) = cap(scale * q_p . k_j) - slope_h * |p - j|     over the keys j the query at p sees
     P(p, j)     = exp(score) / (exp(sink_h) + sum_j' exp(score(p, j')))
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -46,25 +45,13 @@ class Scoring:
     causal: bool = True
 
     @classmethod
-    def fold(cls, scoring: "Scoring | None" = None, **old) -> "Scoring":
-        """`scoring` (None: the default) with the geometry keywords of the old call style (``scale=``,
-        ``window=``, ``alibi_slopes=``, ``softcap=``, ``sink_logits=``, ``causal=``; kept for one release)
-        put over it, with a DeprecationWarning. Any other keyword is a TypeError, as a misspelt argument
-        would be."""
+    def of(cls, scoring: "Scoring | None" = None) -> "Scoring":
+        """`scoring`, or the default (causal, scale 1/sqrt(d)) for None; anything else is a TypeError."""
         if scoring is None:
-            scoring = cls()
+            return cls()
         if not isinstance(scoring, cls):
             raise TypeError(f"scoring must be a Scoring (interp.kernels.Scoring), got {type(scoring).__name__}")
-        unknown = sorted(set(old) - _FIELDS)
-        if unknown:
-            raise TypeError(f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}; the layer's geometry "
-                            f"is one of {', '.join(sorted(_FIELDS))} (or scoring=Scoring(...))")
-        if not old:
-            return scoring
-        warnings.warn(f"{', '.join(f'{name}=' for name in old)}: pass the layer's geometry as one Scoring "
-                      f"(scoring=Scoring({', '.join(f'{name}=...' for name in old)}), or a layer's attn.scoring); "
-                      "the separate keywords go in the next release", DeprecationWarning, stacklevel=3)
-        return dataclasses.replace(scoring, **old)
+        return scoring
 
     def checked(self, q: Tensor) -> "Scoring":
         """Checked against queries ``q [batch, heads, n_q, d]`` and made ready for the kernels: the scale
@@ -86,7 +73,6 @@ class Scoring:
         )
 
 
-_FIELDS = {f.name for f in dataclasses.fields(Scoring)}
 
 
 def _per_head(name: str, value, q: Tensor, finite: bool = False) -> Tensor | None:

@@ -248,17 +248,16 @@ def _interpreting() -> bool:
 
 def attention_stats_triton(q: Tensor, k: Tensor, scoring: Scoring | None = None, *, tokens: Tensor | None = None,
                            n_sink: int = 1, key_padding_mask: Tensor | None = None, block_q: int | None = None,
-                           block_k: int | None = None, num_warps: int = 8, **old) -> Tensor:
+                           block_k: int | None = None, num_warps: int = 8) -> Tensor:
     """Launch the kernel; returns float32 ``[len(STAT_NAMES), batch, heads, n_q]``.
 
     Arguments are those of :func:`interp.kernels.attention_stats`, already validated by it
     (shapes: q ``[batch, heads, n_q, d]``, k ``[batch, kv_heads, n_k, d]``, tokens int
-    ``[batch, n_k]``, key_padding_mask bool ``[batch, n_k]``; `scoring` checked, without sink logits;
-    the old geometry keywords fold into it for one release).
+    ``[batch, n_k]``, key_padding_mask bool ``[batch, n_k]``; `scoring` checked, without sink logits).
     ``block_q`` / ``block_k`` are the kernel's BLOCK_M / BLOCK_N (powers of two, >= 16, the
     minimum ``tl.dot`` tile); None picks :func:`default_blocks`.
     """
-    scoring = Scoring.fold(scoring, **old)
+    scoring = Scoring.of(scoring)
     block_q, block_k = _launch_blocks(q, k, block_q, block_k)
     batch, heads, n_q, d = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]

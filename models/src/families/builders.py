@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ..config import ModelConfig, RopeScaling
-from ..tensor_files import Joined
+from ..placement.tensor_files import Joined
 
 # get(name, *alternatives) returns the checkpoint tensor called `name` (or the first alternative
 # present) or raises a CheckpointError naming the file and the tensor.

@@ -3,7 +3,7 @@ with attention biases, learned attention-sink logits (one per head in every soft
 `learned_sinks`), sliding-window (128) and full layers alternating (`layer_types`), YaRN rotary with an
 unrounded correction range (`truncate=False`), and a mixture of experts whose router has a bias and
 whose experts are a clamped SwiGLU with biases: gate clamped to <= swiglu_limit, linear branch to
-[-limit, limit], out = gate * sigmoid(swiglu_alpha * gate) * (linear + 1) (`interp.models.moe`).
+[-limit, limit], out = gate * sigmoid(swiglu_alpha * gate) * (linear + 1) (`interp.models.native.moe`).
 
 Hugging Face stores the experts input-major and fused: `mlp.experts.gate_up_proj` [experts, d_model,
 2 d_mlp] with gate and linear columns interleaved (gate at even columns), its bias likewise, and

@@ -12,7 +12,7 @@ import numpy as np
 
 from interp.errors import CheckpointError
 from ..config import ModelConfig, RopeScaling
-from ..device import to_numpy
+from ..placement.device import to_numpy
 from ..positions import llama3_divisors
 from .builders import llama_weights, reject, require, rms_decoder, rotary_from_hf
 from .gguf_layout import GGUFLayout, stated_rope

@@ -1,4 +1,4 @@
-"""The Llama-like families whose MLP is a mixture of experts (`interp.models.moe`): the attention and norms
+"""The Llama-like families whose MLP is a mixture of experts (`interp.models.native.moe`): the attention and norms
 of `llamalike.py` (RMSNorm, rotary, GQA, separate q/k/v projections), and in every block a linear router
 choosing num_experts_per_tok of num_experts SwiGLU experts.
 

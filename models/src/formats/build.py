@@ -12,14 +12,14 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from ..components import relayout_mlp_
+from ..native.components import relayout_mlp_
 from ..config import ModelConfig
 from interp.errors import CheckpointError, UserError
 from ..positions import Rotary, alibi_slopes, sinusoidal_table
-from ..offload import Offload
-from .. import device_map as device_maps
-from ..tensor_files import Joined, release_pages
-from ..transformer import HookedTransformer
+from ..placement.offload import Offload
+from ..placement import device_map as device_maps
+from ..placement.tensor_files import Joined, release_pages
+from ..native.transformer import HookedTransformer
 
 
 @contextlib.contextmanager
@@ -35,19 +35,78 @@ def config_errors(source):
         raise CheckpointError(f"{source} does not describe a model interp can build: {message}") from None
 
 
+# ---- quantized checkpoints ----------------------------------------------------------------------------
+# interp dequantizes GGUF files only (`gguf`); a folder or a transformers model whose weights are integers or
+# float8 holds codes, not weights: cast to float they are meaningless numbers. The layout is named from the
+# tensors stored beside the weights (their last name part), as each method writes them.
+_LAYOUTS = {"qzeros": "GPTQ/AWQ (qweight, qzeros, scales)", "g_idx": "GPTQ (qweight, g_idx, scales)",
+            "weight_scale_inv": "block-wise FP8 (weight_scale_inv)", "weight_scale": "scaled FP8/INT8 (weight_scale: "
+            "compressed-tensors, FBGEMM)", "SCB": "bitsandbytes 8-bit (SCB)", "absmax": "bitsandbytes 4-bit (absmax, "
+            "quant_map)", "quant_map": "bitsandbytes 4-bit (absmax, quant_map)", "scales": "integers with scales",
+            "_scales": "MXFP4 (_blocks, _scales: gpt-oss)"}
+_LOW = (torch.int8, torch.uint8, torch.int16, torch.int32)
+# What loads such a checkpoint, by config.json's quantization_config.quant_method (transformers' names).
+_LIBRARIES = {"bitsandbytes": "bitsandbytes", "gptq": "gptqmodel and optimum", "awq": "autoawq",
+              "compressed-tensors": "compressed-tensors", "hqq": "hqq", "quanto": "optimum-quanto",
+              "torchao": "torchao", "eetq": "eetq", "aqlm": "aqlm", "vptq": "vptq", "fbgemm_fp8": "fbgemm-gpu", "fp8": "accelerate, on a GPU",
+              "mxfp4": "Mxfp4Config(dequantize=True)"}
+DEQUANTIZE = ("load an unquantized copy (float16, bfloat16 or float32), or load this one with transformers and its "
+              "quantization library, dequantize it there (model.dequantize(), where the method has one) and pass the "
+              "model to interp.from_hf")
+
+
+def _low_precision(dtype: torch.dtype) -> bool:
+    """Integers or 8-bit floats: stored codes of a quantized weight, not its values."""
+    return dtype in _LOW or (dtype.is_floating_point and dtype.itemsize == 1)
+
+
+def refuse_quantized(dtypes: dict[str, torch.dtype], source: str, *, every: bool = False) -> None:
+    """Refuse (CheckpointError, one line naming the layout) weights stored as integers or float8: a quantized
+    layout interp cannot dequantize. `dtypes`: {tensor name: dtype} (a checkpoint's names, from its headers or
+    its tensors); only the weights count (names ending in weight, qweight or _blocks: masks and position ids
+    may be integers), unless `every` (interp's own names, every one a weight)."""
+    low = [k for k, d in dtypes.items() if _low_precision(d) and (every or k.endswith(("weight", "_blocks")))]
+    if not low:
+        return
+    stored = "/".join(sorted({str(dtypes[k]).removeprefix("torch.") for k in low}))
+    beside = sorted(({k.rsplit(".", 1)[-1] for k in dtypes} & set(_LAYOUTS))
+                    | ({"_scales"} if any(k.endswith("_scales") for k in dtypes) else set()))
+    what = f"{len(low)} weight tensor(s) stored as {stored} ({low[0]!r}{', ...' if len(low) > 1 else ''})"
+    if beside:
+        raise CheckpointError(f"{source} is quantized, {_LAYOUTS[beside[0]]}: {what}, a layout interp cannot "
+                              f"dequantize; {DEQUANTIZE}")
+    raise CheckpointError(f"{source} holds {what} with no scale tensors beside them: quantized codes interp cannot "
+                          "dequantize (cast to float they would be meaningless numbers); load an unquantized copy "
+                          "(float16, bfloat16 or float32) of the model")
+
+
+def refuse_quantization_config(config_file, raw: dict) -> None:
+    """A config.json with a `quantization_config`: its weights are in a quantized layout that transformers loads
+    through a quantization library, and interp cannot dequantize; refused in one line naming the method."""
+    q = raw.get("quantization_config")
+    if not q:
+        return
+    method = q.get("quant_method") if isinstance(q, dict) else None
+    library = _LIBRARIES.get(str(method))
+    raise CheckpointError(f"{config_file} says its weights are quantized (quantization_config, quant_method "
+                          f"{method!r}), a layout interp cannot dequantize; "
+                          + DEQUANTIZE.replace("its quantization library", library or "its quantization library"))
+
+
 def build_model(cfg: ModelConfig, sd: dict[str, Tensor], source: str, dtype, device, *,
                 fresh: bool = False, offload: str | None = None,
                 device_map: dict[str, torch.device] | None = None) -> HookedTransformer:
     """A model holding the state dict `sd` (checked against the config's shapes). With `fresh` (the
     tensors belong to no one else, e.g. just read from a file), the model adopts them without a copy
     and `sd` is emptied as it goes. `offload` ("disk" or "cpu", fresh tensors only): the blocks, the
-    embedding and the unembedding stay where `interp.models.offload` keeps them, each brought to `device`
+    embedding and the unembedding stay where `interp.models.placement.offload` keeps them, each brought to `device`
     when it runs. `device_map` ({unit: torch.device}, `device_map.resolve_device_map`'s, fresh tensors only):
-    each parameter goes straight to its unit's device, and the units run there (`interp.models.device_map`)."""
+    each parameter goes straight to its unit's device, and the units run there (`interp.models.placement.device_map`)."""
     if offload is not None and not fresh:
         raise ValueError("offload needs tensors read from a checkpoint (fresh=True)")
     if device_map is not None and (not fresh or offload is not None):
         raise ValueError("device_map needs tensors read from a checkpoint (fresh=True), and no offload")
+    refuse_quantized({k: v.dtype for k, v in sd.items()}, source, every=True)
     if not fresh:
         check_finite(sd, source)
     with torch.device("meta"):
@@ -219,7 +278,10 @@ _NOT_WEIGHTS = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attentio
 
 def convert_weights(family, cfg: ModelConfig, tensors: dict[str, Tensor], source: str) -> dict[str, Tensor]:
     """A family's weight mapping, failing loudly: a tensor it cannot convert, or a checkpoint tensor it
-    does not read (a weight the config does not describe, e.g. a bias the config turns off), raises."""
+    does not read (a weight the config does not describe, e.g. a bias the config turns off), raises. Integer
+    or float8 weights (a quantized layout) are refused first (`refuse_quantized`)."""
+    if isinstance(tensors, dict):  # read tensors (a GGUF file's mapping dequantizes each as it is read)
+        refuse_quantized({k: v.dtype for k, v in tensors.items()}, source)
     get = _getter(tensors, source)
     try:
         sd = family.weights(cfg, get)

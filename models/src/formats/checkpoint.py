@@ -22,20 +22,20 @@ import torch
 from . import hf as format_hf
 from . import ours as format_ours
 from . import gguf
-from .build import build_model, check_finite, convert_weights
+from .build import build_model, check_finite, convert_weights, refuse_quantized, refuse_quantization_config
 from ..rope import choice as rope_choice
-from .. import memory
-from ..offload import check_offload
-from .. import device_map as device_maps
+from ..placement import memory
+from ..placement.offload import check_offload
+from ..placement import device_map as device_maps
 from ..config import ModelConfig, RopeScaling
-from interp.errors import CheckpointError, OwnCodeRefused
+from interp.errors import BadValue, CheckpointError, OwnCodeRefused
 from .folder import local_tokenizer, refuse_files_outside, refuse_own_code
-from ..tensor_files import FORMAT_VERSION, index_shards, read_state_dict, safetensors_header, save_model
+from ..placement.tensor_files import FORMAT_VERSION, index_shards, read_state_dict, safetensors_header, save_model
 from ..base import HookedModel, rope_refusal
 
 __all__ = ["CheckpointError", "FORMAT_VERSION", "OwnCodeRefused", "build_model", "check_finite", "convert_weights",
-           "is_wrapped", "load_checkpoint", "local_tokenizer", "read_config", "read_state_dict", "rope_scaling_for",
-           "save_model"]
+           "is_wrapped", "load_checkpoint", "local_tokenizer", "parse_dtype", "read_config", "read_state_dict",
+           "rope_scaling_for", "save_model"]
 
 
 def _format_of(path, *, tokenizer_given: bool):
@@ -59,6 +59,7 @@ def _format_of(path, *, tokenizer_given: bool):
         raise CheckpointError(f"{config_file} holds a JSON {type(raw).__name__}, not an object: it is not a model config")
     refuse_own_code(path, raw, tokenizer_given=tokenizer_given)  # before any format reads anything
     refuse_files_outside(path, raw, tokenizer_given=tokenizer_given)
+    refuse_quantization_config(config_file, raw)
     return (format_ours if format_ours.claims(raw) else format_hf), path, raw
 
 
@@ -71,14 +72,19 @@ def load_checkpoint(path, *, dtype: torch.dtype | str | None = None, device: tor
     its config before a weight is read (`rope_scaling_for`). `dtype`: see `resolve_dtype`; the weights in
     it must fit in the device's free memory (`memory.check_weights_fit`, from the config, before any weight
     is read). `offload` ("disk", "cpu"): the weights stay off the device, each block brought there when it
-    runs (`interp.models.offload`); then only the largest block must fit. `device_map` ("auto" or {layer or
-    unit: device}): the blocks split over devices (`interp.models.device_map`), checked against the config
-    and the machine, and each device's share of the weights against its free memory, before a weight is read."""
+    runs (`interp.models.placement.offload`); then only the largest block must fit. `device_map` ("auto" or {layer or
+    unit: device}): the blocks split over devices (`interp.models.placement.device_map`), checked against the config
+    and the machine, and each device's share of the weights against its free memory, before a weight is read.
+    A quantized checkpoint (config.json's `quantization_config`, integer or float8 weights in its safetensors
+    headers) is refused first, in one line naming its layout (`build.refuse_quantized`)."""
     offload = check_offload(offload)
     if device_map is not None and offload is not None:
         raise device_maps.DeviceMapRefused(f"device_map and offload={offload!r} both say where the weights go: give one "
                                            "of the two")
+    dtype = parse_dtype(dtype)
     fmt, path, raw = _format_of(path, tokenizer_given=tokenizer is not None)
+    if fmt is not gguf:  # integer or float8 weights: a quantized layout, refused from the headers alone
+        refuse_quantized({k: d for k, (d, _) in stored_dtypes(path).items()}, str(path))
     if device_map is not None and fmt is format_hf and not format_hf.native(raw):
         raise device_maps.DeviceMapRefused(
             f"{path}: device_map splits interp's own transformer, and transformers runs this architecture "
@@ -133,18 +139,53 @@ def read_config(path) -> ModelConfig:
     return fmt.config(path, raw)
 
 
+# The dtypes a load gives weights in, under every name a caller may use (transformers' strings among them).
+LOADABLE = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+               "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+               "float64": torch.float64, "fp64": torch.float64, "double": torch.float64}
+
+
+def parse_dtype(dtype) -> torch.dtype | str | None:
+    """`dtype` as a load takes it: None, "auto", or a floating torch dtype interp loads weights in (float32,
+    bfloat16, float16, float64), given as the dtype or its name ("float16", "fp16", "torch.float16", as
+    transformers takes them). Anything else is refused in one line listing what is accepted (`BadValue`)."""
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype in LOADABLE):
+        return dtype
+    if isinstance(dtype, str):
+        name = dtype.strip().lower().removeprefix("torch.")
+        if name == "auto":
+            return "auto"
+        if name in DTYPE_NAMES:
+            return DTYPE_NAMES[name]
+    raise BadValue(f"dtype {dtype!r} is not one interp loads weights in: give 'auto', 'float32' ('fp32'), 'bfloat16' "
+                   "('bf16'), 'float16' ('fp16') or 'float64', as a string or a torch dtype (torch.bfloat16), or None "
+                   "(float32 on the CPU, the checkpoint's own on a GPU)")
+
+
 def resolve_dtype(dtype, device, fmt, path, raw) -> torch.dtype:
-    """The dtype a load gives the weights: `dtype` itself when it is a torch dtype; "auto", the checkpoint's
-    own (`checkpoint_dtype`); None (the default), the checkpoint's own on an accelerator, and float32 on the
-    CPU: exact numbers, TransformerLens's default, and CPUs without bf16 matrix units (AMX) multiply bf16
-    several times slower than float32 (docs/models.md, "Big models")."""
+    """The dtype a load gives the weights: `dtype` itself when it names one (`parse_dtype`); "auto", the
+    checkpoint's own (`checkpoint_dtype`); None (the default), the checkpoint's own on an accelerator, and
+    float32 on the CPU: exact numbers, TransformerLens's default, and CPUs without bf16 matrix units (AMX)
+    multiply bf16 several times slower than float32 (docs/models.md, "Big models")."""
+    dtype = parse_dtype(dtype)
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None and torch.device(device or "cpu").type == "cpu":
         return torch.float32
-    if dtype is None or dtype == "auto":
-        return checkpoint_dtype(fmt, path, raw)
-    raise CheckpointError(f"dtype {dtype!r} is not a torch dtype, 'auto' or None")
+    return checkpoint_dtype(fmt, path, raw)
+
+
+def stored_dtypes(path) -> dict[str, tuple[torch.dtype, int]]:
+    """{tensor name: (stored dtype, bytes)} of a checkpoint folder's safetensors files, from their headers (no
+    weight read); {} for a folder of `pytorch_model.bin` (its tensors are checked as they are converted)."""
+    index = path / "model.safetensors.index.json"
+    files = [path / "model.safetensors"]
+    if index.exists() and not files[0].exists():
+        files = sorted(set(index_shards(index).values()))  # a shard outside the folder: refused, not probed
+    return {name: (e["torch_dtype"], e["data_offsets"][1] - e["data_offsets"][0])
+            for f in files if f.is_file() for name, e in safetensors_header(f)[0].items()}
 
 
 def checkpoint_dtype(fmt, path, raw) -> torch.dtype:
@@ -153,18 +194,12 @@ def checkpoint_dtype(fmt, path, raw) -> torch.dtype:
     for a folder that says nothing."""
     if fmt is gguf:
         return torch.float32
-    index = path / "model.safetensors.index.json"
-    files = [path / "model.safetensors"]
-    if index.exists() and not files[0].exists():
-        files = sorted(set(index_shards(index).values()))  # a shard outside the folder: refused, not probed
     count: dict[torch.dtype, int] = {}
-    for f in files:
-        if f.is_file():
-            for e in safetensors_header(f)[0].values():
-                if e["torch_dtype"].is_floating_point:
-                    count[e["torch_dtype"]] = count.get(e["torch_dtype"], 0) + e["data_offsets"][1] - e["data_offsets"][0]
+    for dtype, nbytes in stored_dtypes(path).values():
+        if dtype.is_floating_point:
+            count[dtype] = count.get(dtype, 0) + nbytes
     if count:
         return max(count, key=count.get)
     named = (raw or {}).get("dtype") or (raw or {}).get("torch_dtype")
     found = getattr(torch, named, None) if isinstance(named, str) else None
-    return found if isinstance(found, torch.dtype) and found.is_floating_point else torch.float32
+    return found if found in LOADABLE else torch.float32

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from interp.errors import OwnCodeRefused
-from ..tensor_files import index_shards, inside
+from ..placement.tensor_files import index_shards, inside
 from .tokenizer import load_tokenizer
 
 INDEX = "model.safetensors.index.json"

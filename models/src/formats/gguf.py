@@ -46,7 +46,7 @@ from .gguf_file import GGUFFile, dequantize
 from ..families.gguf_layout import GGUFLayout
 from .gguf_layouts import ARCHITECTURES, _field, hf_config, layouts
 from .gguf_tokenizer import gguf_tokenizer
-from ..transformer import HookedTransformer
+from ..native.transformer import HookedTransformer
 
 
 def _reader(path: Path) -> GGUFFile:

@@ -9,14 +9,14 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ..offload import OffloadRefused
+from ..placement.offload import OffloadRefused
 from .build import build_model, check_finite, config_errors, convert_weights
 from ..config import ModelConfig
 from interp.errors import CheckpointError
 from ..families import FAMILIES, get_family
 from .folder import local_tokenizer
-from ..tensor_files import read_state_dict, release_pages
-from ..transformer import HookedTransformer
+from ..placement.tensor_files import read_state_dict, release_pages
+from ..native.transformer import HookedTransformer
 from .. import wrapped
 
 

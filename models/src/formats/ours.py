@@ -9,8 +9,8 @@ from pathlib import Path
 from .build import build_model, check_shapes
 from ..config import ModelConfig
 from .folder import local_tokenizer
-from ..tensor_files import header_shapes, read_state_dict
-from ..transformer import HookedTransformer
+from ..placement.tensor_files import header_shapes, read_state_dict
+from ..native.transformer import HookedTransformer
 
 
 def claims(raw: dict | None) -> bool:

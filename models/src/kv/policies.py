@@ -259,7 +259,6 @@ class Candidates:
         return total
 
 
-CacheView = Candidates  # its old name (it was no view of a cache, and `View` is an HTML page): for one release
 
 
 def keep_top(priority: Tensor, cap: int) -> Selection:

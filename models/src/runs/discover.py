@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 
 from .. import zoo
-from ..run_types import Checkpoint, Run, is_checkpoint, parse_step
+from ..zoo.run_types import Checkpoint, Run, is_checkpoint, parse_step
 
 __all__ = ["Checkpoint", "Run", "discover", "is_checkpoint", "parse_step", "zoo_path"]
 

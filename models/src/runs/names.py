@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .. import zoo
 from interp.errors import CheckpointError, UserError
-from ..run_types import Checkpoint, Run, parse_step
+from ..zoo.run_types import Checkpoint, Run, parse_step
 from .discover import discover
 
 class ModelNotFound(UserError, FileNotFoundError):

@@ -59,5 +59,5 @@ from .architectures import (  # noqa: F401 - the package's names, as when it was
     uses_interface,
     wrapped_config,
 )
-from .attention import INTERFACE, QUERY_BLOCK, WrappedAttention, register_interface  # noqa: F401
+from .attention_function import INTERFACE, QUERY_BLOCK, WrappedAttention, register_interface  # noqa: F401
 from .model import WrappedBlock, WrappedModel, generate_wrapped  # noqa: F401

@@ -16,7 +16,7 @@ from ..base import HookedModel, lm_loss, native_only, native_only_method, rope_r
 from ..generate import Prompt, Sampling, cache_policy
 from ..hooks import HookPoint
 from .architectures import _NORM_NAMES, _child, _text_config, check_structure, config_windows, refusal, wrapped_config
-from .attention import INTERFACE, WrappedAttention, register_interface
+from .attention_function import INTERFACE, WrappedAttention, register_interface
 
 
 class WrappedBlock(nn.Module):

@@ -29,7 +29,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..run_types import is_checkpoint, parse_step
+from .run_types import is_checkpoint, parse_step
 
 ZOO_DIR = Path(__file__).resolve().parent
 RUN_FILE = "run.json"

@@ -47,17 +47,18 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from interp.errors import check_int, check_threads
-from ..tensor_files import save_model
+from interp.errors import UserError, check_int, check_threads
+from ..placement.tensor_files import save_model
 from ..formats.tokenizer import ByteTokenizer
 
 from . import probes
 from ..config import ModelConfig
-from ..transformer import HookedTransformer
+from ..native.transformer import HookedTransformer
 
 BOS = 256
 EVAL_SEED = 1234  # the evaluation windows and probe tokens are the same for every run and seed
 RUN_FILE = "run.json"
+CHECKPOINT_NAMING = "step_%05d"  # a checkpoint's folder, by its step
 RESUME_FILE = "resume.pt"  # fp32 weights, optimizer and data-order state at the last checkpoint; deleted at the end
 
 
@@ -355,7 +356,7 @@ def train(recipe: Recipe, out_dir: str | Path, *, steps: int | None = None, seed
         probe = repeated_random_tokens(recipe.probe_batch, probe_len)
         run = {"name": recipe.name, "recipe": recipe.to_dict(), "steps": steps, "seed": seed, "threads": threads,
                "torch": torch.__version__, "python": platform.python_version(), "corpus": corpus.describe(),
-               "environment": training_environment(threads, corpus), "checkpoint_naming": "step_%05d", "checkpoints": []}
+               "environment": training_environment(threads, corpus), "checkpoint_naming": CHECKPOINT_NAMING, "checkpoints": []}
         ckpt_steps = set(recipe.checkpoint_steps(steps))
         key = json.dumps({k: run[k] for k in ("recipe", "steps", "seed", "threads", "torch")}, sort_keys=True)
         first, losses, elapsed = 0, [], 0.0
@@ -371,7 +372,7 @@ def train(recipe: Recipe, out_dir: str | Path, *, steps: int | None = None, seed
                 model.eval()
                 meta = _checkpoint_meta(model, recipe, step, steps, seed, losses, held_out, probe, probe_len)
                 meta["seconds"] = round(time.perf_counter() - start, 1)
-                name = f"step_{step:05d}"
+                name = CHECKPOINT_NAMING % step
                 save_model(model, out_dir / name, dtype=torch.float16, meta=meta)
                 run["checkpoints"].append({"dir": name, **{k: meta[k] for k in _SUMMARY}})
                 _write_json(out_dir / RUN_FILE, run)
@@ -455,7 +456,7 @@ def _resume(out_dir: Path, key: str, model, opt, sampler: BatchSampler) -> tuple
     """Restore the state saved at the last checkpoint; returns (step, losses, elapsed seconds)."""
     state = torch.load(out_dir / RESUME_FILE, weights_only=True)
     if state["key"] != key:
-        raise RuntimeError(
+        raise UserError(
             f"{out_dir} holds an unfinished run with other settings (recipe, steps, seed, threads or torch "
             f"version); delete {out_dir / RESUME_FILE} to start over, or choose another output folder"
         )

@@ -123,10 +123,10 @@ class Analysis:
     # wrapped model (`interp.models.wrapped`) skips it, and the sweep says so in one line.
     native_only: bool = False
     # Needs a backward pass (gradients through the model): refused on an offloaded model
-    # (`interp.models.offload`), whose layers are not all in memory for autograd to keep.
+    # (`interp.models.placement.offload`), whose layers are not all in memory for autograd to keep.
     gradients: bool = False
     # Reads interp's KV cache (decoding, a cache's windows): refused on a model split over several devices
-    # (`interp.models.device_map`), whose cache would have to live on one device.
+    # (`interp.models.placement.device_map`), whose cache would have to live on one device.
     kv_cache: bool = False
     metrics: tuple[Metric, ...] = ()
     section: ReportSection | None = None  # its own section of the report

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from interp.drawing import b64, fill
-from interp.models.attention_view import codes_u8
-from interp.models.device import to_numpy
+from interp.models.readouts.attention_view import codes_u8
+from interp.models.placement.device import to_numpy
 
 from ...document import Html, inline_json
 from ...store import NonFiniteResult

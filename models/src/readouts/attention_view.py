@@ -1,6 +1,6 @@
 """What a view is given, checked, and the model's tensors turned into what `interp.drawing` draws: the
 attention pattern view (`pattern_view`) and the streaming statistics view (`stats_view`), as
-`ActivationCache.view` (models/src/cache.py) and `interp.view` (CircuitsVis's arguments) call them.
+`ActivationCache.view` (models/src/readouts/activation_cache.py) and `interp.view` (CircuitsVis's arguments) call them.
 
 Every bad input is one `BadValue` / `UserError` before any HTML is built: a token count that is not
 the pattern's, NaN or inf, weights outside [0, 1], more than MAX_TOKENS positions, a colour that is
@@ -20,7 +20,7 @@ import torch
 from interp.drawing import View, b64, pattern_page, stats_page
 from interp.drawing import codes_u8 as _codes_array
 
-from .device import to_numpy
+from ..placement.device import to_numpy
 from interp.errors import BadValue, UserError
 
 MAX_TOKENS = 4096  # past this a pattern view is tens of MB: the streaming statistics view is the tool

@@ -32,9 +32,9 @@ from torch import Tensor, nn
 
 from .components import MLP, GatedMLP, _affine
 from .components import make_mlp as dense_mlp
-from .config import ModelConfig
-from .hooks import HookPoint
-from .weights import OptionalBias, stored
+from ..config import ModelConfig
+from ..hooks import HookPoint
+from ..readouts.weights import OptionalBias, stored
 
 
 class ClampedGatedMLP(GatedMLP):

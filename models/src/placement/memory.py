@@ -30,6 +30,21 @@ FIXED_BYTES = 3 * 2**29  # 1.5 GiB
 GiB = 2**30
 
 
+def parameters_text(n: int) -> str:
+    """A parameter count in words, never to be read as bytes: "135.0 million parameters", "1.2 billion
+    parameters", "128.0 trillion parameters"."""
+    for size, word in ((1e12, "trillion"), (1e9, "billion"), (1e6, "million"), (1e3, "thousand")):
+        if n >= size:
+            return f"{n / size:,.1f} {word} parameters"
+    return f"{n:,} parameters"
+
+
+def gib_text(nbytes: float) -> str:
+    """Bytes as GiB, with thousands separated: "2.5 GiB", "476,837.2 GiB"; under 1 GiB to 0.01 ("0.12 GiB"), so
+    that what is needed and what is free never read the same when they differ by more than rounding."""
+    return f"{nbytes / GiB:,.{2 if nbytes < GiB else 1}f} GiB"
+
+
 def per_token_bytes(cfg) -> int:
     """The estimate's bytes per token of one sequence (float32 activations)."""
     d_mlp = cfg.d_mlp or 0
@@ -110,12 +125,15 @@ def check_fits(cfg, batch: int, length: int, device="cpu", *, what: str = "--seq
         whole = weights is None
         weights = held
         if offload is None and whole and FIXED_BYTES + weights > available:  # no length fits: the weights are the problem
-            raise ValueError(f"{what} {length}: the weights alone need about {weights / GiB:.1f} GiB "
-                             f"({cfg.n_params() / 1e9:.2f}B in {element_size}-byte numbers), more than {where} "
-                             f"{available / GiB:.1f} GiB free; --offload disk (offload=\"disk\") holds one block of "
-                             f"{largest_unit_bytes(cfg, element_size) / GiB:.1f} GiB at a time")
-        raise ValueError(f"{what} {length}: about {needed / GiB:.1f} GiB needed for {batch} sequence(s) of {length} "
-                         f"tokens, more than {where} {available / GiB:.1f} GiB free; the longest that fits is about "
+            block = largest_unit_bytes(cfg, element_size)
+            instead = (f"--offload disk (offload=\"disk\") holds one block of {gib_text(block)} at a time"
+                       if FIXED_BYTES + block <= available else
+                       f"not even one block ({gib_text(block)}) fits offloaded: use a device with more memory")
+            raise ValueError(f"{what} {length}: the weights alone need about {gib_text(weights)} "
+                             f"({parameters_text(cfg.n_params())} of {element_size} bytes each), more than {where} "
+                             f"{gib_text(available)} free; {instead}")
+        raise ValueError(f"{what} {length}: about {gib_text(needed)} needed for {batch} sequence(s) of {length} "
+                         f"tokens, more than {where} {gib_text(available)} free; the longest that fits is about "
                          f"{longest:,} tokens (or use fewer sequences)")
     return fit
 
@@ -129,7 +147,7 @@ _SMALLER = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def largest_unit_bytes(cfg, element_size: int) -> int:
-    """Bytes of the largest piece an offloaded model holds at once (`interp.models.offload`): one block, or
+    """Bytes of the largest piece an offloaded model holds at once (`interp.models.placement.offload`): one block, or
     the embedding or unembedding matrix (d_vocab x d_model), whichever is bigger."""
     matrix = cfg.d_vocab * cfg.d_model
     blocks = max(0, cfg.n_params() - matrix * (1 if cfg.tie_embeddings else 2))
@@ -140,13 +158,15 @@ def check_weights_fit(cfg, dtype: torch.dtype, device=None, *, source: str, avai
                       offload: str | None = None, n_params: int | None = None) -> None:
     """Refuse (`WeightsDoNotFit`, one line) a load whose weights alone, `cfg.n_params()` in `dtype`, exceed
     what `device` has free (`available_bytes`), naming a smaller dtype that would fit, with its size, and
-    offload. Made from the config before any weight is read; a ceiling-free estimate (activations come on
-    top), so a load it allows can still run short, but one it refuses could not have fitted. Nothing is
-    refused when the free memory cannot be read. Offloaded (`offload`), the device holds its largest block
-    at a time (`largest_unit_bytes`); offload="cpu" holds every weight in host memory besides. `n_params`: the
-    count when the config's formula does not know it (a wrapped architecture, counted on the meta device);
-    such a model cannot be offloaded, so the refusal does not offer it."""
+    offload where one block fits: only what would fit is offered. Made from the config before any weight is
+    read; a ceiling-free estimate (activations come on top), so a load it allows can still run short, but one
+    it refuses could not have fitted. Nothing is refused when the free memory cannot be read. Offloaded
+    (`offload`), the device holds its largest block at a time (`largest_unit_bytes`); offload="cpu" holds every
+    weight in host memory besides. `n_params`: the count when the config's formula does not know it (a wrapped
+    architecture, counted on the meta device); such a model cannot be offloaded, so the refusal does not offer it."""
     device = torch.device(device or "cpu")
+    name = _name(dtype)
+    smaller = [d for d in _SMALLER if d.itemsize < dtype.itemsize]
     if offload is not None:
         if offload == "cpu" and device.type != "cpu":
             check_weights_fit(cfg, dtype, "cpu", source=source)
@@ -154,9 +174,14 @@ def check_weights_fit(cfg, dtype: torch.dtype, device=None, *, source: str, avai
         needed = largest_unit_bytes(cfg, dtype.itemsize)
         if available is not None and needed > available:
             where = "this machine's" if device.type == "cpu" else f"{device}'s"
-            raise WeightsDoNotFit(f"{source}: offloaded, its largest block in {str(dtype).removeprefix('torch.')} needs "
-                                  f"about {needed / GiB:.1f} GiB at a time, more than {where} {available / GiB:.1f} GiB "
-                                  "free: use a smaller dtype, or a device with more memory")
+            fits = [d for d in smaller if largest_unit_bytes(cfg, d.itemsize) <= available]
+            instead = (f"in {_name(fits[0])} it takes {gib_text(largest_unit_bytes(cfg, fits[0].itemsize))}, which "
+                       f"fits (dtype=torch.{_name(fits[0])}), or use a device with more memory" if fits else
+                       "no smaller dtype interp loads makes it fit"
+                       + (f" ({gib_text(largest_unit_bytes(cfg, 2))} in bfloat16)" if smaller else "")
+                       + ": use a device with more memory")
+            raise WeightsDoNotFit(f"{source}: offloaded, its largest block in {name} needs about {gib_text(needed)} at "
+                                  f"a time, more than {where} {gib_text(available)} free; {instead}")
         return
     available = available_bytes(device) if available is None else available
     n = cfg.n_params() if n_params is None else n_params
@@ -164,13 +189,20 @@ def check_weights_fit(cfg, dtype: torch.dtype, device=None, *, source: str, avai
     if available is None or needed <= available:
         return
     where = "this machine's" if device.type == "cpu" else f"{device}'s"
-    fits = [d for d in _SMALLER if d.itemsize < dtype.itemsize and n * d.itemsize <= available]
-    instead = (f"in {str(fits[0]).removeprefix('torch.')} they take {n * fits[0].itemsize / GiB:.1f} GiB, "
-               f"which fits (dtype=torch.{str(fits[0]).removeprefix('torch.')})" if fits else
-               f"no dtype interp loads in fits ({n * 2 / GiB:.1f} GiB in bfloat16)")
-    if n_params is None:  # a native model: offloading is the other way
-        offloaded = largest_unit_bytes(cfg, dtype.itemsize)
-        instead += (f"; or offload=\"disk\" (--offload disk): the weights stay in the checkpoint's files and one "
-                    f"block of {offloaded / GiB:.1f} GiB is held at a time")
-    raise WeightsDoNotFit(f"{source}: its {n / 1e9:.2f}B weights in {str(dtype).removeprefix('torch.')} need about "
-                          f"{needed / GiB:.1f} GiB, more than {where} {available / GiB:.1f} GiB free; {instead}")
+    fits = [d for d in smaller if n * d.itemsize <= available]
+    instead = (f"in {_name(fits[0])} they take {gib_text(n * fits[0].itemsize)}, which fits "
+               f"(dtype=torch.{_name(fits[0])})" if fits else
+               f"no dtype interp loads in fits ({gib_text(n * 2)} in bfloat16)")
+    if n_params is None:  # a native model: offloading is the other way, offered where a block fits
+        held = [d for d in (dtype, *smaller) if largest_unit_bytes(cfg, d.itemsize) <= available]
+        if held:
+            block = gib_text(largest_unit_bytes(cfg, held[0].itemsize))
+            instead += (f"; or offload=\"disk\" (--offload disk): the weights stay in the checkpoint's files and one "
+                        f"block of {block} is held at a time"
+                        + ("" if held[0] == dtype else f" in {_name(held[0])} (dtype=torch.{_name(held[0])})"))
+    raise WeightsDoNotFit(f"{source}: its weights, {parameters_text(n)} in {name}, need about {gib_text(needed)}, "
+                          f"more than {where} {gib_text(available)} free; {instead}")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -2,7 +2,7 @@
 
 A unit is the token embedding ("embed"), its norm ("embed_ln", Bloom), the learned or sinusoidal position
 embedding ("pos_embed"), a block ("blocks.L"), the final norm ("ln_final") or the unembedding ("unembed"),
-as in `interp.models.offload`. A map gives each unit a device:
+as in `interp.models.placement.offload`. A map gives each unit a device:
 
     "auto"    the blocks split evenly, in contiguous runs, over the CUDA devices torch sees (block L on
               device L * k // n_layers); with one device or none, everything on that one (`device=`'s, else
@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 
 import torch
 from torch import Tensor, nn
 
-from interp.errors import UserError
+from interp.errors import Note, UserError
 
 FIXED_UNITS = ("embed", "embed_ln", "pos_embed", "ln_final", "unembed")
 
@@ -112,7 +113,8 @@ def _device(value, key) -> torch.device:
 
 def resolve_device_map(device_map, cfg, *, device=None) -> dict[str, torch.device]:
     """{unit: torch.device} for every unit of a model of config `cfg`, from "auto" or a dict (see the module
-    doc), each device checked against this machine (`resolve_device`). Refused in one line: a device the
+    doc), each device checked against this machine (`resolve_device`); "auto" without a GPU says so (a `Note`
+    warning: the CLI's one note line). Refused in one line: a device the
     machine lacks, a layer out of range, an unknown unit, an empty map, a tied unembedding apart from the
     embedding, and `device` (the `device=` of the load) other than where the map puts the embedding."""
     from .device import available_devices
@@ -128,6 +130,9 @@ def resolve_device_map(device_map, cfg, *, device=None) -> dict[str, torch.devic
         else:
             one = _device(device if device is not None else (gpus[0] if gpus else "cpu"), "auto")
             named = {u: one for u in units}
+            if not gpus:  # nothing to split over: said, as it would otherwise pass for a split
+                warnings.warn(f"device_map='auto' (--device-map auto): torch sees no GPU on this machine, so no GPU took "
+                              f"the map and the whole model runs on {one}", Note, stacklevel=2)
     elif isinstance(device_map, dict):
         if not device_map:
             raise DeviceMapRefused("device_map={} names no device: give 'auto' or {layer or unit: device}")

@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .hooks import HookPoint
+from ..hooks import HookPoint
 
-from .config import ModelConfig
-from .positions import sinusoidal_table
-from .weights import OptionalBias, stored
+from ..config import ModelConfig
+from ..positions import sinusoidal_table
+from ..readouts.weights import OptionalBias, stored
 
 
 class Embed(nn.Module):

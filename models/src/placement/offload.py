@@ -27,6 +27,14 @@ lines over the mapping interp already reads checkpoints through.
 
 A backward pass through an offloaded model is refused in one line: autograd would keep every
 layer's materialised weights alive until the backward ran, the whole model in memory.
+
+With "disk" the file is read again for every block of every forward, so it must not change while the
+model lives: before a unit brings its weights in (`Unit.enter`), each mapped file it reads is checked
+(one os.stat: `tensor_files.MappedFile.check`), and a file written over or truncated in place since the
+load is refused in one line (`CheckpointChanged`) before a page of it is touched, between blocks as well
+as before a forward; a file replaced by a new one (os.replace) leaves the old pages mapped, so the model
+runs on with the weights it loaded and warns once. A truncation while one block runs is not seen in time
+and still kills the process (SIGBUS). See `interp.models.placement.tensor_files` for what is and is not caught.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from torch import Tensor, nn
 
 from interp.errors import UserError
 from .device_map import unit_of
-from .tensor_files import Joined, fill, release_pages
+from .tensor_files import Joined, check_files, fill, mapped_files, release_pages, tensors_of
 
 OFFLOADS = ("cpu", "disk")
 UNIT_MODULES = ("embed", "pos_embed", "unembed")  # top-level modules offloaded whole (besides the blocks)
@@ -102,12 +110,16 @@ class Unit:
     def __init__(self, name: str, module: nn.Module, slots: list[_Slot], offload: "Offload") -> None:
         self.name, self.module, self.slots, self.offload = name, module, slots, offload
         self.holds = 0
+        self.hooked = 0  # entries made by the forward pre-hook, each given back by the forward hook
+        # the checkpoint files the weights are read from (disk; none for host copies), checked at each entry
+        self.files = mapped_files(t for s in slots for t in tensors_of(s.source))
 
     @property
     def nbytes(self) -> int:
         return sum(s.dtype.itemsize * _numel(s.shape) for s in self.slots)
 
     def enter(self) -> None:
+        check_files(self.files)  # first: a file changed under the model is refused before anything is taken
         for s in self.slots:
             s.take(self.offload.device)
         self.holds += 1
@@ -176,13 +188,16 @@ class Offload:
 
     def _pre(self, unit: Unit):
         def hook(module, args):
-            unit.enter()  # first: the forward hook (always called) releases it, whatever raises after
+            unit.enter()  # raises before taking anything (a changed file): then there is nothing to give back
+            unit.hooked += 1  # from here the forward hook (always called) releases it, whatever raises after
             _refuse_grad(args, unit.name)
         return hook
 
     def _post(self, unit: Unit):
         def hook(module, args, output):
-            unit.exit()
+            if unit.hooked:  # not when this call's pre-hook refused before entering
+                unit.hooked -= 1
+                unit.exit()
             _refuse_grad((output,), unit.name)
         return hook
 
@@ -190,14 +205,20 @@ class Offload:
     @contextlib.contextmanager
     def holding(self, *names: str):
         """Hold the named units (`"blocks.3"`, `"unembed"`) materialised on the device for the block."""
-        units = [self.units[n] for n in names if n in self.units]
-        for u in units:
-            u.enter()
+        entered = []
         try:
+            for u in (self.units[n] for n in names if n in self.units):
+                u.enter()  # may refuse (a changed file): those entered so far are given back below
+                entered.append(u)
             yield
         finally:
-            for u in reversed(units):
+            for u in reversed(entered):
                 u.exit()
+
+    @property
+    def files(self) -> tuple:
+        """The mapped checkpoint files the units read (`tensor_files.MappedFile`), once each."""
+        return tuple(dict.fromkeys(f for u in self.units.values() for f in u.files))
 
     @property
     def largest_unit_bytes(self) -> int:
@@ -240,9 +261,10 @@ def named_weights(model: nn.Module):
             if unit != held:
                 if held is not None:
                     offload.units[held].exit()
-                held = unit
-                if held is not None:
-                    offload.units[held].enter()
+                    held = None
+                if unit is not None:
+                    offload.units[unit].enter()  # may refuse (a changed file): then nothing is held
+                    held = unit
             yield name, (state[name] if unit is None else _current(model, name))
     finally:
         if held is not None:

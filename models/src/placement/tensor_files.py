@@ -4,6 +4,40 @@ weights file a checkpoint folder holds (ours or Hugging Face's).
 Our format is a directory with `config.json` ({"interp_format": 1, "config": ModelConfig}) and
 `model.safetensors` (tensors may be stored in fp16/bf16 and are restored to the requested dtype).
 Nothing here builds a model, so the model itself can import `save_model` (`model.save`).
+
+The checkpoint's file while a model lives. A loaded model's weights are, where their dtype and layout
+allow, the file's own pages, mapped copy-on-write (`mapped_safetensors`; a zip-format `pytorch_model.bin`
+through torch's mapping, `read_pickled`): the kernel reads a page from the file when it is touched, and
+drops it again when memory is short or an offloaded block is done with it (`release_pages`), to read it
+anew next time. So the file must not change under a live model. What a user must not do, and what
+interp does if they do (`MappedFile.check`, run before every forward of a native model,
+`HookedModel.check_weight_files`, and before an offloaded block brings its weights in,
+`interp.models.placement.offload`; one `os.stat` of each mapped file, nothing for a model whose weights were copied):
+
+    written over in place (a trainer saving to the same path, `cp` onto it, `open(path, "r+b")`): the
+        next forward would compute with the new bytes, NaN included, though NaN is refused at load. The
+        file's size or modification time (ns) differs from the load's on the same inode: refused in one
+        line, `CheckpointChanged`, naming the file: reload the model after the file is written.
+    truncated in place (`os.truncate`, a copy that starts by emptying the file): touching a page past the
+        new end kills the process with SIGBUS, which Python cannot turn into an exception (a SIGBUS
+        handler returns to the faulting instruction, which faults again). The size check refuses it in
+        one line before a forward, or an offloaded block, touches a page.
+    replaced by a new file (`os.replace` onto the path, as `save_model` writes; `rm`; a Hugging Face
+        cache's link pointed at a new blob): the mapping keeps the old inode's pages, so the model still
+        computes with exactly the weights it loaded and checked, as a model whose weights were copied out
+        of the file does, and nothing is wrong with its numbers. It is not refused: refusing would make
+        every live model stop when a checkpoint is re-saved the safe way; but the path no longer holds
+        what the model computes with, so it warns once per file (`CheckpointReplaced`), saying so.
+
+What is not caught: a file changed during one forward of a model held whole (checked once per forward;
+an offloaded model checks each block), weights read outside a forward (`model.W_Q`, `state_dict()` of
+a model held whole), a write that keeps the size within a few ms of the file's previous write (mtime ticks
+with the kernel's coarse clock, so both can carry the same time), and writes to the old inode after the
+path was replaced (through another hard link); nor a wrapped model (transformers holds its weights). A truncation in
+those windows still kills the process with SIGBUS, with no message; `python -X faulthandler` (or
+`faulthandler.enable()`) makes Python print "Fatal Python error: Bus error" and the stack before it dies.
+Never write over a checkpoint a live model reads: copy it elsewhere first, or write the new file beside
+it and move it into place.
 """
 
 from __future__ import annotations
@@ -13,8 +47,10 @@ import json
 import math
 import mmap
 import os
+import time
 import warnings
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,7 +61,7 @@ from torch import Tensor
 from interp.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from .transformer import HookedTransformer
+    from ..native.transformer import HookedTransformer
 
 FORMAT_VERSION = 1
 
@@ -56,7 +92,7 @@ def save_model(model: "HookedTransformer", path, dtype: torch.dtype | None = Non
 class Joined:
     """Tensors joined along `dim`, not joined yet: a family's fused weight (W_qkv from separate q, k, v
     projections) made of views of a checkpoint's mapped files. Joining copies; held this way, a model that
-    offloads its blocks (`interp.models.offload`) keeps the parts in the files and joins them into the block's
+    offloads its blocks (`interp.models.placement.offload`) keeps the parts in the files and joins them into the block's
     memory only while it runs, and a model held whole joins each as it adopts it, one at a time. It answers
     what the loader asks of a tensor (shape, dtype, `to`, strides: a contiguous result's) and nothing else."""
 
@@ -128,17 +164,20 @@ def read_state_dict(path: Path) -> dict[str, Tensor]:
 def read_pickled(pt: Path) -> dict[str, Tensor]:
     """A `pytorch_model.bin`'s tensors, never running its code (weights_only), memory-mapped where the file is
     torch's zip format (every torch.save since 1.6): the tensors are views of the file's pages, as a safetensors
-    file's are, so an offloaded model (`interp.models.offload`) keeps them on disk. An older file is read
+    file's are, so an offloaded model (`interp.models.placement.offload`) keeps them on disk. An older file is read
     into memory."""
     try:
         try:
-            return torch.load(pt, map_location="cpu", weights_only=True, mmap=True)
+            seen = os.stat(pt)  # what torch maps next: the file as it was when loaded (`MappedFile`)
+            tensors = torch.load(pt, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError as e:
             if "zip" not in str(e).lower():  # not the old format: a damaged file, said below
                 raise
             return torch.load(pt, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - re-raised with the file named
         raise CheckpointError(f"could not read {pt}: {e}") from e
+    _track_torch_mapping(pt, seen, tensors)
+    return tensors
 
 
 def inside(folder: Path, name, what: str) -> Path:
@@ -252,9 +291,10 @@ def mapped_safetensors(file: Path) -> dict[str, Tensor]:
         try:
             with open(file, "rb") as fh:
                 mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+                seen = os.fstat(fh.fileno())  # the inode mapped, as it is now (`MappedFile.check`)
         except (OSError, ValueError) as e:
             raise CheckpointError(f"could not read {file} ({e})") from None
-        _track(mapped)
+        _track(mapped, file, seen)
     out = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
@@ -270,22 +310,148 @@ def mapped_safetensors(file: Path) -> dict[str, Tensor]:
     return out
 
 
-# The mappings `mapped_safetensors` made that are still alive: (the mmap, its address, its length). Held
-# weakly: a mapping goes when the last tensor over it does, and its addresses may then be reused by
-# anonymous memory, which `release_pages` must never touch (MADV_DONTNEED would zero it).
-_LIVE: list[tuple[weakref.ref, int, int]] = []
+# ---- the files mapped, and whether they are still what was loaded ------------------------------------------
+class CheckpointChanged(CheckpointError):
+    """A checkpoint file that live weights are mapped from changed on disk (written over or truncated in
+    place) since the load: computing on would read other weights, or die of SIGBUS (see the module's docstring)."""
 
 
-def _track(mapped: mmap.mmap) -> None:
+class CheckpointReplaced(UserWarning):
+    """A checkpoint file a live model was loaded from is no longer at its path (replaced by a new file, or
+    removed): the model still computes with the weights it loaded, not with the file now at the path."""
+
+
+@dataclass(eq=False)
+class MappedFile:
+    """One checkpoint file whose pages live tensors are: its path; what the file was when it was mapped
+    (size, modification time in ns, inode, device); the addresses the mapping spans; weak references to
+    what holds the mapping (the mmap, or torch's storages), so a mapping nothing uses is never checked again,
+    and its addresses, which anonymous memory may reuse, are never released (`release_pages`)."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    ino: int
+    dev: int
+    address: int
+    length: int
+    refs: tuple
+    releasable: bool  # ours (`mapped_safetensors`); torch's mapping of a .bin is left to torch
+    told: bool = False  # the one warning that the path now holds another file was given
+
+    @classmethod
+    def of(cls, path, seen: os.stat_result, address: int, length: int, refs, releasable: bool) -> "MappedFile":
+        return cls(str(path), seen.st_size, seen.st_mtime_ns, seen.st_ino, seen.st_dev, address, length,
+                   tuple(refs), releasable)
+
+    @property
+    def alive(self) -> bool:
+        return any(r() is not None for r in self.refs)
+
+    def spans(self, start: int, nbytes: int) -> bool:
+        return self.address <= start and start + nbytes <= self.address + self.length
+
+    def check(self) -> None:
+        """Raise `CheckpointChanged` when the file was written over or truncated in place since it was mapped;
+        warn once (`CheckpointReplaced`) when its path now names another file or none. One `os.stat`."""
+        if not self.alive:
+            return
+        try:
+            now = os.stat(self.path)
+        except OSError:
+            return self._tell("was removed")
+        if (now.st_ino, now.st_dev) != (self.ino, self.dev):
+            return self._tell(f"was replaced by a new file (inode {self.ino} -> {now.st_ino})")
+        if now.st_size != self.size or now.st_mtime_ns != self.mtime_ns:
+            raise CheckpointChanged(self._changed(now))
+
+    def _changed(self, now: os.stat_result) -> str:
+        if now.st_size < self.size:
+            what = (f"truncated from {self.size:,} to {now.st_size:,} bytes; touching a weight past its new end "
+                    "would kill the process with SIGBUS")
+        elif now.st_size != self.size:
+            what = f"size {self.size:,} -> {now.st_size:,} bytes"
+        else:
+            what = (f"written over in place: same size and inode, modified at {_when(now.st_mtime_ns)}, loaded at "
+                    f"{_when(self.mtime_ns)}")
+        return (f"{self.path} changed on disk while a model loaded from it is alive ({what}): the model's weights "
+                "are that file's memory-mapped pages, so it would compute with whatever the file holds now. Reload "
+                "the model (interp.load) after the file is written, and never write over a checkpoint that a live "
+                "model reads: copy it elsewhere first, or write the new file beside it and move it into place "
+                "(os.replace, as interp.save_model does)")
+
+    def _tell(self, what: str) -> None:
+        if not self.told:
+            self.told = True
+            warnings.warn(f"{self.path} {what} while a model loaded from it is alive: the model keeps computing with "
+                          "the weights it loaded (the old file's pages stay mapped), not with the file now at that "
+                          "path; reload the model (interp.load) to use the new file", CheckpointReplaced, stacklevel=2)
+
+
+def _when(ns: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns // 10**9)) + f".{ns % 10**9:09d}"
+
+
+# The files mapped whose mappings are still alive: `MappedFile` records, pruned as their mappings go.
+_LIVE: list[MappedFile] = []
+
+
+def _track(mapped: mmap.mmap, file: Path, seen: os.stat_result) -> None:
     view = ctypes.c_char.from_buffer(mapped)  # only to read the address; released at once (the mmap may close)
     address = ctypes.addressof(view)
     del view
-    _LIVE[:] = [e for e in _LIVE if e[0]() is not None]
-    _LIVE.append((weakref.ref(mapped), address, len(mapped)))
+    _remember(MappedFile.of(file, seen, address, len(mapped), [weakref.ref(mapped)], releasable=True))
+
+
+def _track_torch_mapping(file: Path, seen: os.stat_result, tensors) -> None:
+    """torch.load(mmap=True) maps the whole file and gives every tensor a storage sliced from it: the mapping
+    lives while any of those storages does, and spans at least their addresses."""
+    storages = {}
+    for t in tensors.values() if isinstance(tensors, dict) else ():
+        if isinstance(t, Tensor) and t.device.type == "cpu" and t.untyped_storage().nbytes():
+            s = t.untyped_storage()
+            storages[s.data_ptr()] = s
+    if storages:
+        start = min(storages)
+        end = max(p + s.nbytes() for p, s in storages.items())
+        _remember(MappedFile.of(file, seen, start, end - start, [weakref.ref(s) for s in storages.values()],
+                                releasable=False))
+
+
+def _remember(record: MappedFile) -> None:
+    _LIVE[:] = [e for e in _LIVE if e.alive]
+    _LIVE.append(record)
 
 
 def _in_live_mapping(start: int, nbytes: int) -> bool:
-    return any(ref() is not None and base <= start and start + nbytes <= base + length for ref, base, length in _LIVE)
+    return any(e.releasable and e.alive and e.spans(start, nbytes) for e in _LIVE)
+
+
+def mapped_files(tensors) -> tuple[MappedFile, ...]:
+    """The live mapped files (`MappedFile`) that any of `tensors` (tensors or `Joined`) is a view of, once
+    each, in the order found: what a model reading them must check (`check_files`). Empty for copies."""
+    found: dict[int, MappedFile] = {}
+    live = [e for e in _LIVE if e.alive]
+    if not live:
+        return ()
+    for t in (p for x in tensors for p in tensors_of(x)):
+        if not isinstance(t, Tensor) or t.device.type != "cpu":
+            continue
+        storage = t.untyped_storage()
+        start, nbytes = storage.data_ptr(), storage.nbytes()
+        for e in live:
+            if e.spans(start, nbytes):
+                found.setdefault(id(e), e)
+    return tuple(found.values())
+
+
+def check_files(files) -> None:
+    """`MappedFile.check` each of `files`: raise `CheckpointChanged` for the first one written over or truncated
+    since it was mapped (warn once for one replaced)."""
+    for f in files:
+        f.check()
+
+
 _PAGE = mmap.PAGESIZE
 
 

@@ -13,9 +13,9 @@ from torch import Tensor
 
 from .attention_view import View, pattern_view
 from interp.errors import BadValue
-from .hooks.aliases import act_name, canonical, hook_aliases
+from ..hooks.aliases import act_name, canonical, hook_aliases
 
-from .kv.cache import KVCache  # noqa: F401 - `interp.models.cache.KVCache`, as before the split
+from ..kv.cache import KVCache  # noqa: F401 - `interp.models.readouts.activation_cache.KVCache`, as before the split
 
 if TYPE_CHECKING:
     from torch import nn
@@ -411,7 +411,8 @@ def _as_list(s):
 
 
 # ---- TransformerLens interop (its package is imported only when called) ----------------------
-def _tl():
+def tl_package():
+    """The transformer_lens package, or one ImportError line saying how to install it."""
     try:
         import transformer_lens
     except ImportError as e:  # pragma: no cover - exercised only without the extra installed
@@ -428,7 +429,7 @@ def to_tl_cache(cache, model: "nn.Module | None" = None):
     dict in place, which must not reach ours). `model` defaults to the cache's model. TransformerLens's
     cache looks names up literally, so each activation is also listed under the bridge's names for it
     (`blocks.0.hook_in` beside `blocks.0.hook_resid_pre`), as the bridge's own caches list both."""
-    TLCache = _tl().ActivationCache
+    TLCache = tl_package().ActivationCache
     if isinstance(cache, TLCache):
         return cache
     if isinstance(cache, ActivationCache):

@@ -17,8 +17,8 @@ from torch import Tensor, nn
 from interp.errors import BadValue
 from interp.kernels.attention import AttentionMask
 
-from .attention import Attention
-from .base import HookedModel, TokenBatch, _nll, lm_loss, masked_nll  # noqa: F401 - TokenBatch, lm_loss: their old home
+from .attention_layer import Attention
+from ..base import HookedModel, _nll, lm_loss, masked_nll
 from .components import (
     Embed,
     PosEmbed,
@@ -28,19 +28,19 @@ from .components import (
     init_weights,
     make_norm,
 )
-from .config import ModelConfig, RopeScaling
-from .generate import generate
-from .hooks import HookPoint
-from .kv.cache import KVCache
-from .kv.policy_cache import PolicyKVCache
-from .kv.policies import is_window, window_policy
+from ..config import ModelConfig, RopeScaling
+from ..generate import generate
+from ..hooks import HookPoint
+from ..kv.cache import KVCache
+from ..kv.policy_cache import PolicyKVCache
+from ..kv.policies import is_window, window_policy
 from .moe import make_mlp
-from . import device_map as device_maps
-from .offload import OffloadRefused
-from .positions import Rotary
+from ..placement import device_map as device_maps
+from ..placement.offload import OffloadRefused
+from ..positions import Rotary
 from .processing import process_weights
-from .tensor_files import save_model
-from .weights import WeightViews
+from ..placement.tensor_files import save_model
+from ..readouts.weights import WeightViews
 
 ReturnType = Literal["logits", "loss", "both", None]
 
@@ -223,11 +223,12 @@ class HookedTransformer(WeightViews, HookedModel):
         only normalise. center_writing_weights (LayerNorm models): writes to the residual stream lose
         their mean. center_unembed: W_U loses its mean over the vocabulary. fold_value_biases: b_V into
         b_O. refactor_factored_attn_matrices: balanced SVD factors of W_Q W_K^T and W_V W_O (not for
-        rotary / ALiBi / GQA). See `interp.models.processing`. Returns the model."""
+        rotary / ALiBi / GQA). See `interp.models.native.processing`. Returns the model."""
         self._refuse_offloaded("weight processing (fold_ln, centring, ...)")
         steps = dict(fold_ln=fold_ln, center_writing_weights=center_writing_weights, center_unembed=center_unembed,
                      fold_value_biases=fold_value_biases, refactor_factored_attn_matrices=refactor_factored_attn_matrices)
         process_weights(self, **steps)
+        self._weight_files = None  # processing may have replaced mapped weights with copies: looked for again
         done = self.runtime.processing
         self.runtime.processing = {k: bool(done.get(k) or v) for k, v in steps.items()}
         self._refresh_view()
@@ -325,6 +326,7 @@ class HookedTransformer(WeightViews, HookedModel):
         prepend_bos / padding_side: for text input, as `to_tokens` (default: BOS when the model's
                        `cfg.default_prepend_bos`); texts of different lengths get an attention mask.
         """
+        self.check_weight_files()  # a checkpoint file written over under the model: one line, before a page is read
         if start_at_layer is None:
             prepared = self.prepare(input, attention_mask, prepend_bos=prepend_bos, padding_side=padding_side)
             tokens, attention_mask = prepared.tokens, prepared.attention_mask

@@ -9,7 +9,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from .config import ModelConfig
+from ..config import ModelConfig
 from .factored import FactoredMatrix, layered_composition_scores
 
 
@@ -66,7 +66,7 @@ class WeightModel(Protocol):
     unembed: nn.Module  # .W_U, .b_U
     device: torch.device
     dtype: torch.dtype
-    offload: object  # an `interp.models.offload.Offload` (its units are read one at a time), or None
+    offload: object  # an `interp.models.placement.offload.Offload` (its units are read one at a time), or None
 
 
 class WeightViews:
@@ -77,7 +77,7 @@ class WeightViews:
     # ---- weights, TransformerLens names -------------------------------------------------------
     def _read(self, unit: str, read):
         """`read()` of weights in `unit` ("blocks.3", "embed", "unembed"). On an offloaded model
-        (`interp.models.offload`) the unit is brought to the device for the read and the result is a copy
+        (`interp.models.placement.offload`) the unit is brought to the device for the read and the result is a copy
         (the unit is released after); on a model held whole it is the parameter itself."""
         offload = self.offload
         if offload is None:
@@ -174,7 +174,7 @@ class WeightViews:
         `blocks.L.attn.W_gate_attn` [head, d_model, d_head], and its weight-only tools (OV circuits,
         `SVDInterpreter`) leave them out."""
         if self.offload is not None:
-            from .offload import OffloadRefused
+            from ..placement.offload import OffloadRefused
 
             raise OffloadRefused("tl_parameters() gives views of every live weight, and this model is offloaded "
                                  f"({self.offload.kind}): read one layer's inside `with model.holding(layer):`, or load "

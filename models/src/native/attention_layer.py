@@ -14,19 +14,18 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 from torch import Tensor, nn
 
-from .hooks import HookPoint
-from interp.kernels.attention import AttentionBackend, AttentionMask, Needs, choose
+from ..hooks import HookPoint
+from interp.kernels.attention import AttentionBackend, AttentionMask, BackendChoice, Needs, choose
 from interp.kernels.stats import Scoring
 
 from .components import ProjectionRMSNorm, RMSNorm
-from .config import ModelConfig
-from .positions import alibi_slopes, rotation
-from .weights import OptionalBias, stored
+from ..config import ModelConfig
+from ..positions import alibi_slopes, rotation
+from ..readouts.weights import OptionalBias, stored
 
 if TYPE_CHECKING:
-    from .kv.cache import KVCache
+    from ..kv.cache import KVCache
 
-BackendChoice = str  # "auto" or a name registered in kernels.attention.ATTENTION_BACKENDS (BACKEND_CHOICES)
 
 
 class Attention(nn.Module):
@@ -270,7 +269,7 @@ class Attention(nn.Module):
 
 class _AsExpanded(torch.autograd.Function):
     """The identity on per-query-head keys or values [batch, head, pos, d_head] that are copies of their KV
-    heads, laid out as the backends' own expansion of the KV heads lays them (`kernels.attention._expand_kv`:
+    heads, laid out as the backends' own expansion of the KV heads lays them (`kernels.attention.expand_kv`:
     a copy per group, a broadcast view for one KV head), since a matmul's bits follow its operands' layout.
     The gradient passes through per query head, so each copy keeps its own."""
 

@@ -291,7 +291,7 @@ def _install(model, sd: _Weights, dtype: torch.dtype) -> None:
             # or TransformerLens's tools refuse the model (they check every module).
             model.unembed = Unembed(new_cfg).to(device=where.get("unembed", model.device), dtype=dtype).train(model.training)
             if where:
-                from .device_map import attach_unit
+                from ..placement.device_map import attach_unit
 
                 attach_unit(model, "unembed", where["unembed"])
         for block in model.blocks:

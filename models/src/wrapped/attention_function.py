@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from interp.kernels.attention import Needs, choose
 
-from ..attention import scoring_of
+from ..native.attention_layer import scoring_of
 from ..base import native_only
 from ..hooks import HookPoint
 

@@ -18,6 +18,7 @@ at p iff j <= p, p - j < window, and the key is real.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable
 
@@ -31,8 +32,8 @@ from interp.kernels import AttentionStats, Scoring, attention_stats
 from interp.kernels.attention import soft_cap
 from interp.kernels.visibility import visible
 
-from . import device_map as device_maps
-from .device import to_numpy
+from ..placement import device_map as device_maps
+from ..placement.device import to_numpy
 
 LayerFn = Callable[[int, Tensor, Tensor, Tensor], None]
 
@@ -162,24 +163,23 @@ def _scores(q: Tensor, k: Tensor, p: Tensor, j: Tensor, scoring: Scoring, key_pa
     return s.masked_fill(~ok, float("-inf"))
 
 
-def _resolved(q: Tensor, scoring: Scoring | None, old: dict) -> Scoring:
-    """`scoring` with the old keywords folded in, its scale resolved (1 / sqrt(d_head) by default)."""
-    scoring = Scoring.fold(scoring, **old)
-    return scoring if scoring.scale is not None else Scoring.fold(scoring, scale=1.0 / math.sqrt(q.shape[-1]))
+def _resolved(q: Tensor, scoring: Scoring | None) -> Scoring:
+    """`scoring` (None: the default) with its scale resolved (1 / sqrt(d_head) by default)."""
+    scoring = Scoring.of(scoring)
+    return scoring if scoring.scale is not None else dataclasses.replace(scoring, scale=1.0 / math.sqrt(q.shape[-1]))
 
 
 @torch.no_grad()
 def attention_logsumexp(q: Tensor, k: Tensor, scoring: Scoring | None = None, *,
-                        key_padding_mask: Tensor | None = None, budget: int = 1 << 22, **old) -> Tensor:
+                        key_padding_mask: Tensor | None = None, budget: int = 1 << 22) -> Tensor:
     """log sum_j exp(score) per query, float32 [batch, head, n_q] (-inf for a query with no visible key).
 
     q [batch, head, n_q, d], k [batch, kv_head, n_k, d] (GQA: head h reads kv head h // group), with the
-    queries the last n_q keys, scored as `scoring` says (the layer's `attn.scoring`; the old keywords
-    ``scale=``, ``window=``, ``alibi_slopes=``, ``softcap=``, ``sink_logits=`` fold into it for one release).
+    queries the last n_q keys, scored as `scoring` says (the layer's `attn.scoring`).
     Query blocks are sized so that one block's scores hold about `budget` floats (under a window, a block of
     at most `window` queries reaches 2 x window keys): O(n) memory, one attention pass of compute. Learned
     sink logits (gpt-oss) are one more term in the sum (the model's softmax denominator)."""
-    scoring = _resolved(q, scoring, old)
+    scoring = _resolved(q, scoring)
     batch, heads, n_q, d = q.shape
     n_k, window = k.shape[2], scoring.window
     offset = n_k - n_q
@@ -200,14 +200,14 @@ def attention_logsumexp(q: Tensor, k: Tensor, scoring: Scoring | None = None, *,
 
 @torch.no_grad()
 def attention_weights_at(q: Tensor, k: Tensor, lse: Tensor, keys: Tensor | None = None,
-                         scoring: Scoring | None = None, *, key_padding_mask: Tensor | None = None, **old) -> Tensor:
+                         scoring: Scoring | None = None, *, key_padding_mask: Tensor | None = None) -> Tensor:
     """Exact attention weights P[b, h, i, j] = exp(score - lse) at chosen keys, without the pattern.
 
     keys: long [m] absolute key positions -> [batch, head, n_q, m] (a few columns, e.g. the sink keys);
           None -> the diagonal P[b, h, i, p_i] (each query's weight on its own position), [batch, head, n_q].
     Entries a query cannot see are 0. `lse` comes from `attention_logsumexp` with the same `scoring` (whose
     sink logits it holds)."""
-    scoring = _resolved(q, scoring, old)
+    scoring = _resolved(q, scoring)
     batch, heads, n_q, d = q.shape
     n_k = k.shape[2]
     p = torch.arange(n_k - n_q, n_k, device=q.device)

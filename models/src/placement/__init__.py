@@ -1,0 +1,3 @@
+"""Where a model's weights live: the device (`device`, the one door off it: `to_numpy`), device maps
+(`device_map`), layer-by-layer offload (`offload`), memory estimates (`memory`) and the checkpoint
+files the weights are mapped from (`tensor_files`)."""
