@@ -7,7 +7,7 @@
   allowed: they work on every device. The CLI runs every command under it when INTERP_REFUSE_HOST_COPIES=1
   (the test suite sets it).
 * `simulated_gpu()`: the CPU plays a GPU: tensors put on "the device" are told apart from host tensors,
-  and an operation mixing the two raises `DeviceMixError` (``tests/test_device.py`` runs every command so).
+  and an operation mixing the two raises `DeviceMixError` (``tests/models/placement/test_device.py`` runs every command so).
 
 Not the model: it lived in models/src/placement/device.py until the models' room was kept for the model.
 """
@@ -241,13 +241,13 @@ def simulated_gpu(devices: int = 1):
     ``device=`` in a factory) are told apart from host tensors, and what a real GPU refuses raises
     `DeviceMixError`: an operation mixing the two (``x_on_device + torch.arange(n)``, ``torch.cat`` of both),
     or ``.numpy()`` of a device tensor. Host scalars (0-dim) mix freely, as on CUDA. For tests: run a command
-    on the CPU and find the device bugs a GPU would (``tests/test_device.py``).
+    on the CPU and find the device bugs a GPU would (``tests/models/placement/test_device.py``).
 
     devices=N (N >= 2): the CPU plays N GPUs, "cuda:0" ... "cuda:N-1": `resolve_device` and `available_devices`
     accept and list them (patched for the block, with the memory query, the device's name, and the statistics
     kernel's Triton check: the tensors are CPU tensors), ``t.device`` says which one a tensor is on, "cpu" is
     the host, and an operation mixing two of them, or one with a host tensor, raises `DeviceMixError`
-    (``tests/test_device_map.py``: a model split over two devices by `device_map`)."""
+    (``tests/models/placement/test_device_map.py``: a model split over two devices by `device_map`)."""
     if devices < 1:
         raise ValueError(f"devices must be >= 1, got {devices}")
     if devices == 1:

@@ -5,18 +5,28 @@ workers with two torch threads each oversubscribe a 2-core machine, which made t
 up to 30x slower here. One thread per worker keeps the suite fast; a plain `pytest` runs each test
 module on one thread too (`one_thread`) and restores torch's setting after it.
 
-Shared helpers that are not fixtures (models, data, cases) live in support modules a test module
-imports: core_models.py, analyses_fixtures.py, sweep_fixtures.py, tl_pairs.py, hf_cases.py, smol.py.
+The tests mirror the rooms (tests/kernels/, tests/models/<room>/, tests/analyses/<room>/, tests/interp/, and
+tests/contract/ for the layers, packaging, names, docs and notebooks). Every folder a test sits in is also a
+marker (`pytest tests/analyses/circuits` and `pytest -m circuits` run the same tests), and `real` marks the tests
+that run SmolLM2 or Gemma 3. Shared helpers that are not fixtures (models, data, cases) live in tests/support/,
+put on sys.path here, so a test module imports them by name: core_models, analyses_fixtures, sweep_fixtures,
+tl_pairs, hf_cases, smol, ...
 """
 
+import inspect
 import os
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS / "support"))  # the support modules, imported by name from any folder
 
 # Idle OpenMP threads sleep instead of spinning: spinning workers starve each other when the
 # suite's processes share two cores (5-20x slowdowns seen here). Must be set before torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Every `interp ...` command a test runs (in process through interp.cli.main, or as a subprocess) runs as
 # if its tensors were on a GPU: a tensor taken to the host other than by interp.models.placement.device.to_numpy
-# raises (`.numpy()` on a CUDA tensor fails). See tests/test_device.py.
+# raises (`.numpy()` on a CUDA tensor fails). See tests/models/placement/test_device.py.
 os.environ["INTERP_REFUSE_HOST_COPIES"] = "1"
 
 import matplotlib  # noqa: E402
@@ -38,3 +48,41 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(saved)
+
+
+_REAL = ("smollm2", "gemma3-270m", "gemma3_270m", "smol", "real_model")
+_sources: dict = {}
+
+
+def _source(fn) -> str:
+    if fn not in _sources:
+        try:
+            _sources[fn] = inspect.getsource(fn).lower()
+        except (OSError, TypeError):
+            _sources[fn] = ""
+    return _sources[fn]
+
+
+def _runs_a_real_model(item) -> bool:
+    """The test, or a fixture it uses, names SmolLM2 or Gemma 3 270M (or it is skipped without them)."""
+    if any("smollm2" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")):
+        return True
+    functions = [getattr(item, "function", None)]
+    for defs in getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}).values():
+        functions += [d.func for d in defs]
+    return any(needle in _source(fn) for fn in functions if fn is not None for needle in _REAL)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each folder a test sits in under tests/ is a marker (models, placement, analyses, circuits, ...), and a test
+    that runs SmolLM2 or Gemma 3 270M is `real`."""
+    for item in items:
+        path = Path(str(item.fspath)).resolve()
+        try:
+            folders = path.relative_to(TESTS).parts[:-1]
+        except ValueError:
+            continue
+        for folder in folders:
+            item.add_marker(getattr(pytest.mark, folder))
+        if _runs_a_real_model(item):
+            item.add_marker(pytest.mark.real)

@@ -19,7 +19,7 @@ Several prompts: the mean of the per-prompt scores. Differences from Transformer
 pattern is only read (releases before 4.3 zeroed its columns in place), every option applies to every
 prompt of a list (older releases dropped them), named patterns dispatch through a dict (TL `eval`s a
 function name), `seq_len == n_ctx` is accepted (TL asserts seq_len < n_ctx), and the "abs" score is
-not rounded to 3 decimals (TL rounds it). Otherwise the numbers are TL's (tests/test_analyses_detect.py
+not rounded to 3 decimals (TL rounds it). Otherwise the numbers are TL's (tests/analyses/test_detect.py
 runs TL's detect_head on a TransformerBridge of the same weights).
 """
 

@@ -110,7 +110,7 @@ def pruning_curve(
 
 class Shared:
     """What the pruning curves of one model on one fit / held-out split share, computed once, each number
-    the one a curve computing it alone gets (tests/test_pruning_equal.py checks the curves against a plain
+    the one a curve computing it alone gets (tests/analyses/test_pruning_equal.py checks the curves against a plain
     recomputation):
 
     * the ablation values (zero: no forward at all; mean: one forward on the fit data);

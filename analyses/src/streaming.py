@@ -111,7 +111,7 @@ def _cache_position_z_hooks(model, window: int, n_sink: int) -> list:
     n_sink <= j in the layer's window scored as usual, one softmax over both, in float32 (times the output
     gate read at `hook_attn_gate`, where the layer has one). O(pos x (BLOCK +
     window)) per head, where the score hooks cost O(pos^2) on the instrumented path (the two agree to
-    float32 round-off: tests/test_analyses_sinks.py, tests/test_gemma3.py)."""
+    float32 round-off: tests/analyses/test_sinks.py, tests/models/families/test_gemma3.py)."""
     seen: dict = {}
     keep = _keeper(model, seen)
 

@@ -43,7 +43,7 @@ every task's results, `run` owns, for every study:
 with a default length fitted to the model (`fit_default`: said in one note) and anything that cannot
 work refused in one line. The command line's side is `interp.commands.checks` (read the config, check,
 then load); from Python, `run(study, model, out, study.checked(model.cfg, settings))`. A new study is one
-file, its command, and its test (`tests/test_study_plugin.py` defines one; `tests/test_study_commands.py`
+file, its command, and its test (`tests/analyses/test_study_plugin.py` defines one; `tests/contract/test_study_commands.py`
 holds every `Study` subclass it finds under `interp.analyses` to the contract).
 """
 

@@ -12,6 +12,6 @@
     gpu.py           6. the same on CUDA, plus the Triton streaming kernel vs SDPA flash (skipped without CUDA)
 
 They are not tests: timings are medians of interleaved repeats after warm-up, reported as ratios
-because the machine is shared and noisy. `tests/test_benchmarks.py` only checks that every section
+because the machine is shared and noisy. `tests/interp/test_benchmarks.py` only checks that every section
 runs on a tiny configuration (`interp bench --quick`) and writes its table.
 """

@@ -6,7 +6,7 @@ vs TransformerLens 4's bridge `generate` (its KV cache, its default).
 Greedy (`do_sample=False`), the same weights and prompts, exactly `gen_tokens` new tokens each
 (`min_new_tokens` / `stop_at_eos=False` keep everyone from stopping at an end-of-sequence id), end
 to end (prefill included). The table also says whether HF and the bridge produced our tokens (our
-greedy tokens are the argmax of a full uncached forward at every step: see tests/test_kv_cache.py).
+greedy tokens are the argmax of a full uncached forward at every step: see tests/models/kv/test_kv_cache.py).
 """
 
 from __future__ import annotations
@@ -74,6 +74,6 @@ def section(opts: Options) -> Section:
         notes=[] if all(r[10] == "yes" for r in rows) else [
             "TL same tokens below 100%: the bridge's cached decoding leaves its own uncached forward after "
             "the first new token (TransformerLens 4.x on transformers 5.x; with `use_past_kv_cache=False` it "
-            "gives our tokens, see tests/test_tl_conventions.py), so its time is that of a wrong continuation."],
+            "gives our tokens, see tests/interp/test_tl_conventions.py), so its time is that of a wrong continuation."],
         headline=["generation, time / ours (above 1: ours faster): " + "; ".join(heads)],
     )

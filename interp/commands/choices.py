@@ -2,7 +2,7 @@
 
 `interp --help` and every subcommand's `--help` must answer in well under a second, and importing
 torch alone takes about one. So the few names a parser shows (analysis names and defaults, data
-kinds and sizes, executors, benchmark sections) are restated here, and `tests/test_cli.py` checks
+kinds and sizes, executors, benchmark sections) are restated here, and `tests/interp/test_cli.py` checks
 that every one equals its definition (`interp.analyses.atlas.registry`, `interp.analyses.atlas.sweep`, ...):
 change one there and that test says what to update here.
 """

@@ -2,7 +2,7 @@
 cell (`_repr_html_`: Jupyter, JupyterLab, VS Code), a page (`View.save`), or a block of a report.
 
 It takes checked numbers and strings, never a model or a tensor: numpy and the standard library only
-(tests/test_view.py imports it without torch). Below the models in the layers, so that
+(tests/interp/test_view.py imports it without torch). Below the models in the layers, so that
 `ActivationCache.view` (interp/models/cache.py) can draw without the models holding HTML: the checks of
 what a user hands a view, and the turning of tensors into arrays, are `interp.models.readouts.attention_view`;
 `interp.view` is what a notebook calls; the report's viewer (`interp.analyses.atlas.registry.viewer`) takes

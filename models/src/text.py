@@ -33,7 +33,7 @@ class TextModel(Protocol):
 class TextMixin:
     """Text in and out, mixed into a `TextModel` (`HookedTransformer`): every method reads the host
     only through the `TextModel` attributes (cfg, runtime, tokenizer, device, W_U) and this mixin's
-    own methods (tests/test_layers.py checks it)."""
+    own methods (tests/contract/test_layers.py checks it)."""
 
     # ---- tokenizer helpers --------------------------------------------------------------------
     def _need_tokenizer(self):

@@ -7,9 +7,10 @@ of one chunk's stream (b x p x d_model values) and one forward's activations (`p
 
     runs         one forward                                             (the chunk's runs being made)
     eap, eap-ig  block by block: the point's stream (L + 1 rows, EAP-IG), one block's autograd (two forwards'
-                 activations) and its receivers' inputs and gradients (3 rows each); the whole graph: every
-                 block's autograd (L + 1 forwards), every receiver's gradient (3 R rows) and the senders'
-                 differences (S rows); on "activations", each run's every receiver input (2 R rows, held)
+                 activations, each with the graph's own copy of the stream per head and its norm) and its
+                 receivers' inputs and gradients (3 rows each); the whole graph: every block's autograd (L + 1),
+                 every receiver's gradient (3 R rows) and the senders' differences (S rows); on "activations", each
+                 run's every receiver input (2 R rows, held)
     patched runs the faithfulness curve and exact patching: lean, two blocks' forwards (the patched block and
                  the corrupted values formed again) and their senders' values; the whole cache, a buffer of every
                  sender's difference (S rows) and a forward
@@ -43,8 +44,9 @@ from .layered import SENDER_CHUNK
 from .runner import chunking, goes_by_layer, run_bytes
 
 MOVERS_BATCH = 16  # prompts per forward of the report's heads that write the answer (`study._movers`)
-# what a forward reaches of a bare matrix product's speed, on these CPUs: SmolLM2 at 1,024 and 2,048 tokens
-EFFICIENCY = 0.35
+# what a forward reaches of that product's speed: SmolLM2's passes at 1,024 and 2,048 tokens reached 1.2 and 1.4
+# times it on this project's 2-core CPU (idle); 1 leaves room for a loaded machine
+EFFICIENCY = 1.0
 STAGES = ("runs", "eap", "eap-ig", "patched runs", "patterns")
 
 
@@ -117,19 +119,22 @@ def stage_bytes(cfg, n_prompts: int, positions: int, batch_size: int = 16, *, me
     row = b * positions * cfg.d_model * 4  # one chunk's stream, float32 (gradients, sums)
     runs = held * b * run_bytes(cfg, graph, positions, element_size, lean=layered)
     forward = b * positions * per_token_bytes(cfg)  # one forward's activations, one block at a time
+    # one block's activations that autograd saves: a forward's, and in the graph's mode each head's and the MLP's
+    # own copy of the stream and of its norm (`graph_mode`)
+    autograd = forward + 2 * (cfg.n_heads + 2 * cfg.kv_heads + 1) * row
     S, R, L = len(graph.senders), len(graph.receivers), graph.n_layers
     block = _block_receivers(graph)
     if ig == "activations" and method == "eap-ig":  # every receiver's input in both runs, held with each chunk
         runs += held * 2 * R * row
     out = {"runs": runs + forward}
     if layered:
-        attribution = runs + 2 * forward + 3 * block * row + min(SENDER_CHUNK, S) * row * (element_size != 4)
+        attribution = runs + 2 * autograd + 3 * block * row + min(SENDER_CHUNK, S) * row * (element_size != 4)
         out["eap"] = attribution
         out["eap-ig"] = attribution + (L + 1) * row  # the point's stream, block by block
         senders = max(1, (S - 1) // max(1, L))  # one block's senders
         out["patched runs"] = runs + 2 * forward + (2 * senders + block + 2) * row
     else:
-        attribution = runs + (L + 1) * forward + 3 * R * row + S * row
+        attribution = runs + (L + 1) * autograd + 3 * R * row + S * row
         out["eap"] = out["eap-ig"] = attribution
         out["patched runs"] = runs + forward + (S + block + 2) * row
     out = {k: v for k, v in out.items() if k not in ("eap", "eap-ig") or k == method}

@@ -40,8 +40,8 @@ names, constants, validation and result type of :mod:`interp.kernels.stats.commo
 
 All compute in float32 whatever the input dtype, and match statistics computed from a
 materialised float64 pattern (`kernels/src/stats/reference.py`) to float32 round-off
-(`tests/test_attention_stats.py`). A new separable statistic is one file
-(`kernels/src/stats/separable.py`: a name and its key column, registered; `tests/test_stat_plugin.py`).
+(`tests/kernels/test_attention_stats.py`). A new separable statistic is one file
+(`kernels/src/stats/separable.py`: a name and its key column, registered; `tests/kernels/test_stat_plugin.py`).
 
 Positions and masks. Queries are the *last* ``n_q`` positions of the key sequence (decoding
 from a KV cache): query ``i`` sits at absolute position ``p = n_k - n_q + i``; key ``j`` at

@@ -10,7 +10,7 @@ and every route that computes separable statistics computes it too: the fused ro
 in its value matrix ``[K | position | sink | f ...]``, the torch tiles accumulate ``P f`` in every tile,
 and the float64 oracle (`kernels/src/stats/reference.py`) sums the materialised pattern times the column.
 The Triton kernel has a fixed set of accumulators: it refuses an added statistic (``"auto"`` runs the
-torch tiles instead). `tests/test_stat_plugin.py` adds one in the test file and holds it to the oracle.
+torch tiles instead). `tests/kernels/test_stat_plugin.py` adds one in the test file and holds it to the oracle.
 
 A registered statistic is computed whenever it is named in ``attention_stats(..., stats=[...])`` (and by
 default, with the seven built-in ones) and read back as ``stats.<name>`` or ``stats.to_dict()[name]``.

@@ -4,7 +4,7 @@ A byte-level BPE ("gpt2": vocabulary, merges, special tokens, the pre-tokenizer 
 names), Gemma's SentencePiece BPE ("llama" in a Gemma file: byte fallback, merges rebuilt from the
 vocabulary's order) or Phi-3's ("llama" in a Phi-3 file: merges rebuilt from the scores, a prefix
 "\u2581" from a normalizer). transformers' own GGUF loading is the test oracle for its ids
-(tests/test_gguf_families.py, tests/test_real_models.py).
+(tests/models/formats/test_gguf_families.py, tests/models/runs/test_real_models.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Long-context work (`interp analyze --seq-len 32768`, `interp lengths`, `interp kv passkey --lengths`)
 holds the weights, one layer's activations at a time, and nothing of size n x n (the streaming
-statistics, banded sliding windows, slabbed unembedding: `tests/test_long_context.py` holds the
+statistics, banded sliding windows, slabbed unembedding: `tests/analyses/extrapolation/test_long_context.py` holds the
 code to that). What grows with the length is then linear:
 
     bytes(batch, n) = FIXED + weights + batch * n * per_token

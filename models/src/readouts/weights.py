@@ -72,7 +72,7 @@ class WeightModel(Protocol):
 class WeightViews:
     """TransformerLens's weight views, mixed into a `WeightModel` (`HookedTransformer`): every view
     reads the host only through the `WeightModel` attributes (cfg, embed, pos_embed, blocks,
-    ln_final, unembed, device, dtype) and this mixin's own views (tests/test_layers.py checks it)."""
+    ln_final, unembed, device, dtype) and this mixin's own views (tests/contract/test_layers.py checks it)."""
 
     # ---- weights, TransformerLens names -------------------------------------------------------
     def _read(self, unit: str, read):

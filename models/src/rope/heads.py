@@ -14,7 +14,7 @@ whose `per_layer` gives [batch, pos, kv_head, rotary_dim] tables where a layer h
 scaled table's rows (YaRN's attention factor included) for them and the model's own for the rest)
 stands in for `model.rotary`, and those layers rotate q with each KV head's row repeated for its query
 heads (`_grouped`). Chosen on every KV head it is the global scaling, number for number (the same
-`Rotary.cos_sin` on the same positions; tests/test_extrapolate.py). On a model whose sliding layers
+`Rotary.cos_sin` on the same positions; tests/analyses/extrapolation/test_extrapolate.py). On a model whose sliding layers
 have a base of their own (Gemma 3) a scaling rescales the full layers' table only, as
 `HookedTransformer.rescale_rope_` does, so it changes nothing on a local layer's heads.
 
