@@ -75,8 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, (UserError, FileNotFoundError, NotImplementedError)):
             print(f"error: {e}", file=sys.stderr)
             return 2
-        if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":  # torch.cuda's is a RuntimeError
-            where = "the GPU" if type(e).__name__ == "OutOfMemoryError" else "this machine"
+        torch = sys.modules.get("torch")  # an out-of-memory error from torch means torch was imported already
+        on_gpu = torch is not None and isinstance(e, torch.cuda.OutOfMemoryError)  # a RuntimeError, not a MemoryError
+        if isinstance(e, MemoryError) or on_gpu:
+            where = "the GPU" if on_gpu else "this machine"
             print(f"error: out of memory on {where} ({type(e).__name__}); nothing more was written: run it with less "
                   "(fewer prompts or sequences, shorter ones, a smaller --batch-size) or where there is more memory",
                   file=sys.stderr)

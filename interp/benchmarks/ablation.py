@@ -57,8 +57,9 @@ def tl_hook_loop(bridge, tokens) -> tuple[float, dict]:
 
 def section(opts: Options) -> Section:
     from interp.analyses import ablate_heads
+    # imported when the section runs: a section loads only what it measures
     from interp.benchmarks.ablation_loop import naive_sweep
-    from interp.interop import bridge_from_hf
+    from interp.interop import bridge_from_hf  # imported when the section runs: a section loads only what it measures
 
     model, provenance = zoo_or_random("rope-gqa-4l")
     model = model.to(opts.device)

@@ -108,7 +108,7 @@ def _atlas(name: str, device: str) -> dict[str, float]:
 
 
 def _model_rows(name: str, opts: Options) -> tuple[list[list], list[list]]:
-    import interp
+    import interp  # imported when the section runs: a section loads only what it measures
     from interp.analyses.atlas.registry import streaming as reg_stream
     from interp.analyses.atlas.registry.base import Context
     from interp.analyses.data import DataSpec, build_tokens

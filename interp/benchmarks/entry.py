@@ -29,7 +29,8 @@ def apply_threads(threads: int | None) -> None:
 def section_main(name: str, section: Callable, doc: str, argv=None) -> int:
     """The `main` of a benchmark that is one section of `interp bench`: --threads, --quick, then the
     section's Markdown and the machine it ran on."""
-    from .report import Options
+    from .report import Options  # imported when the section runs: a section loads only what it measures
+    # imported when the section runs: a section loads only what it measures
     from .timing import default_clock, machine_summary
 
     p = parser(name, doc.split("\n")[0])

@@ -85,7 +85,7 @@ def _forward_fn(q, k, v, window):
 def _free_bytes(device) -> int:
     if str(device).startswith("cuda"):
         return torch.cuda.mem_get_info()[0]
-    from .timing import available_bytes
+    from .timing import available_bytes  # imported when the section runs: a section loads only what it measures
 
     return available_bytes() or 0
 
@@ -96,6 +96,7 @@ def kernel_table(opts: Options, device: str = "cuda", *, seqs=None, dims=D_HEADS
     fused route with all seven and without `max`) and from a materialised pattern, and each over SDPA."""
     from interp.kernels import Scoring, attention_stats
 
+    # imported when the section runs: a section loads only what it measures
     from .stats_kernel import materialised_bytes, materialised_stats
 
     seqs = tuple(sorted(seqs or (opts.long_seqs if opts.quick else SEQS)))
@@ -144,13 +145,13 @@ def kernel_table(opts: Options, device: str = "cuda", *, seqs=None, dims=D_HEADS
 
 def _smollm2(device: str):
     """(label, model): SmolLM2-135M in bfloat16 (real weights if installed, else random of its shape)."""
-    import interp
-    from interp.loading import ModelNotFound
+    import interp  # imported when the section runs: a section loads only what it measures
+    from interp.loading import ModelNotFound  # imported when the section runs: a section loads only what it measures
 
     try:
         return "SmolLM2-135M (real weights, bfloat16)", interp.load("smollm2-135m", dtype=torch.bfloat16, device=device)
     except ModelNotFound:
-        from .models import build_hf
+        from .models import build_hf  # imported when the section runs: a section loads only what it measures
 
         shape = ("LlamaConfig", "LlamaForCausalLM", dict(
             num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
@@ -249,9 +250,9 @@ def placement_table(opts: Options, device: str = "cuda", *, n: int | None = None
     each is the same computation)."""
     import tempfile
 
-    import interp
+    import interp  # imported when the section runs: a section loads only what it measures
 
-    from .models import build_hf
+    from .models import build_hf  # imported when the section runs: a section loads only what it measures
 
     n = n or (64 if opts.quick else 2048)
     deadline = deadline or Deadline(float("inf"))

@@ -25,8 +25,8 @@ PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8", "int4")
 
 
 def _model():
-    import interp
-    from interp.loading import ModelNotFound
+    import interp  # imported when the section runs: a section loads only what it measures
+    from interp.loading import ModelNotFound  # imported when the section runs: a section loads only what it measures
 
     try:
         return "smollm2-135m", interp.load("smollm2-135m")

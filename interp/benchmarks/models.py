@@ -49,7 +49,7 @@ def build_hf(shape, attn_implementation: str = "sdpa", dtype: torch.dtype = torc
 
 def build_pair(shape, attn_implementation: str = "sdpa", **kwargs):
     """(hf_model, our_model) with identical weights, float32, eval mode."""
-    import interp
+    import interp  # imported when the section runs: a section loads only what it measures
 
     hf = build_hf(shape, attn_implementation, **kwargs)
     return hf, interp.from_hf(hf)
@@ -57,7 +57,7 @@ def build_pair(shape, attn_implementation: str = "sdpa", **kwargs):
 
 def build_trio(shape, **kwargs):
     """(hf_model, ours, bridge): one set of weights."""
-    from interp.interop import bridge_from_hf
+    from interp.interop import bridge_from_hf  # imported when the section runs: a section loads only what it measures
 
     hf, ours = build_pair(shape, **kwargs)
     return hf, ours, bridge_from_hf(hf)
@@ -105,7 +105,7 @@ def max_logit_diff(tokens: torch.Tensor, ours, hf=None, bridge=None) -> float:
 def zoo_or_random(name: str = "rope-gqa-4l"):
     """(model, note): the zoo checkpoint `name` when it is shipped, else a random-init model of its
     recipe's config (seed 0), and a note saying which."""
-    import interp
+    import interp  # imported when the section runs: a section loads only what it measures
     from interp.models import HookedTransformer
     from interp.models.zoo import resolve
     from interp.models.zoo.recipes import get_recipe

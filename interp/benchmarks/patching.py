@@ -43,8 +43,8 @@ def build(shape: str):
     """(hf_model, ours, bridge): one set of weights, float32, eval mode."""
     import transformers
 
-    import interp
-    from interp.interop import bridge_from_hf
+    import interp  # imported when the section runs: a section loads only what it measures
+    from interp.interop import bridge_from_hf  # imported when the section runs: a section loads only what it measures
 
     cfg_cls, model_cls, kwargs = SHAPES[shape]
     torch.manual_seed(0)
@@ -101,7 +101,7 @@ HEADERS = ["shape", "sweep", "seq", "batch", "cells", "bridge_s", "ours_s", "spe
 
 def section(opts):
     """`interp bench --sections patching`: one sweep on the gpt2-4l shape (tiny with --quick)."""
-    from .report import Section, Table
+    from .report import Section, Table  # imported when the section runs: a section loads only what it measures
 
     shape, seqs = ("tiny", (12,)) if opts.quick else ("gpt2-4l", (256,))
     rows = run(shape, seqs, ("attn_head_out_all_pos",), 1, max(1, min(opts.repeats, 3)))

@@ -58,8 +58,8 @@ def load_cell(which: str, name: str = "smollm2-135m") -> dict:
 
 
 def forward_rows(opts: Options, shapes=((1, 1024), (4, 256)), name: str = "smollm2-135m") -> tuple[list[list], list[str]]:
-    import interp
-    from interp.loading import real_model_file
+    import interp  # imported when the section runs: a section loads only what it measures
+    from interp.loading import real_model_file  # imported when the section runs: a section loads only what it measures
     from transformers import AutoModelForCausalLM
 
     f = real_model_file(name)
@@ -79,6 +79,7 @@ def forward_rows(opts: Options, shapes=((1, 1024), (4, 256)), name: str = "smoll
 
 
 def _section(opts: Options, key: str, name: str, title: str, label: str) -> Section:
+    # imported when the section runs: a section loads only what it measures
     from interp.loading import ModelNotFound, real_model_file
 
     try:

@@ -253,7 +253,7 @@ def load_cell(which: str, dtype: str, path: Path, threads: int, forward_tokens: 
 
 def offload_available() -> bool:
     """Whether `interp analyze` has `--offload` (being added; until then the offloaded cells say so)."""
-    from interp.cli import build_parser
+    from interp.cli import build_parser  # imported when the section runs: a section loads only what it measures
 
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     return any("--offload" in a.option_strings for a in sub.choices["analyze"]._actions)

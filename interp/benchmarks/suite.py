@@ -126,7 +126,7 @@ def check_page(out: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from interp.cli import main as cli_main
+    from interp.cli import main as cli_main  # imported when the section runs: a section loads only what it measures
 
     return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
 

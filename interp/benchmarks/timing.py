@@ -47,7 +47,7 @@ def _fmt(x: object) -> str:
 
 
 def machine_summary() -> str:
-    import interp
+    import interp  # imported when the section runs: a section loads only what it measures
 
     parts = [
         f"{platform.processor() or platform.machine()}",

@@ -45,9 +45,10 @@ def section(opts: Options) -> Section:
         import transformers  # noqa: F401 - optional
     except ImportError:
         return Section("wrapped", "Wrapped models", skipped="transformers is not installed")
-    import interp
+    import interp  # imported when the section runs: a section loads only what it measures
 
     try:
+        # imported when the section runs: a section loads only what it measures
         from interp.interop import bridge_from_hf
         import transformer_lens  # noqa: F401
     except ImportError:
@@ -94,7 +95,7 @@ def section(opts: Options) -> Section:
 
 
 def main(argv=None) -> int:
-    from .entry import section_main
+    from .entry import section_main  # imported when the section runs: a section loads only what it measures
 
     return section_main("wrapped", section, __doc__, argv)
 

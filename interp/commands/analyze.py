@@ -1,6 +1,7 @@
 """`interp analyze MODEL --out DIR`: every analysis of one model, and its report (a sweep of one checkpoint)."""
 
 from __future__ import annotations
+from .choices import ATLAS_ANALYSES
 
 HELP = "the head atlas of one model: head scores, sinks, StreamingLLM, composition, pruning, and its report"
 EPILOG = """examples:
@@ -25,15 +26,14 @@ one the memory cannot hold is refused with the longest that fits. Scores at seve
 
 
 def add_arguments(p) -> None:
-    from .sweep import add_sweep_options
+    from .sweep import add_sweep_options  # start-up time: --help and argument errors never import torch
 
     p.add_argument("model", help="a checkpoint folder (ours or Hugging Face), or a zoo name or run folder (its last checkpoint)")
-    from .choices import ATLAS_ANALYSES
 
     add_sweep_options(p, ATLAS_ANALYSES)
 
 
 def run(args) -> int:
-    from .sweep import run_sweep
+    from .sweep import run_sweep  # start-up time: --help and argument errors never import torch
 
     return run_sweep(args, [args.model], last_only=True)

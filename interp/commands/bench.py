@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+from .choices import BENCH_SECTIONS as ALL
 
 HELP = "benchmark against TransformerLens and Hugging Face on the same weights; write BENCHMARKS.md"
 EPILOG = """sections (in page order):
@@ -52,7 +53,6 @@ _SIZED = [
 
 
 def add_arguments(p) -> None:
-    from .choices import BENCH_SECTIONS as ALL
 
     p.add_argument("--sections", type=_names, default=ALL, help=f"comma-separated, from {','.join(ALL)} (default: all)")
     p.add_argument("--quick", action="store_true", help="a tiny configuration of every section (seconds; what the tests run)")
@@ -66,7 +66,7 @@ def add_arguments(p) -> None:
 def command_line(args) -> str:
     """The command, canonically spelled: `interp bench` and every option that was given."""
     parts = ["interp", "bench"]
-    from interp.benchmarks.suite import ALL
+    from interp.benchmarks.suite import ALL  # start-up time: --help and argument errors never import torch
 
     if tuple(args.sections) != tuple(ALL):
         parts += ["--sections", ",".join(args.sections)]
@@ -86,7 +86,8 @@ def command_line(args) -> str:
 
 
 def run(args) -> int:
-    from interp.benchmarks.report import Options
+    from interp.benchmarks.report import Options  # start-up time: --help and argument errors never import torch
+    # start-up time: --help and argument errors never import torch
     from interp.benchmarks.suite import ALL, run as run_suite
 
     unknown = [s for s in args.sections if s not in ALL]

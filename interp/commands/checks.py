@@ -8,12 +8,12 @@ Nothing heavy is imported at module level: `interp kv --help` must not import to
 """
 
 from __future__ import annotations
+from .choices import ROPE_SCALING_HELP
 
 
 # ---- options ---------------------------------------------------------------------------------------
 def add_output_options(p) -> None:
     """--out, --force, --device, --rope-scaling, --no-progress: every study command's."""
-    from .choices import ROPE_SCALING_HELP
 
     g = p.add_argument_group("output and machine (every study)")
     g.add_argument("--out", required=True,
@@ -177,7 +177,7 @@ def run_command(study, args, settings, *, path=None) -> int:
         rope = None if args.rope_scaling is None else rope_spec(args.rope_scaling)  # the spelling, before any name
         settings = settings()
         if path is None:
-            from interp.loading import resolve
+            from interp.loading import resolve  # start-up time: --help and argument errors never import torch
 
             target = resolve(args.model)
         else:
@@ -197,7 +197,7 @@ def run_command(study, args, settings, *, path=None) -> int:
                                        "devices: run it on one device (--device)")
         check_folder(study, args.out, force=args.force)
 
-    import interp
+    import interp  # start-up time: --help and argument errors never import torch
 
     for note in notes:
         print(note)

@@ -20,7 +20,7 @@ def run(args) -> int:
 
     import torch
 
-    import interp
+    import interp  # start-up time: --help and argument errors never import torch
     from interp.models.placement.device import resolve_device
 
     device = resolve_device(args.device)  # one line naming the devices there are, before any work

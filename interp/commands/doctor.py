@@ -235,7 +235,7 @@ def _interpreted_triton_diff(n: int, timeout: float = 60.0) -> tuple[float | Non
 def _paths_diff(device) -> float:
     import torch
 
-    import interp
+    import interp  # start-up time: --help and argument errors never import torch
 
     cfg = interp.ModelConfig(n_layers=4, d_model=128, n_heads=8, n_kv_heads=2, d_head=16, d_mlp=256, d_vocab=256,
                              n_ctx=512, act_fn="silu", gated_mlp=True, normalization="rmsnorm", positional="rotary",

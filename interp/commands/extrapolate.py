@@ -5,6 +5,7 @@ scalings; the heads that break, and a repair of those heads alone; an ALiBi mode
 from __future__ import annotations
 
 from . import checks
+from .choices import EXTRAPOLATE_DEPTHS, EXTRAPOLATE_FACTOR, EXTRAPOLATE_REPAIR_FRACTION, EXTRAPOLATE_SCALINGS
 
 HELP = "reading past the trained context: perplexity, passkey and every head at 1x-2x n_ctx per RoPE scaling"
 EPILOG = """examples:
@@ -33,8 +34,6 @@ past what memory holds are refused before loading.
 
 
 def add_arguments(p) -> None:
-    from .choices import EXTRAPOLATE_DEPTHS, EXTRAPOLATE_FACTOR, EXTRAPOLATE_REPAIR_FRACTION, EXTRAPOLATE_SCALINGS
-
     p.add_argument("model", help="a model with rotary or ALiBi positions: real-model name, .gguf file, checkpoint "
                                  "folder, zoo name or run folder")
     g = p.add_argument_group("the study")

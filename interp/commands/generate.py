@@ -3,6 +3,7 @@ interp's KV cache (under a cache policy if asked), a wrapped one through transfo
 interp's attention; a cache policy is refused in one line)."""
 
 from __future__ import annotations
+from .checks import add_offload_option, device_map_of, load_device
 
 HELP = "continue a prompt (greedy or sampled) through the KV cache, optionally under a cache policy; tokens/s"
 EPILOG = """examples:
@@ -26,7 +27,6 @@ def add_arguments(p) -> None:
                    help="decode through a per-head cache policy (interp's own models; a wrapped one refuses it): "
                         "full, kivi4, int8, streaming(4,128), h2o(256), ...")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps ... (default: cuda when available)")
-    from .checks import add_offload_option
 
     add_offload_option(p)
 
@@ -36,7 +36,7 @@ def run(args) -> int:
 
     import torch
 
-    import interp
+    import interp  # start-up time: --help and argument errors never import torch
     from interp.models import Sampling
     from interp.errors import BadValue, check_int, check_real
     from interp.models.kv.policies import parse_policy
@@ -63,10 +63,9 @@ def run(args) -> int:
             parse_policy(args.kv_policy)
         except ValueError as e:
             raise BadValue(str(e)) from None
-    from interp.loading import resolve
+    from interp.loading import resolve  # start-up time: --help and argument errors never import torch
     from interp.models.placement.device_map import DeviceMapRefused, is_split, resolve_device_map
     from interp.models.formats.checkpoint import read_config
-    from .checks import device_map_of, load_device
 
     device_map = device_map_of(args)
     if device_map is not None:

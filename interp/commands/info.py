@@ -2,6 +2,7 @@
 interp runs it natively or wrapped; `interp info --architectures`: which causal LMs run, and how."""
 
 from __future__ import annotations
+from .checks import add_offload_option, device_map_of
 
 HELP = "show a model's config, how interp runs it, parameter count, KV-cache bytes and FLOPs per token"
 EPILOG = """examples:
@@ -16,7 +17,6 @@ def add_arguments(p) -> None:
                    help="a checkpoint directory (ours or Hugging Face), a .gguf file, a zoo or real-model name")
     p.add_argument("--context", type=int, default=None,
                    help="context length for the FLOP figures (default: the model's own n_ctx)")
-    from .checks import add_offload_option
 
     add_offload_option(p)
     p.add_argument("--architectures", action="store_true",
@@ -48,11 +48,10 @@ def run(args) -> int:
     if args.model is None:
         raise UserError("interp info needs a MODEL (a checkpoint folder, .gguf file, zoo or real-model name), or "
                         "--architectures")
-    import interp
+    import interp  # start-up time: --help and argument errors never import torch
 
     if args.context is not None:
         check_int("context", args.context, minimum=1)  # before the model is loaded
-    from .checks import device_map_of
 
     model = interp.load(args.model, offload=args.offload, device_map=device_map_of(args))
     cfg = model.cfg

@@ -11,6 +11,7 @@ DuoAttention's gates) compiled into cache policies at equal shares of the KV hea
 from __future__ import annotations
 
 from . import checks
+from .choices import GATE_STEPS, KV_POLICIES, KV_POLICY_FORMS, KV_PRECISIONS, LOSS_TOKENS
 
 HELP = "KV-cache studies: precisions head by head (precision), cache policies on retrieval (passkey), head roles (select)"
 EPILOG = """examples:
@@ -50,7 +51,6 @@ def add_arguments(p) -> None:
 
 
 def add_precision(p) -> None:
-    from .choices import KV_PRECISIONS
 
     g = p.add_argument_group("the precision study")
     g.add_argument("--precisions", default="fp32,int8,fp8,int4",
@@ -62,7 +62,6 @@ def add_precision(p) -> None:
 
 
 def add_passkey(p) -> None:
-    from .choices import KV_POLICIES, KV_POLICY_FORMS
 
     g = p.add_argument_group("the policy study")
     g.add_argument("--policies", default=KV_POLICIES,
@@ -74,7 +73,6 @@ def add_passkey(p) -> None:
 
 
 def add_select(p) -> None:
-    from .choices import GATE_STEPS, LOSS_TOKENS
 
     g = p.add_argument_group("the head-roles selection")
     g.add_argument("--rankings", default="retrieval,razor,loss,gates,random",

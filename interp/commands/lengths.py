@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from . import checks
+from .choices import DATA_SEED
 
 HELP = "head scores by context length: sinks, previous-token, induction, attention distance at each length"
 EPILOG = """examples:
@@ -21,7 +22,6 @@ most, and how far each kind of layer looks. A length past the model's trained co
 
 
 def add_arguments(p) -> None:
-    from .choices import DATA_SEED
 
     p.add_argument("model", help="a checkpoint folder (ours or Hugging Face), .gguf file, real-model name, zoo name or "
                                  "run folder (its last checkpoint)")

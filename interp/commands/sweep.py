@@ -6,6 +6,7 @@ from pathlib import Path
 
 from .choices import ANALYSES, DATA_KINDS, DATA_N_SEQS, DATA_SEED, DATA_SEQ_LEN, EXECUTOR_KINDS, ROPE_SCALING_HELP
 from .choices import DEFAULT_ANALYSES as SWEEP_DEFAULT
+from .checks import add_offload_option
 
 HELP = "run head analyses over every checkpoint of training runs (resumable; local processes or Ray)"
 EPILOG = """examples:
@@ -63,7 +64,6 @@ def add_sweep_options(p, default_analyses=None) -> None:
                       help="allow --seq-len past the model's trained context (n_ctx); the report marks those numbers "
                            "as extrapolated")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
-    from .checks import add_offload_option
 
     add_offload_option(p)
     p.add_argument("--rope-scaling", default=None, metavar="TYPE:FACTOR", help=ROPE_SCALING_HELP)

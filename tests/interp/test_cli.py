@@ -102,3 +102,35 @@ def test_misspelt_names_suggest_the_right_one(capsys):
     assert cli(["info", "attn-only-2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: no model 'attn-only-2'; did you mean 'attn-only-2l'?") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("error, where", [(MemoryError, "this machine"), ("cuda", "the GPU")])
+def test_out_of_memory_is_one_line_naming_where(error, where, monkeypatch, capsys):
+    """torch's CUDA out-of-memory error is a RuntimeError, told apart by its class, not by its name."""
+    import torch
+
+    import interp.commands.info as info
+
+    raised = torch.cuda.OutOfMemoryError("CUDA out of memory") if error == "cuda" else error()
+
+    def run(args):
+        raise raised
+
+    monkeypatch.setattr(info, "run", run)
+    assert cli(["info", "attn-only-2l"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: out of memory on {where}") and err.count("\n") == 1, err
+
+
+def test_an_error_named_like_torchs_is_not_taken_for_it(monkeypatch):
+    import interp.commands.info as info
+
+    class OutOfMemoryError(RuntimeError):  # someone else's class with torch's name: a bug, raised as it is
+        pass
+
+    def run(args):
+        raise OutOfMemoryError("not torch's")
+
+    monkeypatch.setattr(info, "run", run)
+    with pytest.raises(OutOfMemoryError):
+        cli(["info", "attn-only-2l"])

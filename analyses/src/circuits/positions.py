@@ -37,6 +37,9 @@ from interp.models.placement.device import to_numpy
 from .._common import progress
 from .graph import FRACTIONS, Graph, Task, prune_dangling
 from .runner import _Patching
+from .tasks import IOI_CLASSES
+from .graph import areas
+from ..document import Section
 
 MODES = ("none", "classes", "each")
 OTHER = "other"  # the class of every position no named class holds
@@ -286,7 +289,6 @@ def measure(runner, positions: Positions, method: str, steps: int = 5, ig: str =
 def check_mode(task: str, mode: str) -> None:
     """`--positions` against the task's name, before the model loads: classes need a task that names them
     (ioi), and class names must be the task's."""
-    from .tasks import IOI_CLASSES
 
     kind, only = parse_mode(mode)
     if kind != "classes":
@@ -300,7 +302,6 @@ def check_mode(task: str, mode: str) -> None:
 
 
 def record(positions: Positions, mode: str, measured: dict) -> dict:
-    from .graph import areas
 
     curve = measured["curve"]
     return {"mode": parse_mode(mode)[0], "classes": positions.n_classes,
@@ -312,7 +313,6 @@ def record(positions: Positions, mode: str, measured: dict) -> dict:
 
 def section(plain: pd.DataFrame, measured: dict, rec: dict):
     """The report's comparison: both curves side by side, and the strongest position edges."""
-    from ..document import Section
 
     curve = measured["curve"]
     both = pd.DataFrame({"fraction": curve.fraction, "edges (positions)": curve.edges,

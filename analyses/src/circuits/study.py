@@ -40,6 +40,7 @@ from .tasks import METRICS, TASKS, build_task, context, read_task_file
 from ..document import Html, Section, number, png
 from ..heads import induction_scores
 from ..study import Measured, Study, StudySettings, Table
+from ..plots import text_colour
 
 ALL_TASKS = TASKS + ("passkey",)
 DEFAULT_PASSKEY, MIN_PASSKEY = 1024, 128  # the passkey task's prompt length in tokens: default, shortest
@@ -633,7 +634,6 @@ def _qk_section(r, rec: dict, task, model, top: int = 6) -> Section:
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    from ..plots import text_colour
 
     mats = [(r.matrix(top, "term"), "mean term"), (r.matrix(top, "contrast"), "mean contrast term")]
     first = r.prompts == int(r.prompts.min())

@@ -26,6 +26,9 @@ from typing import Mapping, Sequence
 import numpy as np
 import pandas as pd
 import torch
+from interp.analyses.evaldata import heldout_docs
+from interp.analyses.heads import induction_scores
+from .measure import delimiter_ids, sink_pass, token_kinds
 
 EPSILON = 0.3  # a sink head: first-token sink mass above this (Gu et al. 2024)
 # The threshold each series' onset is read at: the first sink head (a head's first-token mass reaches epsilon);
@@ -62,7 +65,6 @@ def onset_steps(frame: pd.DataFrame, thresholds: Mapping[str, float] | None = No
 
 def heldout_windows(n_ctx: int, n: int, seed: int = 1) -> torch.Tensor:
     """`n` windows `<bos>` + a held-out stdlib file's bytes (the zoo's held-out text, shipped), long [n, n_ctx]."""
-    from interp.analyses.evaldata import heldout_docs
     from interp.models.zoo.training import eval_windows
 
     return eval_windows(heldout_docs(), n_ctx, n, seed=seed)
@@ -71,9 +73,7 @@ def heldout_windows(n_ctx: int, n: int, seed: int = 1) -> torch.Tensor:
 @torch.no_grad()
 def checkpoint_row(model, tokens: torch.Tensor, epsilon: float = EPSILON, induction_len: int = 50) -> dict:
     """The onset numbers of one model on `tokens` [batch, pos] (see the module docstring)."""
-    from interp.analyses.heads import induction_scores
 
-    from .measure import delimiter_ids, sink_pass, token_kinds
 
     kinds, first_delim = token_kinds(tokens, delimiter_ids(model, tokens))
     res = sink_pass(model, tokens, kinds, first_delim, reference=True, top_k=1)

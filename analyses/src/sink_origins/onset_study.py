@@ -18,15 +18,15 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from interp.errors import UserError, check_int, check_real
-from interp.models.placement.device_map import check_fits_for
+from interp.errors import UserError
 from interp.models.formats.checkpoint import load_checkpoint  # below interp.loading
 from interp.models.zoo.run_types import Checkpoint
 
 from .._common import progress
 from ..document import Section, png
-from ..study import Measured, Study, StudySettings, Table, fit_default
+from ..study import Measured, Study, StudySettings, Table
 from .onset import EPSILON, ONSET_THRESHOLDS, checkpoint_row, onset_steps, plot_onset
+from .study import check_sink_settings
 
 ROW_COLUMNS = ("run", "checkpoint", "step", "sink_share", "sink_mass_max", "sink_mass_mean", "massive_ratio",
                "massive_value", "induction", "loss")
@@ -57,21 +57,11 @@ class OnsetStudy(Study):
     one_device = "loads every checkpoint of the run in turn"
 
     def check(self, cfg, s: OnsetSettings):
-        check_real("--epsilon", s.epsilon, minimum=0)
-        if s.epsilon > 1:
-            raise ValueError(f"--epsilon must be between 0 and 1 (a share of attention), got {s.epsilon:g}")
         stepped = [c for c in s.checkpoints if c.step is not None]
         if len(stepped) < 2:
             raise ValueError(f"{s.run} has {len(stepped)} checkpoint(s) that name their step: --over-checkpoints reads "
                              "a training run (a zoo name or a run folder of step_XXXXX checkpoints)")
-        data, note = fit_default(s.data, cfg.n_ctx)
-        if data.length > cfg.n_ctx:
-            raise ValueError(f"--seq-len {data.length} is past this model's context (n_ctx={cfg.n_ctx:,})")
-        if data.length < 4:
-            raise ValueError(f"--seq-len {data.length}: the study needs at least 4 tokens a sequence")
-        check_int("--n-seqs", data.rows, minimum=1)
-        data.check(cfg.d_vocab)
-        check_fits_for(cfg, data.rows, data.length, device=s.device, offload=s.offload, device_map=s.device_map)
+        data, note = check_sink_settings(cfg, s)
         s = dataclasses.replace(s, data=data, checkpoints=tuple(sorted(stepped, key=lambda c: c.step)))
         return s, [note] if note else []
 

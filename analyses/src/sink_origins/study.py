@@ -84,20 +84,10 @@ class SinksStudy(Study):
 
     def check(self, cfg, s: SinksSettings):
         names, layers, notes = check_interventions(s.interventions, cfg, s.mlp_layers)
-        check_real("--epsilon", s.epsilon, minimum=0)
-        if s.epsilon > 1:
-            raise ValueError(f"--epsilon must be between 0 and 1 (a share of attention), got {s.epsilon:g}")
         check_int("--top-k", s.top_k, minimum=1)
         check_real("massive_min", s.massive_min, minimum=0)
         check_real("massive_ratio", s.massive_ratio, minimum=1)
-        data, note = fit_default(s.data, cfg.n_ctx)
-        if data.length > cfg.n_ctx:
-            raise ValueError(f"--seq-len {data.length} is past this model's context (n_ctx={cfg.n_ctx:,})")
-        if data.length < 4:
-            raise ValueError(f"--seq-len {data.length}: the study needs at least 4 tokens a sequence")
-        check_int("--n-seqs", data.rows, minimum=1)
-        data.check(cfg.d_vocab)
-        check_fits_for(cfg, data.rows, data.length, device=s.device, offload=s.offload, device_map=s.device_map)
+        data, note = check_sink_settings(cfg, s)
         s = dataclasses.replace(s, interventions=names, mlp_layers=layers, data=data)
         return s, notes + ([note] if note else [])
 
@@ -135,6 +125,24 @@ class SinksStudy(Study):
 
     def sections(self, s: SinksSettings, m: SinksMeasured, record) -> list[Section]:
         return report_sections(s.model, m, record)
+
+
+def check_sink_settings(cfg, s: StudySettings):
+    """What the sinks study and its onset over checkpoints check alike, before the model loads: --epsilon a share
+    of attention, the text's length (a default fitted to n_ctx, said in the note; one past it refused), at least
+    one sequence, ids inside the vocabulary, and memory. Returns (the data to read, the note or None)."""
+    check_real("--epsilon", s.epsilon, minimum=0)
+    if s.epsilon > 1:
+        raise ValueError(f"--epsilon must be between 0 and 1 (a share of attention), got {s.epsilon:g}")
+    data, note = fit_default(s.data, cfg.n_ctx)
+    if data.length > cfg.n_ctx:
+        raise ValueError(f"--seq-len {data.length} is past this model's context (n_ctx={cfg.n_ctx:,})")
+    if data.length < 4:
+        raise ValueError(f"--seq-len {data.length}: the study needs at least 4 tokens a sequence")
+    check_int("--n-seqs", data.rows, minimum=1)
+    data.check(cfg.d_vocab)
+    check_fits_for(cfg, data.rows, data.length, device=s.device, offload=s.offload, device_map=s.device_map)
+    return data, note
 
 
 # ---- tables ------------------------------------------------------------------------------------------------

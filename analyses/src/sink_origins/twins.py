@@ -27,6 +27,7 @@ import pandas as pd
 import torch
 
 from .onset import EPSILON, checkpoint_row, heldout_windows
+from interp.analyses.kv.policies import policy_perplexity, policy_runs
 
 WINDOWS = (16, 32)
 SINKS = (4, 0)
@@ -36,7 +37,6 @@ def streaming_losses(model, tokens: torch.Tensor, windows: Sequence[int] = WINDO
                      prefix: int = 16, chunk: int = 16) -> dict[str, float]:
     """{"stream_loss_full", "stream_loss_w{W}_s{S}"}: the mean loss (nats) over `tokens` [batch, pos], one
     sequence at a time, of the full cache and of StreamingLLM with S sinks and a window of W."""
-    from interp.analyses.kv.policies import policy_perplexity, policy_runs
 
     names = ["full"] + [f"streaming({s},{w})" for w in windows for s in sinks]
     runs = policy_runs(",".join(names))

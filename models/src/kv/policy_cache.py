@@ -35,6 +35,8 @@ residuals, kept keys and values, their slots and scores; `allocated_nbytes` what
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -89,7 +91,16 @@ def _nbytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-class _Group:
+class Held(NamedTuple):
+    """What one call's queries read from a cache layer: keys and values [b, g, m, d] and each entry's slot (the
+    token position it holds) [b, g, m], or None when the entries are slots 0..m-1 in order."""
+
+    keys: Tensor
+    values: Tensor
+    slots: Tensor | None
+
+
+class _CacheLayer:
     """The KV heads of one layer that share a policy, and what they hold."""
 
     contiguous = True  # holds every slot in order, so the model's own mask applies
@@ -106,10 +117,10 @@ class _Group:
         """This group's heads of a [batch, kv_head, ...] tensor."""
         return x if self.all_heads else x[:, self.index]
 
-    def keys(self, k: Tensor, v: Tensor, start: int, valid: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    def update(self, k: Tensor, v: Tensor, start: int, valid: Tensor) -> "Held":
         """Write / stage this call's keys and values (every KV head, [b, kv, n, d]); return what the
-        call's queries read: keys, values [b, g, m, d] and each entry's slot [b, g, m] (None: slots
-        0..m-1 in order)."""
+        call's queries read (`Held`: keys, values [b, g, m, d] and each entry's slot [b, g, m], or None for
+        slots 0..m-1 in order)."""
         raise NotImplementedError
 
     def after(self, q: Tensor | None, K: Tensor, V: Tensor, S: Tensor | None, ok: Tensor | None, scale: float,
@@ -137,7 +148,7 @@ class _Group:
         raise NotImplementedError
 
 
-class _DenseGroup(_Group):
+class _DenseLayer(_CacheLayer):
     """Every token in a precision (`PrecisionStore`)."""
 
     def __init__(self, policy: Dense, *args) -> None:
@@ -149,11 +160,11 @@ class _DenseGroup(_Group):
             precision = _DTYPE_NAMES[self.dtype]
         self.store = PrecisionStore(precision, self.heads, self.batch, self.max_len, self.d_head, self.device)
 
-    def keys(self, k, v, start, valid):
+    def update(self, k, v, start, valid):
         self.store.write(0, k, start)
         self.store.write(1, v, start)
         end = start + k.shape[2]
-        return self.store.read(0, end, self.dtype), self.store.read(1, end, self.dtype), None
+        return Held(self.store.read(0, end, self.dtype), self.store.read(1, end, self.dtype), None)
 
     def read(self, which, length):
         return self.store.read(which, length, self.dtype)
@@ -165,7 +176,7 @@ class _DenseGroup(_Group):
         return self.store.nbytes
 
 
-class _KiviGroup(_Group):
+class _KiviLayer(_CacheLayer):
     """KIVI: a quantized part (slots 0..nq-1, complete groups) and a full-precision residual."""
 
     def __init__(self, policy: Kivi, *args) -> None:
@@ -174,65 +185,65 @@ class _KiviGroup(_Group):
         lq = self.max_len // R * R
         packed = d * policy.bits // 8
         z = lambda *shape, dtype=torch.float16: torch.zeros(*shape, dtype=dtype, device=self.device)
-        self.kc, self.vc = z(b, g, lq, packed, dtype=torch.uint8), z(b, g, lq, packed, dtype=torch.uint8)
-        self.ks, self.kz = z(b, g, lq // G, d), z(b, g, lq // G, d)
-        self.vs, self.vz = z(b, g, lq, d // G), z(b, g, lq, d // G)
-        self.rk, self.rv = z(b, g, R, d, dtype=self.dtype), z(b, g, R, d, dtype=self.dtype)
-        self.nq = self.nr = 0
+        self.key_codes, self.value_codes = z(b, g, lq, packed, dtype=torch.uint8), z(b, g, lq, packed, dtype=torch.uint8)
+        self.key_scales, self.key_zeros = z(b, g, lq // G, d), z(b, g, lq // G, d)
+        self.value_scales, self.value_zeros = z(b, g, lq, d // G), z(b, g, lq, d // G)
+        self.residual_keys, self.residual_values = z(b, g, R, d, dtype=self.dtype), z(b, g, R, d, dtype=self.dtype)
+        self.n_quantized = self.n_residual = 0
 
     def _quantized(self, which: int) -> Tensor:
-        p, nq = self.policy, self.nq
+        p, nq = self.policy, self.n_quantized
         if which == 0:
-            return kivi_dequantize_keys(self.kc[:, :, :nq], self.ks[:, :, : nq // p.group], self.kz[:, :, : nq // p.group],
+            return kivi_dequantize_keys(self.key_codes[:, :, :nq], self.key_scales[:, :, : nq // p.group], self.key_zeros[:, :, : nq // p.group],
                                         p.bits, p.group, self.dtype)
-        return kivi_dequantize_values(self.vc[:, :, :nq], self.vs[:, :, :nq], self.vz[:, :, :nq], p.bits, p.group,
+        return kivi_dequantize_values(self.value_codes[:, :, :nq], self.value_scales[:, :, :nq], self.value_zeros[:, :, :nq], p.bits, p.group,
                                       self.dtype)
 
     def _cat(self, which: int, new: Tensor | None) -> Tensor:
         parts = []
-        if self.nq:
+        if self.n_quantized:
             parts.append(self._quantized(which))
-        if self.nr:
-            parts.append((self.rk, self.rv)[which][:, :, : self.nr])
+        if self.n_residual:
+            parts.append((self.residual_keys, self.residual_values)[which][:, :, : self.n_residual])
         if new is not None:
             parts.append(new)
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
-    def keys(self, k, v, start, valid):
-        return self._cat(0, self.mine(k)), self._cat(1, self.mine(v)), None
+    def update(self, k, v, start, valid):
+        return Held(self._cat(0, self.mine(k)), self._cat(1, self.mine(v)), None)
 
     def after(self, q, K, V, S, ok, scale, start, n):
         p = self.policy
-        fresh_k, fresh_v = K[:, :, self.nq :], V[:, :, self.nq :]  # residual + this call, full precision
+        fresh_k, fresh_v = K[:, :, self.n_quantized :], V[:, :, self.n_quantized :]  # residual + this call, full precision
         flush = fresh_k.shape[2] // p.residual * p.residual
         if flush:
-            a, b = self.nq, self.nq + flush
-            self.kc[:, :, a:b], ks, kz = kivi_quantize_keys(fresh_k[:, :, :flush], p.bits, p.group)
-            self.ks[:, :, a // p.group : b // p.group], self.kz[:, :, a // p.group : b // p.group] = ks, kz
-            self.vc[:, :, a:b], self.vs[:, :, a:b], self.vz[:, :, a:b] = kivi_quantize_values(
+            a, b = self.n_quantized, self.n_quantized + flush
+            self.key_codes[:, :, a:b], ks, kz = kivi_quantize_keys(fresh_k[:, :, :flush], p.bits, p.group)
+            self.key_scales[:, :, a // p.group : b // p.group], self.key_zeros[:, :, a // p.group : b // p.group] = ks, kz
+            self.value_codes[:, :, a:b], self.value_scales[:, :, a:b], self.value_zeros[:, :, a:b] = kivi_quantize_values(
                 fresh_v[:, :, :flush], p.bits, p.group)
-            self.nq = b
-        self.nr = fresh_k.shape[2] - flush
-        self.rk[:, :, : self.nr] = fresh_k[:, :, flush:]
-        self.rv[:, :, : self.nr] = fresh_v[:, :, flush:]
+            self.n_quantized = b
+        self.n_residual = fresh_k.shape[2] - flush
+        self.residual_keys[:, :, : self.n_residual] = fresh_k[:, :, flush:]
+        self.residual_values[:, :, : self.n_residual] = fresh_v[:, :, flush:]
 
     def read(self, which, length):
-        return self._cat(which, None) if self.nq + self.nr else torch.zeros(
+        return self._cat(which, None) if self.n_quantized + self.n_residual else torch.zeros(
             self.batch, len(self.heads), 0, self.d_head, dtype=self.dtype, device=self.device)
 
     def nbytes(self, length):
-        p, nq, g = self.policy, self.nq, len(self.heads)
-        codes = 2 * nq * self.kc.shape[-1]
+        p, nq, g = self.policy, self.n_quantized, len(self.heads)
+        codes = 2 * nq * self.key_codes.shape[-1]
         key_scales = 2 * (nq // p.group) * self.d_head * 2  # scale and zero, float16
         value_scales = 2 * nq * (self.d_head // p.group) * 2
-        residual = 2 * self.nr * self.d_head * self.rk.element_size()
+        residual = 2 * self.n_residual * self.d_head * self.residual_keys.element_size()
         return self.batch * g * (codes + key_scales + value_scales + residual)
 
     def allocated_nbytes(self):
-        return _nbytes(self.kc, self.vc, self.ks, self.kz, self.vs, self.vz, self.rk, self.rv)
+        return _nbytes(self.key_codes, self.value_codes, self.key_scales, self.key_zeros, self.value_scales, self.value_zeros, self.residual_keys, self.residual_values)
 
 
-class _SubsetGroup(_Group):
+class _SubsetLayer(_CacheLayer):
     """A `SubsetPolicy`'s heads: the held entries, their slots (and the policy's per-entry values)."""
 
     contiguous = False
@@ -243,15 +254,15 @@ class _SubsetGroup(_Group):
         self.state: dict = {}  # the policy's own, across calls (SnapKV's "done")
         self.entries: dict[str, Tensor] = {}  # per held entry, beside it (H2O's scores)
 
-    def keys(self, k, v, start, valid):
+    def update(self, k, v, start, valid):
         k, v = self.mine(k), self.mine(v)
         b, g, n, _ = k.shape
         new = torch.arange(start, start + n, device=k.device).expand(b, g, n)
         new = torch.where(valid[:, None, :], new, torch.full_like(new, -1))
         if self.k is None:
-            return k, v, new
-        return (torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2),
-                torch.cat([self.slots.long(), new], dim=2))
+            return Held(k, v, new)
+        return Held(torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2),
+                    torch.cat([self.slots.long(), new], dim=2))
 
     def visible(self, S, start, n, window, own_window, own_at=None):
         q_slots = torch.arange(start, start + n, device=S.device)[:, None]
@@ -313,7 +324,7 @@ class _SubsetGroup(_Group):
         return _nbytes(self.k, self.v, self.slots, *self.entries.values())
 
 
-_STORES = {"dense": _DenseGroup, "kivi": _KiviGroup, "subset": _SubsetGroup}  # by `Policy.layout`
+_STORES = {"dense": _DenseLayer, "kivi": _KiviLayer, "subset": _SubsetLayer}  # by `Policy.layout`
 
 
 class PolicyKVCache(KVCache):
@@ -333,7 +344,7 @@ class PolicyKVCache(KVCache):
         self.policies = resolve_policies(self._policy_arg, n_layers, kv, default=self._default, max_len=max_len,
                                          d_head=d_head)
         n_rep = (self._n_heads or kv) // kv
-        self.groups: list[list[_Group]] = []
+        self.groups: list[list[_CacheLayer]] = []
         for row in self.policies:
             by_policy: dict[Policy, list[int]] = {}
             for head, p in enumerate(row):
@@ -355,12 +366,12 @@ class PolicyKVCache(KVCache):
             k.shape[0], n, dtype=torch.bool, device=k.device)
         if len(groups) == 1 and groups[0].contiguous:  # every head holds every slot: the layer's own call
             g = groups[0]
-            K, V, _ = g.keys(k, v, start, valid)
+            K, V, _ = g.update(k, v, start, valid)
             z = run(q, K, V, mask)
             g.after(q, K, V, None, None, scale, start, n)
             return z
         if all(g.contiguous for g in groups):  # precisions per head: still one pattern, one call (hooks too)
-            parts = [(g, *g.keys(k, v, start, valid)[:2]) for g in groups]
+            parts = [(g, *g.update(k, v, start, valid)[:2]) for g in groups]
             K = k.new_empty(*k.shape[:2], parts[0][1].shape[2], k.shape[3])
             V = torch.empty_like(K)
             for g, Kg, Vg in parts:
@@ -376,7 +387,7 @@ class PolicyKVCache(KVCache):
         z = torch.empty_like(q)
         for g in groups:
             qg = q[:, g.q_index]
-            K, V, S = g.keys(k, v, start, valid)
+            K, V, S = g.update(k, v, start, valid)
             ok = None
             if S is None:
                 m = mask
@@ -418,7 +429,7 @@ class PolicyKVCache(KVCache):
             if self.queries is not None and q is not None:
                 self.queries[layer, :, :, :n] = q
             for g in groups:
-                K, V, S = g.keys(k, v, 0, valid)
+                K, V, S = g.update(k, v, 0, valid)
                 ok = None
                 if S is not None:  # the prompt's rows made as they are read, never [n, n] at once
                     def ok(a, b, g=g, S=S, window=attn.window, own=model.cfg.window(layer)):

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from .components import Unembed
+from ..placement.device_map import attach_unit
 
 STEPS = ("fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases", "refactor_factored_attn_matrices")
 
@@ -291,7 +292,6 @@ def _install(model, sd: _Weights, dtype: torch.dtype) -> None:
             # or TransformerLens's tools refuse the model (they check every module).
             model.unembed = Unembed(new_cfg).to(device=where.get("unembed", model.device), dtype=dtype).train(model.training)
             if where:
-                from ..placement.device_map import attach_unit
 
                 attach_unit(model, "unembed", where["unembed"])
         for block in model.blocks:

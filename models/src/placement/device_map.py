@@ -38,6 +38,9 @@ import torch
 from torch import Tensor, nn
 
 from interp.errors import Note, UserError
+from .device import resolve_device
+from .device import available_devices
+from . import memory
 
 FIXED_UNITS = ("embed", "embed_ln", "pos_embed", "ln_final", "unembed")
 
@@ -102,7 +105,6 @@ def parse_device_map(text: str):
 
 
 def _device(value, key) -> torch.device:
-    from .device import resolve_device
 
     try:
         dev = resolve_device(value)
@@ -117,7 +119,6 @@ def resolve_device_map(device_map, cfg, *, device=None) -> dict[str, torch.devic
     warning: the CLI's one note line). Refused in one line: a device the
     machine lacks, a layer out of range, an unknown unit, an empty map, a tied unembedding apart from the
     embedding, and `device` (the `device=` of the load) other than where the map puts the embedding."""
-    from .device import available_devices
 
     units = units_of(cfg)
     n = cfg.n_layers
@@ -195,7 +196,6 @@ def may_split(device_map) -> bool:
     if device_map is None:
         return False
     if device_map == "auto":
-        from .device import available_devices
 
         return sum(d.startswith("cuda:") for d in available_devices()) > 1
     return len({str(torch.device(v)) for v in device_map.values()}) > 1
@@ -313,7 +313,6 @@ def check_fits_split(cfg, batch: int, length: int, device_map, *, device=None, w
     """`memory.check_fits` on each device of `device_map` ("auto", a dict, or the command line's spelling), with
     that device's share of the weights and one layer's activations: one line naming the device that runs
     short; returns the tightest `Fit`."""
-    from . import memory
 
     placed = resolve_device_map(parse_device_map(device_map), cfg, device=device)
     fits = []
@@ -328,8 +327,6 @@ def check_fits_for(cfg, batch: int, length: int, *, device=None, offload: str | 
     """`memory.check_fits` where a load will put the weights: whole (or offloaded) on `device`, or each device's
     share of a `device_map`. What the study commands check with their settings (device, offload, device_map)."""
     if device_map is None:
-        from . import memory
-        from .device import resolve_device
 
         return memory.check_fits(cfg, batch, length, resolve_device(device), what=what, offload=offload)
     return check_fits_split(cfg, batch, length, device_map, device=device, what=what)
@@ -338,7 +335,6 @@ def check_fits_for(cfg, batch: int, length: int, *, device=None, offload: str | 
 def check_fits(cfg, dtype: torch.dtype, device_map: dict[str, torch.device], *, source: str) -> None:
     """Refuse (`memory.WeightsDoNotFit`, one line) a map that gives a device more weights than it has free,
     from the config, before any weight is read."""
-    from . import memory
 
     element = torch.empty((), dtype=dtype, device="meta").element_size()
     per: dict[torch.device, int] = {}

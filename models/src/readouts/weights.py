@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from ..config import ModelConfig
 from .factored import FactoredMatrix, layered_composition_scores
+from ..placement.offload import OffloadRefused
 
 
 def or_zeros(bias: Tensor | None, like: Tensor, size: int) -> Tensor:
@@ -174,7 +175,6 @@ class WeightViews:
         `blocks.L.attn.W_gate_attn` [head, d_model, d_head], and its weight-only tools (OV circuits,
         `SVDInterpreter`) leave them out."""
         if self.offload is not None:
-            from ..placement.offload import OffloadRefused
 
             raise OffloadRefused("tl_parameters() gives views of every live weight, and this model is offloaded "
                                  f"({self.offload.kind}): read one layer's inside `with model.holding(layer):`, or load "
