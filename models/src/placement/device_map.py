@@ -38,8 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from interp.errors import Note, UserError
-from .device import resolve_device
-from .device import available_devices
+from . import device as machine  # attributes looked up at call time: interp.testing.simulated_gpu patches them
 from . import memory
 
 FIXED_UNITS = ("embed", "embed_ln", "pos_embed", "ln_final", "unembed")
@@ -107,7 +106,7 @@ def parse_device_map(text: str):
 def _device(value, key) -> torch.device:
 
     try:
-        dev = resolve_device(value)
+        dev = machine.resolve_device(value)
     except UserError as e:
         raise DeviceMapRefused(f"device_map[{key!r}]: {e}") from None
     return torch.device("cuda", 0) if dev.type == "cuda" and dev.index is None else dev
@@ -125,7 +124,7 @@ def resolve_device_map(device_map, cfg, *, device=None) -> dict[str, torch.devic
     if isinstance(device_map, str):
         if device_map != "auto":
             raise DeviceMapRefused(f"device_map={device_map!r}: give 'auto' or a dict {{layer or unit: device}}")
-        gpus = [d for d in available_devices() if d.startswith("cuda:")]
+        gpus = [d for d in machine.available_devices() if d.startswith("cuda:")]
         if len(gpus) > 1:
             named = {f"blocks.{l}": torch.device(gpus[l * len(gpus) // max(1, n)]) for l in range(n)}
         else:
@@ -197,7 +196,7 @@ def may_split(device_map) -> bool:
         return False
     if device_map == "auto":
 
-        return sum(d.startswith("cuda:") for d in available_devices()) > 1
+        return sum(d.startswith("cuda:") for d in machine.available_devices()) > 1
     return len({str(torch.device(v)) for v in device_map.values()}) > 1
 
 
@@ -328,7 +327,7 @@ def check_fits_for(cfg, batch: int, length: int, *, device=None, offload: str | 
     share of a `device_map`. What the study commands check with their settings (device, offload, device_map)."""
     if device_map is None:
 
-        return memory.check_fits(cfg, batch, length, resolve_device(device), what=what, offload=offload)
+        return memory.check_fits(cfg, batch, length, machine.resolve_device(device), what=what, offload=offload)
     return check_fits_split(cfg, batch, length, device_map, device=device, what=what)
 
 
