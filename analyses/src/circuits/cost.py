@@ -14,12 +14,16 @@ of one chunk's stream (b x p x d_model values) and one forward's activations (`p
     patched runs the faithfulness curve and exact patching: lean, two blocks' forwards (the patched block and
                  the corrupted values formed again) and their senders' values; the whole cache, a buffer of every
                  sender's difference (S rows) and a forward
+    roles        the atlas's induction scores (8 sequences of 101 tokens): their logits over the vocabulary
     patterns     the report's view of the circuit's heads: their layers' full patterns (scores and weights in
                  float32, b x heads x p x p each) for a chunk of 16 prompts (`study._movers`), with the runs
                  still held
 
-Every stage's memory is independent of EAP-IG's steps: its points are made one at a time. Checked against the
-peak resident memory of the command's stages, measured (`tests/test_circuit_memory.py`).
+and to each, the largest working set before it: glibc keeps what a stage frees for reuse (blocks under 32 MB),
+so the resident memory does not fall back between stages (measured: `tests/analyses/circuits/
+test_circuit_memory.py`).
+
+Every stage's memory is independent of EAP-IG's steps: its points are made one at a time.
 
 Time. A pass is one forward over one prompt, `flops_per_token` at its mean causal context (q k^T and the
 pattern @ v), at this machine's speed: a matrix product of the model's own shape timed once (`machine_flops`),
@@ -47,7 +51,6 @@ MOVERS_BATCH = 16  # prompts per forward of the report's heads that write the an
 # what a forward reaches of that product's speed: SmolLM2's passes at 1,024 and 2,048 tokens reached 1.2 and 1.4
 # times it on this project's 2-core CPU (idle); 1 leaves room for a loaded machine
 EFFICIENCY = 1.0
-STAGES = ("runs", "eap", "eap-ig", "patched runs", "patterns")
 
 
 @dataclass(frozen=True)
@@ -105,9 +108,13 @@ def _block_receivers(graph: Graph) -> int:
 def stage_bytes(cfg, n_prompts: int, positions: int, batch_size: int = 16, *, method: str = "eap-ig",
                 ig: str = "inputs", element_size: int = 4, layered: bool | None = None, hold: int | None = None,
                 patterns: bool = True) -> dict[str, int]:
-    """Peak bytes beyond the weights and `FIXED_BYTES` of each stage `interp circuit` runs with these settings:
-    "runs" (the clean and corrupted runs), `method`'s ("eap", "eap-ig"; "patching" has none of its own), "patched
-    runs" (the faithfulness curve, exact patching) and "patterns" (the report's, with `patterns`)."""
+    """Peak bytes beyond the weights and `FIXED_BYTES` of each stage `interp circuit` runs with these settings, in
+    its order: "runs" (the clean and corrupted runs), `method`'s ("eap", "eap-ig"; "patching" has none of its
+    own), "patched runs" (the faithfulness curve, exact patching), and with `patterns` the report's "roles" (the
+    atlas's induction scores: 8 sequences of 101 tokens, their logits over the vocabulary) and "patterns". Each is
+    the runs held, the stage's own working set, and the largest working set of the stages before it: the
+    allocator keeps what those freed for reuse (glibc keeps freed blocks under 32 MB), so the resident memory
+    does not fall back between stages."""
     graph = Graph(cfg)
     batch = min(batch_size, n_prompts)
     if layered is None:
@@ -126,22 +133,28 @@ def stage_bytes(cfg, n_prompts: int, positions: int, batch_size: int = 16, *, me
     block = _block_receivers(graph)
     if ig == "activations" and method == "eap-ig":  # every receiver's input in both runs, held with each chunk
         runs += held * 2 * R * row
-    out = {"runs": runs + forward}
+    work = {"runs": forward}  # each stage's own, beyond the runs held
+    if method in ("eap", "eap-ig"):
+        if layered:
+            work[method] = (2 * autograd + 3 * block * row + min(SENDER_CHUNK, S) * row * (element_size != 4)
+                            + (L + 1) * row * (method == "eap-ig"))  # the point's stream, block by block
+        else:
+            work[method] = (L + 1) * autograd + 3 * R * row + S * row
     if layered:
-        attribution = runs + 2 * autograd + 3 * block * row + min(SENDER_CHUNK, S) * row * (element_size != 4)
-        out["eap"] = attribution
-        out["eap-ig"] = attribution + (L + 1) * row  # the point's stream, block by block
-        senders = max(1, (S - 1) // max(1, L))  # one block's senders
-        out["patched runs"] = runs + 2 * forward + (2 * senders + block + 2) * row
+        work["patched runs"] = 2 * forward + (2 * max(1, (S - 1) // max(1, L)) + block + 2) * row
     else:
-        attribution = runs + (L + 1) * autograd + 3 * R * row + S * row
-        out["eap"] = out["eap-ig"] = attribution
-        out["patched runs"] = runs + forward + (S + block + 2) * row
-    out = {k: v for k, v in out.items() if k not in ("eap", "eap-ig") or k == method}
+        work["patched runs"] = forward + (S + block + 2) * row
     if patterns:
+        tokens = 8 * 101  # `study._roles`: induction scores on 8 sequences of 2 x 50 random tokens and a BOS
+        work["roles"] = 3 * tokens * cfg.d_vocab * 4 + tokens * per_token_bytes(cfg)  # logits, log-softmax
         heads_batch = min(MOVERS_BATCH, n_prompts)
-        pattern = 2 * heads_batch * cfg.n_heads * positions * positions * 4  # scores and weights, one layer's
-        out["patterns"] = runs + pattern + heads_batch * positions * per_token_bytes(cfg)
+        # one hooked layer's scores, scaled, masked and weights (two or three alive at once), float32
+        work["patterns"] = (3 * heads_batch * cfg.n_heads * positions * positions * 4
+                            + heads_batch * positions * per_token_bytes(cfg))
+    out, before = {}, 0
+    for stage, own in work.items():
+        out[stage] = runs + own + before
+        before = max(before, own)
     return out
 
 

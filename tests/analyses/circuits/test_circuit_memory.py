@@ -181,7 +181,7 @@ if layered:
 settings = lambda n, p: CircuitSettings(model=name, task="passkey", length=p, prompts=n, progress=False)
 run(CircuitStudy(), model, "warm", settings(1, length), log=lambda *a: None)  # every lazy import and pool
 positions = int(passkey_task(model, length, prompts).clean.shape[1])
-stages = cost.stage_bytes(model.cfg, prompts, positions, 16)
+stages = cost.stage_bytes(model.cfg, prompts, positions, 16, **({"layered": True, "hold": 2} if layered else {}))
 open("/proc/self/clear_refs", "w").write("5")  # the peak from here on
 base = status("VmRSS")
 run(CircuitStudy(), model, "out", settings(prompts, length), log=lambda *a: None)
