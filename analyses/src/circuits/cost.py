@@ -19,9 +19,9 @@ of one chunk's stream (b x p x d_model values) and one forward's activations (`p
                  float32, b x heads x p x p each) for a chunk of 16 prompts (`study._movers`), with the runs
                  still held
 
-and to each, the largest working set before it: glibc keeps what a stage frees for reuse (blocks under 32 MB),
-so the resident memory does not fall back between stages (measured: `tests/analyses/circuits/
-test_circuit_memory.py`).
+and to each, the two largest working sets before it: glibc keeps what a stage frees (blocks under 32 MB) and
+reuses it only in part, so the resident memory does not fall back between stages (measured against the
+command's peak resident memory: `tests/analyses/circuits/test_circuit_memory.py`).
 
 Every stage's memory is independent of EAP-IG's steps: its points are made one at a time.
 
@@ -112,9 +112,10 @@ def stage_bytes(cfg, n_prompts: int, positions: int, batch_size: int = 16, *, me
     its order: "runs" (the clean and corrupted runs), `method`'s ("eap", "eap-ig"; "patching" has none of its
     own), "patched runs" (the faithfulness curve, exact patching), and with `patterns` the report's "roles" (the
     atlas's induction scores: 8 sequences of 101 tokens, their logits over the vocabulary) and "patterns". Each is
-    the runs held, the stage's own working set, and the largest working set of the stages before it: the
-    allocator keeps what those freed for reuse (glibc keeps freed blocks under 32 MB), so the resident memory
-    does not fall back between stages."""
+    the runs held, the stage's own working set, and the two largest working sets of the stages before it: the
+    allocator keeps what those freed for reuse (glibc keeps freed blocks under 32 MB), and reuses it only in
+    part, so the resident memory does not fall back between stages (measured: a stage's peak sits on what the
+    ones before it left)."""
     graph = Graph(cfg)
     batch = min(batch_size, n_prompts)
     if layered is None:
@@ -151,10 +152,10 @@ def stage_bytes(cfg, n_prompts: int, positions: int, batch_size: int = 16, *, me
         # one hooked layer's scores, scaled, masked and weights (two or three alive at once), float32
         work["patterns"] = (3 * heads_batch * cfg.n_heads * positions * positions * 4
                             + heads_batch * positions * per_token_bytes(cfg))
-    out, before = {}, 0
+    out, earlier = {}, []
     for stage, own in work.items():
-        out[stage] = runs + own + before
-        before = max(before, own)
+        out[stage] = runs + own + sum(sorted(earlier)[-2:])
+        earlier.append(own)
     return out
 
 

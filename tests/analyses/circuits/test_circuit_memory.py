@@ -158,10 +158,36 @@ def test_a_circuits_faithfulness_asked_again_is_remembered(monkeypatch):
     assert runner.faithfulness(circuit) == curve.faithfulness.iloc[0]
 
 
+def test_long_prompts_that_would_not_fit_are_refused_naming_the_longest_that_do(monkeypatch):
+    """Block by block a runner holds one chunk's runs whatever the number of prompts, so what does not fit is
+    the prompts' length: one line naming the longest that fits (and that length does fit)."""
+    from interp.analyses.circuits import study as circuit_study
+    from interp.analyses.circuits.cost import stage_bytes
+    from interp.analyses.circuits.passkey import passkey_task
+    from interp.models.placement.memory import FIXED_BYTES
+
+    model = interp.load("rope-gqa-4l")
+    monkeypatch.setattr(circuit_runner, "LAYERED_ABOVE", 0)
+    monkeypatch.setattr(circuit_runner, "HELD_BYTES", 1)  # one prompt's runs at a time
+    task = passkey_task(model, 256, 4)
+    n, p = task.clean.shape
+    fixed = FIXED_BYTES + model.cfg.n_params() * 4
+    available = fixed + max(stage_bytes(model.cfg, n, 200, 16).values())
+    with pytest.raises(ValueError) as e:
+        circuit_study.check_memory(model, task, 16, available=available)
+    said = str(e.value)
+    assert said.startswith(f"prompts of {p} tokens: about ") and "1 prompt(s)' runs held at a time" in said, said
+    longest = int(said.rsplit("prompts of at most about ", 1)[1].split(" ")[0].replace(",", ""))
+    assert 190 <= longest < p and fixed + max(stage_bytes(model.cfg, n, longest, 16).values()) <= available
+    line = circuit_study.check_memory(model, task, 16, available=10 * available)
+    assert line.startswith("estimate: at most about ") and "1 of 4 prompts' runs held at a time" in line, line
+
+
 # ---- the estimate against the measured peak ---------------------------------------------------------------------
 MEASURE = r"""
 import json, sys
 import matplotlib.pyplot, pandas, pyarrow  # the report's imports: part of the baseline, not of the stages
+import torch
 import interp
 from interp.analyses.circuits import runner as R, cost
 from interp.analyses.circuits.passkey import passkey_task
@@ -178,26 +204,28 @@ def status(field):
 model = interp.load(name)
 if layered:
     R.LAYERED_ABOVE, R.HELD_BYTES = 0, held
-settings = lambda n, p: CircuitSettings(model=name, task="passkey", length=p, prompts=n, progress=False)
-run(CircuitStudy(), model, "warm", settings(1, length), log=lambda *a: None)  # every lazy import and pool
-positions = int(passkey_task(model, length, prompts).clean.shape[1])
-stages = cost.stage_bytes(model.cfg, prompts, positions, 16, **({"layered": True, "hold": 2} if layered else {}))
+task = passkey_task(model, length, prompts)
+with torch.no_grad():
+    model(task.clean[:1, :16])  # torch's own start-up (thread pools): part of the baseline
+stages = cost.stage_bytes(model.cfg, prompts, int(task.clean.shape[1]), 16)
 open("/proc/self/clear_refs", "w").write("5")  # the peak from here on
 base = status("VmRSS")
-run(CircuitStudy(), model, "out", settings(prompts, length), log=lambda *a: None)
+settings = CircuitSettings(model=name, task="passkey", length=length, prompts=prompts, progress=False)
+run(CircuitStudy(), model, "out", settings, log=lambda *a: None)
 print(json.dumps({"base": base, "peak": status("VmHWM") - base, "stages": stages}))
 """
 
 
-@pytest.mark.parametrize("layered", [False, True], ids=["whole graph", "block by block, 2 of 12 prompts held"])
-def test_the_commands_memory_estimate_covers_its_measured_peak(tmp_path, layered):
-    """`interp circuit rope-gqa-4l --task passkey --length 256 --prompts 12` (EAP-IG, its faithfulness curve, the
-    report's patterns) in a fresh process: its peak resident memory over the baseline after a warm-up run is
-    below the estimate of its stages' peak (`cost.stage_bytes`), and above half of it. Block by block (forced, with
-    room for 2 prompts' runs), the runner holds 2 of the 12 prompts' runs."""
+@pytest.mark.parametrize("layered, prompts", [(False, 12), (True, 48)],
+                         ids=["whole graph, 12 prompts", "block by block, 8 of 48 prompts held"])
+def test_the_commands_memory_estimate_covers_its_measured_peak(tmp_path, layered, prompts):
+    """`interp circuit rope-gqa-4l --task passkey --length 256` (EAP-IG, its faithfulness curve, the report's roles
+    and patterns) in a fresh process: its peak resident memory over the baseline after the imports, the model and
+    one small forward is below the estimate of its stages' peak (`cost.stage_bytes`), and above half of it. Block
+    by block (forced, with room for 8 prompts' runs), the runner holds 8 of the 48 prompts' runs at a time."""
     cfg = interp.load("rope-gqa-4l").cfg
-    held = 2 * circuit_runner.run_bytes(cfg, Graph(cfg), 256, lean=True)
-    out = subprocess.run([sys.executable, "-c", MEASURE, "rope-gqa-4l", "256", "12", "1" if layered else "0",
+    held = 8 * circuit_runner.run_bytes(cfg, Graph(cfg), 256, lean=True)
+    out = subprocess.run([sys.executable, "-c", MEASURE, "rope-gqa-4l", "256", str(prompts), str(int(layered)),
                           str(held)], cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])

@@ -626,6 +626,7 @@ def test_gemma3_270m_tokens_equal_transformers(gemma, gemma_hf):
         assert gemma.tokenizer.decode(tok(text).input_ids[1:]) == tok.decode(tok(text).input_ids[1:])
 
 
+@pytest.mark.xdist_group("memory")  # peaks of GBs: never beside another of these (--dist loadgroup)
 @pytest.mark.slow
 @needs_gemma
 def test_gemma3_270m_logits_equal_transformers_past_the_window(gemma, gemma_hf):
@@ -649,6 +650,7 @@ def test_gemma3_270m_logits_equal_transformers_past_the_window(gemma, gemma_hf):
         del out
 
 
+@pytest.mark.xdist_group("memory")  # peaks of GBs: never beside another of these (--dist loadgroup)
 @pytest.mark.slow
 @needs_gemma
 def test_gemma3_270m_generates_as_transformers_past_the_window_from_a_window_cache(gemma, gemma_hf):
