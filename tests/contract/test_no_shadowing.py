@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -93,3 +94,9 @@ def test_python_m_pytest_in_the_root_runs_a_wrapped_model():
                            "tests/models/wrapped/test_wrapped.py::test_native_only_requests_say_so_in_one_line"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+    # and plain `pytest` (what CI runs), on a test in tests/interp/: that folder must not shadow interp itself
+    exe = shutil.which("pytest", path=os.path.dirname(sys.executable)) or shutil.which("pytest")
+    proc = subprocess.run([exe, "-q", "-p", "no:cacheprovider", "-x",
+                           "tests/interp/test_cli.py::test_out_of_memory_is_one_line_naming_where"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "2 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
