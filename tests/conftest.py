@@ -35,6 +35,8 @@ import torch  # noqa: E402
 
 matplotlib.use("Agg")
 
+import heavy  # noqa: E402  (tests/support)
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
@@ -48,6 +50,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(saved)
+
+
+@pytest.fixture(autouse=True)
+def heavy_alone(request, tmp_path_factory):
+    """Tests marked `heavy` (peaks of GBs) run one at a time across the workers (`heavy.held`)."""
+    with heavy.held(request.node, tmp_path_factory):
+        yield
 
 
 _REAL = ("smollm2", "gemma3-270m", "gemma3_270m", "smol", "real_model")

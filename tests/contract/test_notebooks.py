@@ -92,7 +92,12 @@ def execute(path: Path, kernel_dir: Path, workdir: Path):
     km = KernelManager(kernel_name="python3", kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(kernel_dir)]))
     client = nbclient.NotebookClient(nb, km=km, kernel_name="python3", timeout=CELL_TIMEOUT_S,
                                      resources={"metadata": {"path": str(workdir)}})
-    client.execute()
+    try:
+        client.execute()
+    finally:  # nbclient shuts down only a kernel manager it made itself: this one's kernel (GBs) would outlive the test
+        if km.has_kernel:
+            km.shutdown_kernel(now=True)
+    assert not km.is_alive(), "the notebook's kernel outlived its test"
     nb.cells.pop()
     executable = "".join(o.get("text", "") for o in probe.outputs if o.output_type == "stream")
     return nb, executable

@@ -625,7 +625,7 @@ print("PEAK_KIB", after - before, "SECONDS", seconds)
 """
 
 
-@pytest.mark.xdist_group("memory")  # peaks of GBs: never beside another of these (--dist loadgroup)
+@pytest.mark.heavy  # peaks of GBs: never beside another heavy test (tests/conftest.py)
 @pytest.mark.slow
 def test_memory_stays_linear_at_16k():
     n = 16384

