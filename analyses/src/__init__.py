@@ -7,57 +7,60 @@ induction, attention sinks, ablation, importance, pruning, composition.
 Each analyzer takes a model and data and returns a tidy `pandas.DataFrame` (one row per layer/head/metric,
 plus the settings that produced it); `plot_head_scores`, `plot_curve` and `plot_composition` draw
 them. Published definitions are cited in each module's docstring.
+
+This face is thin: its names are imported on first use (PEP 562), so `import interp.analyses.circuits.choices`
+(what the CLI's `--help` reads) loads no analyzer, torch or pandas.
 """
 
-from .ablation import ablate_heads, ablation_values
-from .composition import composition_matrix, composition_scores
-from .detect import detect_head, detect_head_frame, detection_pattern
-from .heads import detect_heads, icl_score, induction_scores, repeated_random_tokens
-from .importance import attribution_correlation, head_importance
-from interp.analyses.extrapolation.lengths import how_far, length_scores, role_changes, scores_by_length
-from .plots import plot_composition, plot_curve, plot_head_scores
-from .pruning import pruning_curve
-from .sinks import attention_sinks, sink_rate
-from .streaming import sliding_window, window_eval
-from interp.models.readouts.head_statistics import (
-    attention_logsumexp,
-    attention_weights_at,
-    for_each_layer_qk,
-    kv_cache_attention_stats,
-    model_attention_stats,
-    stats_frame,
-)
+from __future__ import annotations
 
-__all__ = [
-    "ablate_heads",
-    "ablation_values",
-    "attention_logsumexp",
-    "attention_sinks",
-    "attention_weights_at",
-    "attribution_correlation",
-    "composition_matrix",
-    "composition_scores",
-    "detect_head",
-    "detect_head_frame",
-    "detect_heads",
-    "detection_pattern",
-    "for_each_layer_qk",
-    "head_importance",
-    "how_far",
-    "icl_score",
-    "induction_scores",
-    "kv_cache_attention_stats",
-    "length_scores",
-    "model_attention_stats",
-    "plot_composition",
-    "plot_curve",
-    "plot_head_scores",
-    "pruning_curve",
-    "repeated_random_tokens",
-    "role_changes",
-    "scores_by_length",
-    "sink_rate",
-    "sliding_window",
-    "stats_frame",
-    "window_eval",
-]
+import importlib
+
+_LAZY = {  # name -> the module that defines it (relative to this package, or absolute)
+    "ablate_heads": ".ablation",
+    "ablation_values": ".ablation",
+    "composition_matrix": ".composition",
+    "composition_scores": ".composition",
+    "detect_head": ".detect",
+    "detect_head_frame": ".detect",
+    "detection_pattern": ".detect",
+    "detect_heads": ".heads",
+    "icl_score": ".heads",
+    "induction_scores": ".heads",
+    "repeated_random_tokens": ".heads",
+    "attribution_correlation": ".importance",
+    "head_importance": ".importance",
+    "how_far": "interp.analyses.extrapolation.lengths",
+    "length_scores": "interp.analyses.extrapolation.lengths",
+    "role_changes": "interp.analyses.extrapolation.lengths",
+    "scores_by_length": "interp.analyses.extrapolation.lengths",
+    "plot_composition": ".plots",
+    "plot_curve": ".plots",
+    "plot_head_scores": ".plots",
+    "pruning_curve": ".pruning",
+    "attention_sinks": ".sinks",
+    "sink_rate": ".sinks",
+    "sliding_window": ".streaming",
+    "window_eval": ".streaming",
+    "attention_logsumexp": "interp.models.readouts.head_statistics",
+    "attention_rows": "interp.models.readouts.head_statistics",
+    "attention_weights_at": "interp.models.readouts.head_statistics",
+    "for_each_layer_qk": "interp.models.readouts.head_statistics",
+    "kv_cache_attention_stats": "interp.models.readouts.head_statistics",
+    "model_attention_stats": "interp.models.readouts.head_statistics",
+    "stats_frame": "interp.models.readouts.head_statistics",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_LAZY])

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import checks
+from interp.analyses.circuits.choices import IG_ON, IG_POINTS, METHODS, SELECTIONS  # torch-free: --help stays fast
 
-# the choices of interp.analyses.circuits (METHODS, IG_ON, SELECTIONS), here so that --help does not import torch
-METHODS, IG_ON, SELECTIONS = ("patching", "eap", "eap-ig"), ("inputs", "activations"), ("top", "greedy")
-IG_POINTS = ("midpoint", "left")  # interp.analyses.circuits.runner.IG_POINTS, here so that --help does not import torch
+from . import checks
 
 HELP = "circuits: which heads and head-to-head edges carry a task (exact patching, EAP, EAP-IG) and how faithful they are"
 EPILOG = """examples:
@@ -27,8 +25,8 @@ EPILOG = """examples:
 The graph: senders (embed, each head's output, each MLP's), receivers (each head's q, k and v inputs,
 each MLP's input, the logits), an edge where a sender writes before a receiver reads. Scores are
 metric(edge patched from the corrupted run) - metric(clean); EAP and EAP-IG estimate them from
-gradients. Circuits at MIB's sizes (0.1% .. 100% of the edges) are judged by faithfulness, (metric of
-the circuit - corrupted) / (clean - corrupted). Writes DIR/edges.parquet, nodes.parquet,
+gradients. Circuits at MIB's sizes (0.1% .. 100% of the edges; past ~500 tokens, block by block: 1%, 5%, 20%)
+are judged by faithfulness, (metric of the circuit - corrupted) / (clean - corrupted). Writes DIR/edges.parquet, nodes.parquet,
 faithfulness.csv, settings.json and a report that draws the circuit, its faithfulness curve and its
 heads' patterns on the task. A task file's lines may give token ids ("clean_ids", "corrupted_ids",
 "answer_ids", "wrong_ids") and answers at several positions ("answers": [{"position": -2, ...}, ...]);

@@ -45,7 +45,7 @@ def test_the_help_names_are_the_librarys():
 
 
 @pytest.mark.parametrize("args", [[], ["sweep"], ["analyze"], ["bench"], ["info"], ["report"], ["train"], ["kv"],
-                                  ["kv", "select"], ["lengths"]])
+                                  ["kv", "select"], ["lengths"], ["circuit"]])
 def test_help_is_instant_and_imports_no_torch(args):
     """Under a second, measured in a fresh interpreter (what a user's shell pays), torch never imported."""
     code = ("import sys, time; t = time.perf_counter(); from interp.cli import main\n"

@@ -33,13 +33,32 @@ estimate).
 
 The room: `graph` (the graph, the task, choosing circuits), `runner` (patching, EAP, EAP-IG,
 faithfulness), `positions` (edges resolved by token position or named position class), `tasks` (induction,
-IOI, greater-than, JSON lines), `study` (`interp circuit`).
+IOI, greater-than, JSON lines), `study` (`interp circuit`), `choices` (the settings' choices, torch-free).
 """
 
-from .graph import (FRACTIONS, IG_ON, METHODS, SELECTIONS, Graph, Task, areas, greedy_edges, prune_dangling, select,
-                    top_edges)
-from .passes import graph_mode
-from .runner import Runner, faithfulness_curve
+from __future__ import annotations
 
-__all__ = ["FRACTIONS", "IG_ON", "METHODS", "SELECTIONS", "Graph", "Runner", "Task", "areas", "faithfulness_curve",
-           "graph_mode", "greedy_edges", "prune_dangling", "select", "top_edges"]
+import importlib
+
+_LAZY = {  # name -> its module here: imported on first use (PEP 562), so `choices` alone loads no torch
+    **dict.fromkeys(("FRACTIONS", "Graph", "Task", "areas", "greedy_edges", "prune_dangling", "select", "top_edges"),
+                    ".graph"),
+    **dict.fromkeys(("IG_ON", "IG_POINTS", "METHODS", "SELECTIONS"), ".choices"),
+    "graph_mode": ".passes",
+    "Runner": ".runner",
+    "faithfulness_curve": ".runner",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_LAZY])

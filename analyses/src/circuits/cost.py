@@ -14,10 +14,11 @@ of one chunk's stream (b x p x d_model values) and one forward's activations (`p
     patched runs the faithfulness curve and exact patching: lean, two blocks' forwards (the patched block and
                  the corrupted values formed again) and their senders' values; the whole cache, a buffer of every
                  sender's difference (S rows) and a forward
-    roles        the atlas's induction scores (8 sequences of 101 tokens): their logits over the vocabulary
-    patterns     the report's view of the circuit's heads: their layers' full patterns (scores and weights in
-                 float32, b x heads x p x p each) for a chunk of 16 prompts (`study._movers`), with the runs
-                 still held
+    roles        the atlas's induction scores (8 sequences of 101 tokens): their logits over the vocabulary;
+                 the runs are released before it (`study.CircuitStudy.measure`), here and in patterns
+    patterns     the report's view of the circuit's heads: a fused forward of a chunk of 16 prompts
+                 (`study._movers`) and the rows of one layer's pattern it reads (`attention_rows`: the answer
+                 positions, or the first prompt's shown positions), never a whole p x p pattern
 
 and to each, the two largest working sets before it: glibc keeps what a stage frees (blocks under 32 MB) and
 reuses it only in part, so the resident memory does not fall back between stages (measured against the
@@ -43,11 +44,12 @@ import torch
 
 from interp.models.placement.memory import GiB, per_token_bytes
 
-from .graph import FRACTIONS, Graph
+from .graph import Graph, curve_fractions
 from .layered import SENDER_CHUNK
 from .runner import chunking, goes_by_layer, run_bytes
 
 MOVERS_BATCH = 16  # prompts per forward of the report's heads that write the answer (`study._movers`)
+PATTERN_MAX = 512  # the report's pattern view shows every position up to this length, then a few (`study._patterns`)
 # what a forward reaches of that product's speed: SmolLM2's passes at 1,024 and 2,048 tokens reached 1.2 and 1.4
 # times it on this project's 2-core CPU (idle); 1 leaves room for a loaded machine
 EFFICIENCY = 1.0
@@ -149,12 +151,15 @@ def stage_bytes(cfg, n_prompts: int, positions: int, batch_size: int = 16, *, me
         tokens = 8 * 101  # `study._roles`: induction scores on 8 sequences of 2 x 50 random tokens and a BOS
         work["roles"] = 3 * tokens * cfg.d_vocab * 4 + tokens * per_token_bytes(cfg)  # logits, log-softmax
         heads_batch = min(MOVERS_BATCH, n_prompts)
-        # one hooked layer's scores, scaled, masked and weights (two or three alive at once), float32
-        work["patterns"] = (3 * heads_batch * cfg.n_heads * positions * positions * 4
-                            + heads_batch * positions * per_token_bytes(cfg))
+        # a fused forward of a chunk of prompts, and the rows of one layer's pattern the view reads (scores,
+        # weights and their exponent, float32): the answer rows of the chunk, or the first prompt's shown
+        # positions (every one up to PATTERN_MAX, then fewer: a few keys per head)
+        rows = max(heads_batch * heads_batch, min(positions, PATTERN_MAX))
+        work["patterns"] = heads_batch * positions * per_token_bytes(cfg) + 3 * cfg.n_heads * rows * positions * 4
     out, earlier = {}, []
     for stage, own in work.items():
-        out[stage] = runs + own + sum(sorted(earlier)[-2:])
+        # the runs are released before the report's stages (`study.CircuitStudy.measure`)
+        out[stage] = (runs if stage not in ("roles", "patterns") else 0) + own + sum(sorted(earlier)[-2:])
         earlier.append(own)
     return out
 
@@ -206,7 +211,8 @@ def stage_seconds(cfg, n_prompts: int, positions: int, batch_size: int = 16, *, 
         seconds["exact edges"] = graph.n_edges * n_prompts * one / 2 + again
     if method == "patching" or oracle == "nodes":
         seconds["exact nodes"] = len(graph.senders) * n_prompts * one / 2 + again
-    runs = sum(1 for f in FRACTIONS if f < 1)  # the whole model's costs none, the drawn circuit is one of them
+    # the whole model's costs none, the drawn circuit is one of them, block by block no edge costs none either
+    runs = sum(1 for f in curve_fractions(layered) if f < 1 and (f > 0 or not layered))
     seconds["faithfulness"] = runs * n_prompts * patched_pass + again
     notes["faithfulness"] = f"{runs} patched runs x {n_prompts} prompts x {duration(patched_pass)}"
     return seconds, notes, one

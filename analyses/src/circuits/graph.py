@@ -15,10 +15,19 @@ from torch import Tensor
 
 from interp.models.placement.device import to_numpy
 
-METHODS = ("patching", "eap", "eap-ig")
-IG_ON = ("inputs", "activations")
+from .choices import IG_ON, METHODS, SELECTIONS
+
 # MIB's circuit sizes: fractions of the graph's edges
 FRACTIONS = (0.0, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+# the sizes of a curve over long prompts (a runner that goes block by block, `Runner.layered`): each size between 0
+# and 1 is a patched run of every block for every prompt (about a minute a prompt at 4,096 tokens on SmolLM2 on a
+# 2-core CPU), and 0 edges is the corrupted run by definition (`Runner.faithfulness_many`)
+LONG_FRACTIONS = (0.0, 0.01, 0.05, 0.2, 1.0)
+
+
+def curve_fractions(layered: bool) -> tuple[float, ...]:
+    """The sizes `interp circuit` measures faithfulness at: MIB's, or `LONG_FRACTIONS` block by block."""
+    return LONG_FRACTIONS if layered else FRACTIONS
 
 
 # ---- the graph ---------------------------------------------------------------------------------
@@ -161,7 +170,6 @@ class Task:
 
 
 # ---- circuits ----------------------------------------------------------------------------------------
-SELECTIONS = ("top", "greedy")
 
 
 def top_edges(graph: Graph, scores: Tensor, n: int) -> Tensor:

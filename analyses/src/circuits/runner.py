@@ -22,7 +22,8 @@ from torch import Tensor
 from interp.models.placement.device import to_host, to_numpy
 
 from .._common import frozen_params, progress
-from .graph import FRACTIONS, IG_ON, Graph, Task, select
+from .choices import IG_ON, IG_POINTS
+from .graph import FRACTIONS, Graph, Task, select
 from .layered import layered_attribution
 from .passes import Corrupted, LeanDifferences, Stacked, _Pass, _Patching, graph_mode
 from .qk import parse_head, qk_attribution
@@ -38,7 +39,6 @@ HELD_BYTES = 2 ** 30
 # default is 5) and thousands only cost: each step is a forward and a backward over every prompt
 MAX_STEPS = 1000
 MEMO = 64  # circuits whose faithfulness a runner remembers (a circuit drawn after its curve is not run again)
-IG_POINTS = ("midpoint", "left")  # where EAP-IG takes its gradients between the corrupted (0) and clean (1) run
 EAP_KL = ("EAP takes the metric's gradient at the clean run, where KL from the clean run is least (gradient 0, every "
           "score 0): use EAP-IG or exact patching (--method eap-ig or patching) with the kl metric")
 
@@ -489,8 +489,14 @@ class Runner:
     def faithfulness_many(self, circuits: Sequence[Tensor], *, show_progress: bool | None = False) -> list[float]:
         """`faithfulness` of each circuit, their patched runs chunk by chunk (`patched_many`). A circuit among the
         last `MEMO` asked is not run again: its faithfulness is remembered (the circuit a report draws is one of
-        its curve's)."""
+        its curve's). Block by block (long prompts), a circuit of no edge is not run: with every edge patched from
+        the corrupted run, every receiver reads the corrupted run's input, so its faithfulness is 0 by definition
+        (the whole graph's runs it, a check of the patching that costs one short run)."""
         keys = [hashlib.blake2b(to_numpy(c.bool()).tobytes(), digest_size=16).digest() for c in circuits]
+        if self.layered:
+            for k, c in zip(keys, circuits):
+                if not bool(c.any()):
+                    self._memo.setdefault(k, 0.0)
         new = list(dict.fromkeys(k for k in keys if k not in self._memo))
         at = {k: i for i, k in enumerate(keys)}
         masks = [(~circuits[at[k]].bool()) & self.graph.allowed for k in new]

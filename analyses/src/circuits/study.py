@@ -25,15 +25,16 @@ import torch
 
 from interp.models.placement.device import to_numpy
 from interp.models.placement.memory import FIXED_BYTES, GiB, available_bytes, held_weight_bytes
+from interp.models.readouts.head_statistics import attention_rows, for_each_layer_qk, layer_scoring
 from interp.models.rope.choice import choose as choose_rope
 from interp.errors import as_user_errors
 
 from .._common import spearman
-from .graph import FRACTIONS, IG_ON, METHODS, SELECTIONS, Graph, Task, areas, select
+from .graph import IG_ON, METHODS, SELECTIONS, Graph, Task, areas, curve_fractions, select
 from .positions import check_mode as check_positions, measure as measure_positions, positions_for
 from .positions import record as position_record, section as position_section
 from .qk import check_model, parse_heads
-from .cost import duration, estimate, machine_flops
+from .cost import PATTERN_MAX, duration, estimate, machine_flops
 from .runner import IG_POINTS, Runner, faithfulness_curve, steps_refused
 from .passkey import passkey_task
 from .tasks import METRICS, TASKS, build_task, context, read_task_file
@@ -47,7 +48,7 @@ DEFAULT_PASSKEY, MIN_PASSKEY = 1024, 128  # the passkey task's prompt length in 
 # exact edge patching is one forward per edge: past this many edges it is refused (with the way round)
 MAX_PATCHED_EDGES = 20_000
 GOOD = 0.8  # the faithfulness a circuit drawn by default reaches, where one of MIB's sizes does
-PATTERN_MAX, PATTERN_KEYS, PATTERN_TAIL = 512, 8, 16  # a long prompt's pattern view: `_patterns`
+PATTERN_KEYS, PATTERN_TAIL = 8, 16  # a long prompt's pattern view (past cost.PATTERN_MAX positions): `_patterns`
 ROLE_TOP = 3  # the atlas's heads of a role: the top 3 by its score (as the KV precision study names them)
 
 
@@ -286,16 +287,14 @@ class CircuitStudy(Study):
             edges["exact"] = g.edge_frame(exact_edges)["score"]
         if node_scores is None:
             node_scores = exact_nodes
-        curve = stage("faithfulness", lambda: faithfulness_curve(runner, scores, FRACTIONS, s.select, s.progress))
+        fractions = curve_fractions(runner.layered)
+        curve = stage("faithfulness", lambda: faithfulness_curve(runner, scores, fractions, s.select, s.progress))
         size = s.size if s.size is not None else chosen_size(curve)
         circuit = select(g, scores, max(1, int(round(size * g.n_edges))), s.select)
         drawn = runner.faithfulness(circuit)
         nodes = _node_frame(g, node_scores, method, circuit)
         if exact_nodes is not None:
             nodes["exact"] = to_numpy(exact_nodes, np.float64)
-        roles = stage("roles", lambda: _roles(model))
-        movers = stage("movers", lambda: _movers(model, task, edges))
-        patterns = stage("patterns", lambda: _patterns(model, task, nodes[nodes.in_circuit & (nodes.kind == "head")]))
         s_edges, r_edges = g.edges()
         agreement = {}
         if exact_nodes is not None and s.method != "patching":
@@ -305,10 +304,14 @@ class CircuitStudy(Study):
         tables = {"edges": edges, "nodes": nodes, "faithfulness": curve}
         by_position = ()
         if pos is not None:
-            measured = stage("positions", lambda: measure_positions(runner, pos, s.method, s.steps, s.ig, FRACTIONS,
+            measured = stage("positions", lambda: measure_positions(runner, pos, s.method, s.steps, s.ig, fractions,
                                                                     s.progress, points=s.ig_points))
             tables["position_edges"], tables["position_faithfulness"] = measured["edges"], measured["curve"]
             by_position = (pos, measured)
+        runner.release()  # the last stage that patches is done: the report's forwards run without the held runs
+        roles = stage("roles", lambda: _roles(model))
+        movers = stage("movers", lambda: _movers(model, task, edges))
+        patterns = stage("patterns", lambda: _patterns(model, task, nodes[nodes.in_circuit & (nodes.kind == "head")]))
         if qk:
             tables["qk"] = pd.concat([r.pairs().assign(head=r.name) for r in qk], ignore_index=True)[
                 ["head", *qk[0].pairs().columns]]
@@ -391,9 +394,10 @@ def _movers(model, task, edges: pd.DataFrame, top: int = 5) -> pd.DataFrame | No
     for part, answers in task.chunks(16):
         rows, pos = task.rows[answers] - part.start, task.positions[answers]
         tokens = task.clean[part].to(model.device)
-        got = _pattern_rows(model, tokens, heads, lambda p: p[rows.to(p.device), :, pos.to(p.device)])
+        queries, which = torch.unique(pos, return_inverse=True)
+        got = _pattern_rows(model, tokens, heads, queries)  # {layer: [b, head, queries, keys]}
         for l, h in heads:
-            a = got[l][:, h].float().cpu()  # [n, keys]: each answer position's attention
+            a = got[l][rows, h, which].cpu()  # [n, keys]: each answer position's attention
             on = tokens[rows].cpu()
             sums[(l, h)][0] += float((a * (on == task.answer_tokens[answers, None])).sum())
             if task.wrong_tokens is not None:
@@ -405,19 +409,16 @@ def _movers(model, task, edges: pd.DataFrame, top: int = 5) -> pd.DataFrame | No
                                                 for h in heads]})
 
 
-def _pattern_rows(model, tokens, heads, keep) -> dict:
-    """{layer: keep(pattern [batch, head, query, key])} for the layers of `heads`, from one forward: each
-    layer's pattern exists only while its hook runs, so a long prompt holds one layer's at a time."""
+def _pattern_rows(model, tokens, heads, queries: torch.Tensor) -> dict:
+    """{layer: the pattern's rows at `queries` (absolute positions), float32 [batch, head, len(queries), keys]}
+    for the layers of `heads`, from one fused forward (`for_each_layer_qk`) and each layer's q and k
+    (`attention_rows`): no layer's whole pattern is built (at 4,096 tokens one layer's would take GBs)."""
     got: dict[int, torch.Tensor] = {}
 
-    def hook(l):
-        def fn(pattern, hook):
-            got[l] = keep(pattern.detach()).clone()
-        return fn
+    def keep(l, q, k, v):
+        got[l] = attention_rows(q, k, queries, layer_scoring(model, l))
 
-    layers = sorted({l for l, _ in heads})
-    with torch.no_grad(), model.hooks([(f"blocks.{l}.attn.hook_pattern", hook(l)) for l in layers]):
-        model(tokens, stop_at_layer=max(layers) + 1)
+    for_each_layer_qk(model, tokens, keep, layers={l for l, _ in heads})
     return got
 
 
@@ -435,11 +436,10 @@ def _patterns(model, task, heads: pd.DataFrame, limit: int = 24):
     tokens = task.clean[:1, :n].to(model.device)
     shown = torch.arange(n)
     if n > PATTERN_MAX:
-        rows = _pattern_rows(model, tokens, pairs, lambda p: p[0, :, answer])  # [head, key] per layer
-        top = torch.stack([rows[l][h] for l, h in pairs]).float().cpu().topk(PATTERN_KEYS, dim=-1).indices
+        rows = _pattern_rows(model, tokens, pairs, torch.tensor([answer]))  # [1, head, 1, key] per layer
+        top = torch.stack([rows[l][0, h, 0] for l, h in pairs]).cpu().topk(PATTERN_KEYS, dim=-1).indices
         shown = torch.unique(torch.cat([top.flatten(), torch.tensor([0]), torch.arange(n - PATTERN_TAIL, n)]))
-    at = shown.to(model.device)
-    got = _pattern_rows(model, tokens, pairs, lambda p: p[0][:, at][:, :, at])  # [head, shown, shown] per layer
+    got = {l: p[0][:, :, shown.to(p.device)] for l, p in _pattern_rows(model, tokens, pairs, shown).items()}
     stack = torch.stack([got[l][h] for l, h in pairs])
     try:
         strings = model.to_str_tokens(tokens[0])
@@ -477,7 +477,7 @@ def _sections(s: CircuitSettings, m: CircuitMeasured, record) -> list[Section]:
         _agreement_line(record["agreement_spearman"]))
     sections = [summary,
                 Section("circuit", "The circuit").add(Html(_svg(g, edges, circuit), "(drawing: open report.html)")),
-                _curve_section(curve),
+                _curve_section(curve, runner.layered, int(task.clean.shape[1])),
                 Section("edges", "Top edges").add(_top(edges, 25)),
                 *([Section("movers", "The heads that write the answer").add(
                     "The heads whose edges into the logits score most, and their mean attention from the answer "
@@ -519,7 +519,7 @@ def _top(frame: pd.DataFrame, n: int) -> pd.DataFrame:
     return frame.reindex(frame.score.abs().sort_values(ascending=False).index).head(n)
 
 
-def _curve_section(curve: pd.DataFrame) -> Section:
+def _curve_section(curve: pd.DataFrame, layered: bool = False, positions: int = 0) -> Section:
     import matplotlib  # start-up time: the command's --help and checks run without it
 
     matplotlib.use("Agg")
@@ -534,8 +534,13 @@ def _curve_section(curve: pd.DataFrame) -> Section:
     ax.set_xlabel("fraction of edges kept (0 drawn at 1e-4)")
     ax.set_ylabel("faithfulness")
     fig.tight_layout()
+    sizes = ", ".join(f"{f:.0%}" for f in curve.fraction if 0 < f < 1)
+    long = (f"At {positions:,} tokens the runner goes block by block, and each size is a patched run of every block "
+            f"for every prompt: the curve is measured at {sizes} of the edges only (MIB's 10 sizes at short prompts), "
+            "and 0 edges is the corrupted run by definition (faithfulness 0, not run); CPR and CMD are the areas "
+            "under these points. --size draws a circuit of any other size." if layered else None)
     return Section("faithfulness", "Faithfulness over circuit sizes").add(
-        png(fig, "faithfulness.png", "faithfulness of the circuit against its share of the edges"), curve)
+        long, png(fig, "faithfulness.png", "faithfulness of the circuit against its share of the edges"), curve)
 
 
 def _svg(g: Graph, edges: pd.DataFrame, circuit, max_edges: int = 80) -> str:

@@ -225,6 +225,25 @@ def attention_weights_at(q: Tensor, k: Tensor, lse: Tensor, keys: Tensor | None 
     return torch.nan_to_num(w, nan=0.0)  # -inf - -inf (no visible key) -> 0
 
 
+@torch.no_grad()
+def attention_rows(q: Tensor, k: Tensor, rows: Tensor, scoring: Scoring | None = None, *,
+                   key_padding_mask: Tensor | None = None) -> Tensor:
+    """Exact rows of the pattern, P[b, h, rows, :], float32 [batch, head, len(rows), n_k], without the rest.
+
+    rows: long [m] absolute query positions (queries are the last n_q of the n_k keys, as `attention_logsumexp`'s).
+    Each row's softmax over every key, as the model scores them (`scoring`: the layer's scale, soft cap, ALiBi,
+    window and learned sink logits, whose weight is the row's missing mass); entries a query cannot see are 0.
+    O(m x n_k) memory: a few rows of a long prompt's pattern (what a report shows), where the whole pattern would
+    take GBs."""
+    scoring = _resolved(q, scoring)
+    rows = rows.to(q.device)
+    s = _scores(q, k, rows, torch.arange(k.shape[2], device=q.device), scoring, key_padding_mask)
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    if scoring.sink_logits is not None:  # learned sink logits (gpt-oss): one more term in every row's sum
+        lse = torch.logaddexp(lse, scoring.sink_logits.float().to(s.device)[None, :, None, None])
+    return torch.nan_to_num(torch.exp(s - lse), nan=0.0)  # -inf - -inf (no visible key) -> 0
+
+
 def stats_frame(stats: dict[int, AttentionStats], query_mask: Tensor | None = None) -> pd.DataFrame:
     """A tidy table of per-layer statistics: one row per (layer, batch, head, query), one column per
     statistic (sink, previous, duplicate, induction, entropy, max, distance). Rows of queries that

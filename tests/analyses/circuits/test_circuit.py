@@ -264,9 +264,12 @@ def test_exact_edge_patching_past_its_limit_says_what_to_use(tmp_path, capsys, m
 
 
 def test_the_commands_choices_are_the_engines():
+    """One definition (interp.analyses.circuits.choices, torch-free), not a copy the CLI keeps in step."""
+    from interp.analyses.circuits import runner
     from interp.commands import circuit as command
 
-    assert (command.METHODS, command.IG_ON, command.SELECTIONS) == (C.METHODS, C.IG_ON, C.SELECTIONS)
+    assert command.METHODS is C.METHODS and command.IG_ON is C.IG_ON and command.SELECTIONS is C.SELECTIONS
+    assert command.IG_POINTS is runner.IG_POINTS
 
 
 @pytest.mark.parametrize("name", ["learned-layernorm", "gemma3-like", "rotary-partial-parallel"])

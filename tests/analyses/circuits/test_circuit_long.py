@@ -172,7 +172,8 @@ def test_a_passkey_circuit_runs_from_the_command(tmp_path):
 def test_a_long_prompts_pattern_view_keeps_the_positions_that_matter(zoo, monkeypatch):
     """Past PATTERN_MAX positions the report's patterns are the full patterns' rows and columns at the keys
     each head attends to most from the answer, the first token and the last few, read from one layer's
-    pattern at a time; the movers' attention is the same as from full patterns."""
+    pattern at a time (`attention_rows`: never the whole pattern); the movers' attention is the same as from full
+    patterns."""
     import pandas as pd
 
     from interp.analyses.circuits import study
@@ -197,8 +198,8 @@ def test_a_long_prompts_pattern_view_keeps_the_positions_that_matter(zoo, monkey
     on = task.clean[rows]
     for (l, h), got in zip(((3, 1), (1, 0)), movers.attention_to_answer):
         full = zoo.run_with_cache(task.clean)[1]["pattern", l][rows, h, pos]
-        # Two float32 sums of the same attention weights in different orders (the study reads one layer's rows
-        # through a hook, this reads the whole cache): they agree to float32 round-off, about 1e-7 per term
+        # Two float32 computations of the same attention weights (the study's rows from q and k, this the whole
+        # cache's pattern): they agree to float32 round-off, about 1e-7 per term
         # relative, not to approx's default 1e-6 (2.3e-6 apart on an AVX-512 / AMX Xeon).
         want = float((full * (on == task.answer_tokens[:, None])).sum()) / task.n_answers
         assert got == pytest.approx(want, rel=1e-5, abs=1e-7)
@@ -222,3 +223,40 @@ def test_the_command_takes_eap_igs_own_points(tmp_path):
     want = runner.graph.edge_frame(runner.eap_ig(2, points="left"))
     assert edges.method.iloc[0] == "eap-ig (inputs, 2 left steps)"
     torch.testing.assert_close(torch.tensor(edges.score.to_numpy()), torch.tensor(want.score.to_numpy()))
+
+
+def test_block_by_block_the_curve_is_measured_at_fewer_sizes_and_no_edge_is_the_corrupted_run(tmp_path, monkeypatch):
+    """Long prompts (block by block) take LONG_FRACTIONS: the curve has those sizes, the empty circuit costs no
+    patched run and is 0 by definition, which is what patching every edge gives (run here, to float32 round-off);
+    the report says why the curve is short; the time estimate counts only the runs made."""
+    import pandas as pd
+
+    from interp.analyses.circuits import runner as runner_module
+    from interp.analyses.circuits.cost import stage_seconds
+    from interp.analyses.circuits.graph import FRACTIONS, LONG_FRACTIONS
+
+    model = build(OWN_CONFIGS["rotary-rms-swiglu-gqa"])
+    whole, lean = _both(model, random_task(model, n=3, p=7))
+    empty = torch.zeros_like(lean.graph.allowed)
+    every = lean.patched(lean.graph.allowed.float())  # every edge patched, run
+    assert (every - lean.corrupted_metric) / (lean.clean_metric - lean.corrupted_metric) == pytest.approx(0, abs=1e-5)
+    runs = []
+    monkeypatch.setattr(Runner, "patched_many", lambda self, masks, **k: runs.append(len(masks)) or [0.0] * len(masks))
+    assert lean.faithfulness(empty) == 0.0 and runs == []  # not run
+    whole.faithfulness(empty)
+    assert runs == [1]  # the whole graph runs it: a check of the patching
+    monkeypatch.undo()
+
+    out = tmp_path / "long"
+    monkeypatch.setattr(runner_module, "goes_by_layer", lambda *a, **k: True)  # block by block at a short length
+    assert cli(["circuit", "rope-gqa-4l", "--task", "induction", "--prompts", "4", "--method", "eap", "--out", str(out),
+                "--no-progress"]) == 0
+    curve = pd.read_csv(out / "faithfulness.csv")
+    assert tuple(curve.fraction) == LONG_FRACTIONS and curve.faithfulness.iloc[0] == 0.0
+    assert "is measured at 1%, 5%, 20% of the edges only" in (out / "report.md").read_text()
+    cfg = model.cfg
+    flops = 1e9
+    _, notes, _ = stage_seconds(cfg, 2, 64, method="eap", flops=flops, layered=False)
+    _, long_notes, _ = stage_seconds(cfg, 2, 64, method="eap", flops=flops, layered=True)
+    assert notes["faithfulness"].startswith(f"{len(FRACTIONS) - 1} patched runs")
+    assert long_notes["faithfulness"].startswith(f"{len(LONG_FRACTIONS) - 2} patched runs")

@@ -85,3 +85,34 @@ def test_stats_frame_is_tidy_and_attention_stats_checks_arguments():
         kv = model.new_kv_cache(2, 16)
         model(tokens, kv_cache=kv)
         model.attention_stats(kv_cache=kv)
+
+
+@pytest.mark.parametrize("extra", [dict(positional="rotary", n_kv_heads=2), dict(positional="alibi", sliding_window=7),
+                                   dict(positional="rotary", n_kv_heads=3, attn_scores_soft_cap=2.0),
+                                   dict(positional="rotary", n_kv_heads=1, learned_sinks=True)],
+                         ids=["gqa", "alibi-window", "softcap", "learned-sinks"])
+def test_attention_rows_are_the_materialised_patterns_rows(extra):
+    """`attention_rows` at a few query positions equals those rows of the pattern the instrumented path builds
+    (hook_pattern), for every layer and head: window, ALiBi, soft cap and learned sink logits (whose mass is
+    missing from the row) included."""
+    from interp.models.readouts.head_statistics import attention_rows, for_each_layer_qk, layer_scoring
+
+    cfg = interp.ModelConfig(n_layers=2, d_model=36, n_heads=6, d_head=6, d_vocab=11, n_ctx=64, d_mlp=20,
+                             normalization="rmsnorm", **{"n_kv_heads": 6, **extra})
+    model = interp.HookedTransformer(cfg, seed=3).eval()
+    if cfg.learned_sinks:
+        with torch.no_grad():
+            for block in model.blocks:
+                block.attn.sinks.normal_(0, 2)  # large enough to take visible mass from each row
+    tokens = torch.randint(0, 11, (2, 30), generator=torch.Generator().manual_seed(2))
+    rows = torch.tensor([0, 5, 17, 29])
+    _, cache = model.run_with_cache(tokens, names_filter=lambda n: n.endswith("hook_pattern"))
+    got = {}
+    for_each_layer_qk(model, tokens, lambda l, q, k, v: got.__setitem__(l, attention_rows(q, k, rows,
+                                                                                           layer_scoring(model, l))))
+    for layer in range(cfg.n_layers):
+        want = cache["pattern", layer][:, :, rows]
+        assert got[layer].shape == want.shape == (2, 6, 4, 30)
+        torch.testing.assert_close(got[layer], want.float(), atol=1e-6, rtol=1e-5)
+        if cfg.learned_sinks:
+            assert float(want.sum(-1).min()) < 0.99  # the sink took mass: the rows sum to less than 1
