@@ -24,7 +24,8 @@ from interp.models.formats.checkpoint import (  # noqa: F401 - FORMAT_VERSION, C
     save_model,
 )
 from interp.models.families import FAMILIES, get_family
-from interp.models.placement.offload import OffloadRefused, check_offload
+from interp.models.placement.choice import Placement
+from interp.models.placement.offload import OffloadRefused
 from interp.models.base import HookedModel, rope_refusal
 from interp.models.wrapped import WrappedModel, check_wrappable
 from interp.models.native.processing import check_processing
@@ -40,6 +41,8 @@ from interp.models.runs.names import (  # noqa: F401 - name resolution is the mo
     revisions_run,
 )
 
+# 14 parameters, past the project's 12: device=, offload= and device_map= stay three keywords (one `Placement`, made
+# first thing below) because TransformerLens and transformers users pass them so (`device=`, `device_map=`).
 def load(name_or_path, *, revision: str | None = None, dtype: torch.dtype | str | None = None,
          device: torch.device | str | None = None, tokenizer=None, default_prepend_bos: bool | None = None,
          fold_ln: bool = False, center_writing_weights: bool = False, center_unembed: bool = False,
@@ -89,9 +92,10 @@ def load(name_or_path, *, revision: str | None = None, dtype: torch.dtype | str 
     processing, `save` and `.to()` are refused in one line; `with model.holding(layer):` holds a block for
     code that reads its weights directly. Native models only.
 
-    device_map: None (the default: the whole model on `device`), "auto" or {layer or unit: device}: the
-    blocks split over several GPUs (`interp.models.placement.device_map`). "auto" splits them evenly, in contiguous
-    runs, over the CUDA devices torch sees (one device or none: everything there); a dict names devices per
+    device_map: None (the default: the whole model on `device`), "auto", {layer or unit: device}, or the command
+    line's "LAYERS:DEVICE,..." ("0-15:cuda:0,16-31:cuda:1"): the blocks split over several GPUs
+    (`interp.models.placement.device_map`). "auto" splits them evenly, in contiguous runs, over the CUDA
+    devices torch sees (one device or none: everything there); a dict names devices per
     layer (an int L is "blocks.L") or unit ("embed", "pos_embed", "embed_ln", "ln_final", "unembed"), and
     what it leaves out follows the block before it (the embedding the first block, ln_final and the
     unembedding the last; a tied unembedding the embedding). Each weight goes straight to its device; each
@@ -100,13 +104,13 @@ def load(name_or_path, *, revision: str | None = None, dtype: torch.dtype | str 
     Forward, hooks, caches, the statistics and the analyses give the numbers of the model on one device. A
     device the machine lacks, a layer out of range, an unknown unit, `device=` elsewhere than the map's
     embedding, `offload=`, a wrapped model, and a KV cache (generation) on a map over several devices are
-    refused in one line, before any weight is read (the KV cache: when it is asked for)."""
-    check_offload(offload)
-    parse_dtype(dtype)  # a misspelt dtype, before a name is resolved (a download)
-    if device_map is not None and offload is not None:
-        from interp.models.placement.device_map import DeviceMapRefused
+    refused in one line, before any weight is read (the KV cache: when it is asked for).
 
-        raise DeviceMapRefused(f"device_map and offload={offload!r} both say where the weights go: give one of the two")
+    device, offload and device_map are one choice, where the weights go (`interp.models.placement.choice.Placement`):
+    a misspelt offload, a malformed map, a device this machine lacks (device=None: the CPU), and a map beside an
+    offload are refused in one line before the name is resolved."""
+    placement = Placement(device, offload, device_map)  # refused in one line before a name is resolved (a download)
+    parse_dtype(dtype)  # a misspelt dtype, too
     processing = dict(fold_ln=fold_ln, center_writing_weights=center_writing_weights, center_unembed=center_unembed,
                       fold_value_biases=fold_value_biases, refactor_factored_attn_matrices=refactor_factored_attn_matrices)
     if offload is not None and any(processing.values()):
@@ -114,8 +118,7 @@ def load(name_or_path, *, revision: str | None = None, dtype: torch.dtype | str 
                              f"weight in memory and offload={offload!r} keeps them in the checkpoint's files: give one "
                              "of the two")
     path = resolve(name_or_path, revision=revision)
-    model = load_checkpoint(path, dtype=dtype, device=device, tokenizer=tokenizer, rope_scaling=rope_scaling,
-                            offload=offload, device_map=device_map)
+    model = load_checkpoint(path, dtype=dtype, tokenizer=tokenizer, rope_scaling=rope_scaling, placement=placement)
     name = str(name_or_path) if revision is None else f"{name_or_path}@{revision}"
     return _conventions(model, name, default_prepend_bos, fold_ln=fold_ln, center_writing_weights=center_writing_weights,
                         center_unembed=center_unembed, fold_value_biases=fold_value_biases,

@@ -60,6 +60,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
+from interp.models.placement.choice import Placement
 from interp.models.placement.device import compute_record, installed_version
 from interp.errors import as_user_errors
 from interp.models.rope.choice import as_hf, describe
@@ -185,7 +186,10 @@ class StudySettings:
     offload   None, "disk" or "cpu": the model loaded layer by layer (`interp.models.placement.offload`)
     device_map None, "auto" or the command line's LAYERS:DEVICE,...: the blocks split over devices
               (`interp.models.placement.device_map`); memory is checked on each
-    progress  progress bars: None on a terminal only, False never"""
+    progress  progress bars: None on a terminal only, False never
+
+    device, offload and device_map are one choice, `placement` (`interp.models.placement.choice.Placement`),
+    checked when the settings are made (one line: a device this machine lacks, a map beside an offload)."""
 
     model: str = "model"
     data: StudyData | None = None
@@ -193,6 +197,14 @@ class StudySettings:
     offload: str | None = None
     device_map: str | dict | None = None
     progress: bool | None = None
+
+    def __post_init__(self) -> None:
+        self.placement  # noqa: B018 - made to be checked
+
+    @property
+    def placement(self) -> Placement:
+        """Where the model's weights go: device, offload and device_map as one value."""
+        return Placement(self.device, self.offload, self.device_map)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

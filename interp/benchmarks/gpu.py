@@ -77,9 +77,10 @@ def _forward_fn(q, k, v, window):
     if window is None:
         return lambda: _flash(q, k, v)
     from interp.kernels.attention import AttentionMask, fused_attention
+    from interp.kernels.stats import Scoring
 
     mask, scale = AttentionMask(q.shape[2], k.shape[2]), q.shape[-1] ** -0.5
-    return lambda: fused_attention(q, k, v, mask, scale=scale, window=window)
+    return lambda: fused_attention(q, k, v, mask, Scoring(scale=scale, window=window))
 
 
 def _free_bytes(device) -> int:

@@ -142,7 +142,7 @@ def section(opts: Options) -> Section:
 
     measured: dict[str, list[tuple[int, float]]] = {m: [] for m in METHODS}
     timed: dict[str, list[tuple[int, float]]] = {m: [] for m in METHODS}
-    rows, notes = [], []
+    rows = []
     for n in seqs:
         tokens = repeated_tokens(n, cfg.d_vocab, seed=n).to(opts.device)
         cells: dict[str, dict] = {}
@@ -174,27 +174,7 @@ def section(opts: Options) -> Section:
             cells[m]["time"] = ts[len(ts) // 2] if len(ts) % 2 else 0.5 * (ts[len(ts) // 2 - 1] + ts[len(ts) // 2])
             timed[m].append((n, cells[m]["time"]))
         rows.append(_row(n, cells, cfg))
-    fits = []
-    for m, label in (("ours", "ours (streaming)"), ("tl", "TransformerLens (cached patterns)")):
-        measured_n, extrapolated_n, p = longest_within(measured[m], limit, default_p[m])
-        fits.append([
-            label, "none" if measured_n is None else f"{measured_n:,}",
-            "n/a" if extrapolated_n is None else f"~{extrapolated_n:,} (extrapolated, memory ~ n^{p:.2f})",
-        ])
-    avail = available_bytes()
-    notes.append(
-        f"model: random-init Llama, {cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} query / {cfg.kv_heads} "
-        f"key-value heads of {cfg.head_dim}, RoPE, n_ctx {cfg.n_ctx}; batch 1; tokens: random, second half repeating "
-        f"the first; float32 on {opts.device}"
-    )
-    notes.append(
-        f"cells are skipped when their predicted peak exceeds {opts.memory_limit_gib:g} GiB or {AVAILABLE_SHARE:.0%} "
-        f"of the memory available at the time ({fmt_bytes(avail)} available at the end), or their predicted time {TIME_CAP:.0f} s"
-    )
-    notes.append("max |score diff|: largest difference between our and TransformerLens's previous-token, induction "
-                 "and sink scores where both ran (float32 round-off)")
-    notes.append("runs: timed runs per cell (ours / TL), the median shown; the first is also the memory measurement, "
-                 "and the big cells get one or two; one untimed warm-up of each at 128 tokens comes first")
+    fits = _fits(measured, limit, default_p)
     s = Section(
         "long_context", "Long-context head detection: streaming vs cached patterns",
         intro=(
@@ -208,20 +188,57 @@ def section(opts: Options) -> Section:
             Table(f"Longest context whose peak fits in {opts.memory_limit_gib:g} GiB",
                   ["method", "largest measured that fits", f"where {opts.memory_limit_gib:g} GiB is reached"], fits),
         ],
-        notes=notes,
+        notes=_notes(cfg, opts),
     )
+    headline = _headline(measured, timed, fits, opts)
+    if headline is not None:
+        s.headline.append(headline)
+    return s
+
+
+def _fits(measured: dict, limit: float, default_p: dict) -> list[list[str]]:
+    """The "longest context" table's rows: per method, the largest measured size within `limit` and where the
+    extrapolated growth reaches it."""
+    fits = []
+    for m, label in (("ours", "ours (streaming)"), ("tl", "TransformerLens (cached patterns)")):
+        measured_n, extrapolated_n, p = longest_within(measured[m], limit, default_p[m])
+        fits.append([
+            label, "none" if measured_n is None else f"{measured_n:,}",
+            "n/a" if extrapolated_n is None else f"~{extrapolated_n:,} (extrapolated, memory ~ n^{p:.2f})",
+        ])
+    return fits
+
+
+def _notes(cfg, opts: Options) -> list[str]:
+    """What the tables were measured on and how to read them (the memory available read now, at the end)."""
+    avail = available_bytes()
+    return [
+        f"model: random-init Llama, {cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} query / {cfg.kv_heads} "
+        f"key-value heads of {cfg.head_dim}, RoPE, n_ctx {cfg.n_ctx}; batch 1; tokens: random, second half repeating "
+        f"the first; float32 on {opts.device}",
+        f"cells are skipped when their predicted peak exceeds {opts.memory_limit_gib:g} GiB or {AVAILABLE_SHARE:.0%} "
+        f"of the memory available at the time ({fmt_bytes(avail)} available at the end), or their predicted time {TIME_CAP:.0f} s",
+        "max |score diff|: largest difference between our and TransformerLens's previous-token, induction "
+        "and sink scores where both ran (float32 round-off)",
+        "runs: timed runs per cell (ours / TL), the median shown; the first is also the memory measurement, "
+        "and the big cells get one or two; one untimed warm-up of each at 128 tokens comes first",
+    ]
+
+
+def _headline(measured: dict, timed: dict, fits: list[list[str]], opts: Options) -> str | None:
+    """The page's headline line: our largest measured size against TransformerLens's; None when ours ran at none."""
     longest_tl = max((n for n, _ in measured["tl"]), default=None)
     ours_big = max((n for n, _ in measured["ours"]), default=None)
-    if ours_big is not None:
-        peak_big = dict(measured["ours"])[ours_big]
-        s.headline.append(
-            f"long context: ours scores every head at {ours_big:,} tokens in {dict(timed['ours'])[ours_big]:.1f} s and "
-            f"{fmt_bytes(peak_big)} peak; "
-            + (f"TransformerLens ran up to {longest_tl:,} tokens here ({fmt_bytes(dict(measured['tl'])[longest_tl])} peak)"
-               if longest_tl else "TransformerLens ran at no size")
-            + f"; in {opts.memory_limit_gib:g} GiB: ours {fits[0][2]}, TL {fits[1][2]}"
-        )
-    return s
+    if ours_big is None:
+        return None
+    peak_big = dict(measured["ours"])[ours_big]
+    return (
+        f"long context: ours scores every head at {ours_big:,} tokens in {dict(timed['ours'])[ours_big]:.1f} s and "
+        f"{fmt_bytes(peak_big)} peak; "
+        + (f"TransformerLens ran up to {longest_tl:,} tokens here ({fmt_bytes(dict(measured['tl'])[longest_tl])} peak)"
+           if longest_tl else "TransformerLens ran at no size")
+        + f"; in {opts.memory_limit_gib:g} GiB: ours {fits[0][2]}, TL {fits[1][2]}"
+    )
 
 
 def _would_not_fit(method, n, measured, timed, limit, cfg, default_p, device) -> str | None:

@@ -104,7 +104,7 @@ def section(opts: Options) -> Section:
             q, k, v, tokens = _layer_inputs(n, heads, kv_heads, d, opts.device)
             mask, scale = AttentionMask(n, n), d ** -0.5
             fns = {
-                "sdpa": lambda: fused_attention(q, k, v, mask, scale=scale, window=window),
+                "sdpa": lambda: fused_attention(q, k, v, mask, Scoring(scale=scale, window=window)),
                 "fused": lambda: attention_stats(q, k, tokens, Scoring(window=window), backend="fused"),
                 "fused_no_max": lambda: attention_stats(q, k, tokens, Scoring(window=window), backend="fused", stats=NO_MAX),
                 "tiled": lambda: attention_stats(q, k, tokens, Scoring(window=window), backend="torch"),

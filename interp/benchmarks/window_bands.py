@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from interp.kernels.attention import AttentionMask, expand_kv, fused_attention
+from interp.kernels.stats import Scoring
 
 from .report import Options, Section, Table
 from .timing import available_bytes, compare_times, fmt_bytes, measure_memory
@@ -40,7 +41,7 @@ def section(opts: Options) -> Section:
         mask = AttentionMask(n, n)
 
         def ours():
-            return fused_attention(q, k, v, mask, scale=scale, window=WINDOW)
+            return fused_attention(q, k, v, mask, Scoring(scale=scale, window=WINDOW))
 
         def whole():
             m = AttentionMask(n, n).visible(WINDOW, q.device)  # built per call, as a forward does

@@ -41,36 +41,13 @@ def add_offload_option(p) -> None:
                         "not with --offload")
 
 
-def device_map_of(args, cfg=None, path=None):
-    """--device-map read and checked: None, "auto" or {layer or unit: device}; with the model's config `cfg`,
-    resolved against it and the machine (one line on a bad map, before any weight is read). `path`: the
-    checkpoint, refused when transformers runs it (wrapped)."""
-    text = getattr(args, "device_map", None)
-    if text is None:
-        return None
-    from interp.models.placement.device_map import DeviceMapRefused, parse_device_map, resolve_device_map
+def placement_of(args):
+    """Where the command loads the model: the `Placement` of --device, --offload and --device-map
+    (`interp.models.placement.choice`), refused in one line when made (a device this machine lacks, a malformed
+    map, a map beside an offload). A study's settings make the same value from the same options (`common`)."""
+    from interp.models.placement.choice import Placement  # start-up time: imports torch
 
-    if getattr(args, "offload", None) is not None:
-        raise DeviceMapRefused(f"--device-map and --offload {args.offload} both say where the weights go: give one of "
-                               "the two")
-    parsed = parse_device_map(text)
-    if path is not None:
-        from interp.models.formats.checkpoint import is_wrapped
-
-        if is_wrapped(path):
-            raise DeviceMapRefused(f"--device-map splits interp's own transformer, and transformers runs {path} "
-                                   "(wrapped): run it on one device")
-    if cfg is not None:
-        resolve_device_map(parsed, cfg, device=args.device)
-    return parsed
-
-
-def load_device(args, device_map):
-    """The device= a load gets: --device (resolved), or None when a --device-map says where (the map then puts
-    the embedding where it says)."""
-    from interp.models.placement.device import resolve_device
-
-    return None if device_map is not None and args.device is None else resolve_device(args.device)
+    return Placement(getattr(args, "device", None), args.offload, args.device_map)
 
 
 def add_text_options(p, seq_len: int, what: str, n_seqs: bool = False) -> None:
@@ -155,7 +132,8 @@ def prompt_settings(args) -> dict:
 
 
 def common(args) -> dict:
-    """The `StudySettings` fields every study command reads the same way."""
+    """The `StudySettings` fields every study command reads the same way (device, offload and device_map are
+    checked as one `Placement` when the settings are made: `StudySettings.placement`)."""
     return dict(model=args.model, device=args.device, offload=args.offload, device_map=args.device_map,
                 progress=False if args.no_progress else None)
 
@@ -170,7 +148,7 @@ def run_command(study, args, settings, *, path=None) -> int:
 
     from interp.analyses.study import check_folder, run
     from interp.errors import as_user_errors
-    from interp.models.formats.checkpoint import read_config, rope_scaling_for
+    from interp.models.formats.checkpoint import check_placement, read_config, rope_scaling_for
     from interp.models.rope.choice import rope_spec
 
     with as_user_errors(ValueError, FileNotFoundError, ImportError):
@@ -183,18 +161,15 @@ def run_command(study, args, settings, *, path=None) -> int:
         else:
             target = str(path)
         cfg = read_config(target)
-        device_map = device_map_of(args, cfg, target)
+        placement = settings.placement  # made (and checked) with the settings: --device, --offload, --device-map
+        check_placement(target, placement, cfg=cfg)
         if rope is not None:
             rope_scaling_for(target, rope, cfg=cfg)
         settings, notes = study.check(cfg, settings)
         why = ("reads interp's KV cache, which holds every layer on one device" if study.uses_kv_cache(settings)
                else study.one_device)
-        if device_map is not None and why is not None:
-            from interp.models.placement.device_map import DeviceMapRefused, is_split, resolve_device_map
-
-            if is_split(resolve_device_map(device_map, cfg, device=args.device)):
-                raise DeviceMapRefused(f"interp {study.name} {why}, and --device-map splits the model over several "
-                                       "devices: run it on one device (--device)")
+        if why is not None:
+            placement.refuse_split(cfg, f"interp {study.name} {why}")
         check_folder(study, args.out, force=args.force)
 
     import interp  # start-up time: --help and argument errors never import torch
@@ -202,8 +177,8 @@ def run_command(study, args, settings, *, path=None) -> int:
     for note in notes:
         print(note)
     start = time.perf_counter()
-    model = interp.load(args.model if path is None else str(path), device=load_device(args, device_map),
-                        rope_scaling=rope, offload=args.offload, device_map=device_map)
+    model = interp.load(args.model if path is None else str(path), rope_scaling=rope,
+                        **placement.resolved().keywords())
     report = run(study, model, args.out, settings, force=args.force)
     print(f"done in {time.perf_counter() - start:.0f} s; report: {report} (and {study.files()})")
     return 0

@@ -3,7 +3,7 @@ interp's KV cache (under a cache policy if asked), a wrapped one through transfo
 interp's attention; a cache policy is refused in one line)."""
 
 from __future__ import annotations
-from .checks import add_offload_option, device_map_of, load_device
+from .checks import add_offload_option, placement_of
 
 HELP = "continue a prompt (greedy or sampled) through the KV cache, optionally under a cache policy; tokens/s"
 EPILOG = """examples:
@@ -64,18 +64,15 @@ def run(args) -> int:
         except ValueError as e:
             raise BadValue(str(e)) from None
     from interp.loading import resolve  # start-up time: --help and argument errors never import torch
-    from interp.models.placement.device_map import DeviceMapRefused, is_split, resolve_device_map
-    from interp.models.formats.checkpoint import read_config
+    from interp.models.formats.checkpoint import check_placement, read_config
 
-    device_map = device_map_of(args)
-    if device_map is not None:
+    placement = placement_of(args)
+    if placement.device_map is not None:
         target = resolve(args.model)
-        device_map_of(args, path=target)  # wrapped: refused
-        if is_split(resolve_device_map(device_map, read_config(target), device=args.device)):
-            raise DeviceMapRefused("--device-map over several devices: generation reads interp's KV cache, which holds "
-                                   "every layer's keys on one device; generate on one device (--device)")
-    device = load_device(args, device_map)
-    model = interp.load(args.model, device=device, offload=args.offload, device_map=device_map)
+        cfg = read_config(target)
+        check_placement(target, placement, cfg=cfg)  # wrapped: refused
+        placement.refuse_split(cfg, "generation reads interp's KV cache, which holds every layer's keys on one device")
+    model = interp.load(args.model, **placement.resolved().keywords())
     device = model.device
     if model.tokenizer is None:
         raise BadValue(f"{args.model} has no tokenizer, so it cannot read a text prompt")

@@ -2,7 +2,7 @@
 interp runs it natively or wrapped; `interp info --architectures`: which causal LMs run, and how."""
 
 from __future__ import annotations
-from .checks import add_offload_option, device_map_of
+from .checks import add_offload_option, placement_of
 
 HELP = "show a model's config, how interp runs it, parameter count, KV-cache bytes and FLOPs per token"
 EPILOG = """examples:
@@ -53,7 +53,7 @@ def run(args) -> int:
     if args.context is not None:
         check_int("context", args.context, minimum=1)  # before the model is loaded
 
-    model = interp.load(args.model, offload=args.offload, device_map=device_map_of(args))
+    model = interp.load(args.model, **placement_of(args).keywords())
     cfg = model.cfg
     print(model)
     if model.offload is not None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from .choices import ANALYSES, DATA_KINDS, DATA_N_SEQS, DATA_SEED, DATA_SEQ_LEN, EXECUTOR_KINDS, ROPE_SCALING_HELP
 from .choices import DEFAULT_ANALYSES as SWEEP_DEFAULT
-from .checks import add_offload_option
+from .checks import add_offload_option, placement_of
 
 HELP = "run head analyses over every checkpoint of training runs (resumable; local processes or Ray)"
 EPILOG = """examples:
@@ -108,6 +108,7 @@ def settings_from_args(args):
     seq_len = DATA_SEQ_LEN if args.seq_len is None else args.seq_len
     data = DataSpec(kind=kind, n_seqs=n_seqs, seq_len=seq_len, seed=args.seed, path=path)
     analyses = resolve_analyses(tuple(a.strip() for a in args.analyses.split(",") if a.strip()))
+    placement = placement_of(args)  # refused before any analysis is left out for it
     if args.offload is not None and args.analyses == args.default_analyses:  # the defaults: what runs offloaded
         from interp.analyses.atlas.registry import ANALYSES
 
@@ -118,10 +119,9 @@ def settings_from_args(args):
                   "without --offload)")
     if args.device_map is not None and args.analyses == args.default_analyses:  # the defaults: what runs split
         from interp.analyses.atlas.registry import ANALYSES
-        from interp.models.placement.device_map import may_split, parse_device_map
 
         dropped = [a for a in analyses if ANALYSES[a].kv_cache]
-        if dropped and may_split(parse_device_map(args.device_map)):
+        if dropped and placement.may_split():
             analyses = tuple(a for a in analyses if a not in dropped)
             print(f"--device-map {args.device_map}: leaving out {', '.join(dropped)} (interp's KV cache, which holds "
                   "every layer on one device; run them on one device)")

@@ -7,7 +7,11 @@
                  Gives scores and pattern to hooks, which may read or replace them.
 
 Both take `q: [batch, head, q, d_head]`, `k, v: [batch, kv_head, k, d_head]` (GQA: head h reads kv
-head h // (head // kv_head)) and an `AttentionMask`, and return `z: [batch, head, q, d_head]`.
+head h // (head // kv_head)), an `AttentionMask` and the layer's `Scoring` (`attn.scoring`: scale, window,
+ALiBi slopes, soft cap, learned sink logits; `kernels.stats.scoring`), and return `z: [batch, head, q, d_head]`.
+What is not the layer's scoring stays a keyword of its own: the score / pattern hooks (what a caller reads or
+replaces, which only the instrumented backend takes) and `sink_limit` (where the StreamingLLM sink keys of
+the mask stop: the layer's own window, which `Scoring.window` is not while an analysis narrows it).
 
 How the causal mask aligns when queries are a suffix of the keys (decoding from a KV cache,
 n_q = 2, n_k = 5, offset = n_k - n_q = 3): query i sits at absolute position offset + i.
@@ -24,6 +28,8 @@ key, so that no row is empty: its output is finite and meaningless, and analyses
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -31,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .stats.scoring import Scoring
 from .visibility import visible
 
 TensorHook = Callable[[Tensor], Tensor]
@@ -131,15 +138,11 @@ class AttentionFn(Protocol):
         k: Tensor,
         v: Tensor,
         mask: AttentionMask,
+        scoring: Scoring,
         *,
-        scale: float,
-        window: int | None = None,
-        alibi_slopes: Tensor | None = None,
         scores_hook: TensorHook | None = None,
         pattern_hook: TensorHook | None = None,
         sink_limit: int | None = None,
-        softcap: float | None = None,
-        sink_logits: Tensor | None = None,
     ) -> Tensor: ...
 
 
@@ -152,16 +155,26 @@ def expand_kv(x: Tensor, n_heads: int) -> Tensor:
     return x[:, :, None].expand(b, kv, groups, n, d).reshape(b, kv * groups, n, d)
 
 
-def fused_attention(q, k, v, mask, *, scale, window=None, alibi_slopes=None, scores_hook=None, pattern_hook=None,
-                    sink_limit=None, softcap=None, sink_logits=None):
+def _resolved(scoring: Scoring, q: Tensor) -> Scoring:
+    """`scoring` with its scale resolved against the queries q [.., d_head] (None: 1 / sqrt(d_head)). The
+    causality a backend applies is the mask's (`AttentionMask.causal`), not `scoring.causal`. Anything but
+    a Scoring is a TypeError (`Scoring.of`)."""
+    scoring = Scoring.of(scoring)
+    if scoring.scale is not None:
+        return scoring
+    return dataclasses.replace(scoring, scale=1.0 / math.sqrt(q.shape[-1]))
+
+
+def fused_attention(q, k, v, mask, scoring: Scoring, *, scores_hook=None, pattern_hook=None, sink_limit=None):
     """torch SDPA. Cannot hand scores or patterns to hooks: asking for them is an error. Soft-capped
-    scores (`softcap`), which SDPA cannot compute, run in blocks of queries (`_capped_attention`).
-    Learned sink logits (`sink_logits` [head], gpt-oss) go in as one more key (`_attention_with_sink_key`)."""
+    scores (`scoring.softcap`), which SDPA cannot compute, run in blocks of queries (`_capped_attention`).
+    Learned sink logits (`scoring.sink_logits` [head], gpt-oss) go in as one more key (`_attention_with_sink_key`)."""
     if scores_hook is not None or pattern_hook is not None:  # called directly, past `choose`
         raise RuntimeError(unavailable("fused", [_NO_PATTERN]))
-    if softcap is not None:
-        return _capped_attention(q, k, v, mask, scale=scale, window=window, alibi_slopes=alibi_slopes,
-                                 sink_limit=sink_limit, softcap=softcap, sink_logits=sink_logits)
+    scoring = _resolved(scoring, q)
+    scale, window, alibi_slopes = scoring.scale, scoring.window, scoring.alibi_slopes
+    if scoring.softcap is not None:
+        return _capped_attention(q, k, v, mask, scoring, sink_limit=sink_limit)
     gqa = {}
     if k.shape[1] != q.shape[1] and q.device.type == "cpu":
         # GQA on the CPU: SDPA reads each kv-head for its group itself, without the copy of the expanded
@@ -170,15 +183,13 @@ def fused_attention(q, k, v, mask, *, scale, window=None, alibi_slopes=None, sco
         gqa = {"enable_gqa": True}
     else:
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
-    if sink_logits is not None:
-        return _attention_with_sink_key(q, k, v, mask, scale=scale, window=window, alibi_slopes=alibi_slopes,
-                                        sink_limit=sink_limit, sink_logits=sink_logits, gqa=gqa)
+    if scoring.sink_logits is not None:
+        return _attention_with_sink_key(q, k, v, mask, scoring, sink_limit=sink_limit, gqa=gqa)
     if alibi_slopes is None and mask.is_plain(window):
         causal = mask.causal and mask.n_q == mask.n_k and mask.n_q > 1
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, **gqa)
     if banded(mask, window):
-        return _banded_attention(q, k, v, mask, scale=scale, window=window, alibi_slopes=alibi_slopes,
-                                 sink_limit=sink_limit, gqa=gqa)
+        return _banded_attention(q, k, v, mask, scoring, sink_limit=sink_limit, gqa=gqa)
     if alibi_slopes is None:
         attn_mask = mask.visible(window, q.device, sink_limit)
     else:
@@ -212,21 +223,20 @@ def _with_sink_column(attn_mask: Tensor) -> Tensor:
     return torch.cat([first, attn_mask], dim=-1)
 
 
-def _attention_with_sink_key(q, k, v, mask: AttentionMask, *, scale, window, alibi_slopes, sink_limit, sink_logits,
-                             gqa):
+def _attention_with_sink_key(q, k, v, mask: AttentionMask, scoring: Scoring, *, sink_limit, gqa):
     """SDPA with the learned sink logits as key 0 (`_with_sink_key`), which every query sees: a column in
     front of the mask (and of each band's mask in a long windowed prefill). The plain causal call gets one
     query in front too, whose output is dropped: SDPA's own top-left causal mask then shows query i the sink
-    key and keys <= i, so still no mask is built."""
-    q, k, v = _with_sink_key(q, k, v, sink_logits, scale)
+    key and keys <= i, so still no mask is built. `scoring`: its scale resolved (`_resolved`)."""
+    scale, window, alibi_slopes = scoring.scale, scoring.window, scoring.alibi_slopes
+    q, k, v = _with_sink_key(q, k, v, scoring.sink_logits, scale)
     if alibi_slopes is None and mask.is_plain(window):
         if not (mask.causal and mask.n_q == mask.n_k and mask.n_q > 1):  # every key is visible
             return F.scaled_dot_product_attention(q, k, v, scale=scale, **gqa)
         q = torch.cat([torch.zeros_like(q[:, :, :1]), q], dim=2)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **gqa)[:, :, 1:]
     if banded(mask, window):
-        return _banded_attention(q, k[:, :, 1:], v[:, :, 1:], mask, scale=scale, window=window,
-                                 alibi_slopes=alibi_slopes, sink_limit=sink_limit, gqa=gqa,
+        return _banded_attention(q, k[:, :, 1:], v[:, :, 1:], mask, scoring, sink_limit=sink_limit, gqa=gqa,
                                  sink_key=(k[:, :, :1], v[:, :, :1]))
     if alibi_slopes is None:
         attn_mask = mask.visible(window, q.device, sink_limit)
@@ -249,12 +259,14 @@ def banded(mask: AttentionMask, window: int | None) -> bool:
             and mask.n_q >= max(BAND_FROM, 2 * window))
 
 
-def _banded_attention(q, k, v, mask: AttentionMask, *, scale, window, alibi_slopes, sink_limit, gqa, sink_key=None):
+def _banded_attention(q, k, v, mask: AttentionMask, scoring: Scoring, *, sink_limit, gqa, sink_key=None):
     """SDPA band by band: queries [s, e) see keys [p0 - window + 1, p1) (their window) plus the
     StreamingLLM sink keys before it; the band's mask is `AttentionMask.pairs` on those pairs, so
     the output equals the whole-mask call's (same keys, same softmax) up to float round-off.
-    `sink_key`: (key, value) [batch, kv_head, 1, ..] of the learned sink logits (`_with_sink_key`), put
-    in front of every band's keys and seen by every query."""
+    `scoring`: its scale resolved (`_resolved`); its sink logits, if any, are already `sink_key`: (key, value)
+    [batch, kv_head, 1, ..] of the learned sink logits (`_with_sink_key`), put in front of every band's keys
+    and seen by every query."""
+    scale, window, alibi_slopes = scoring.scale, scoring.window, scoring.alibi_slopes
     band = max(window, BAND_MIN)
     device, off = q.device, mask.offset
     out = q.new_empty(*q.shape[:-1], v.shape[-1])
@@ -297,10 +309,12 @@ def with_sink_column(scores: Tensor, sink_logits: Tensor) -> Tensor:
     return torch.cat([scores, column], dim=-1)
 
 
-def _capped_attention(q, k, v, mask: AttentionMask, *, scale, window, alibi_slopes, sink_limit, softcap,
-                      sink_logits=None):
+def _capped_attention(q, k, v, mask: AttentionMask, scoring: Scoring, *, sink_limit):
     """The instrumented path's numbers (scores in float32, capped, masked as `AttentionMask.pairs`,
-    float32 softmax, learned sink logits as one more column, uncapped), one block of queries at a time."""
+    float32 softmax, learned sink logits as one more column, uncapped), one block of queries at a time.
+    `scoring`: its scale resolved (`_resolved`)."""
+    scale, window, alibi_slopes = scoring.scale, scoring.window, scoring.alibi_slopes
+    softcap, sink_logits = scoring.softcap, scoring.sink_logits
     if mask.explicit is not None and alibi_slopes is not None:
         raise ValueError("ALiBi biases need positions a mask given outright does not carry")
     batch, heads, n_q, _ = q.shape
@@ -336,15 +350,17 @@ def _capped_attention(q, k, v, mask: AttentionMask, *, scale, window, alibi_slop
     return out
 
 
-def instrumented_attention(q, k, v, mask, *, scale, window=None, alibi_slopes=None, scores_hook=None,
-                           pattern_hook=None, sink_limit=None, softcap=None, sink_logits=None):
+def instrumented_attention(q, k, v, mask, scoring: Scoring, *, scores_hook=None, pattern_hook=None, sink_limit=None):
     """Explicit attention. Scores handed to `scores_hook` are already masked (-inf where a key is not
     visible), as in TransformerLens, so cached scores are the same tensors TransformerLens shows; with
-    `softcap` they are the capped scores, as TransformerLens hands them (its Gemma 2 caps, then masks,
+    `scoring.softcap` they are the capped scores, as TransformerLens hands them (its Gemma 2 caps, then masks,
     then calls hook_attn_scores). Softmax runs in float32 (scores and pattern are float32 for
-    half-precision inputs). Learned sink logits (`sink_logits` [head]) join each row's softmax as one
+    half-precision inputs). Learned sink logits (`scoring.sink_logits` [head]) join each row's softmax as one
     more column after `scores_hook` and leave before `pattern_hook`, as Hugging Face's eager gpt-oss and
     TransformerLens's bridge show them: the pattern's rows then sum to less than 1."""
+    scoring = _resolved(scoring, q)
+    scale, window, alibi_slopes = scoring.scale, scoring.window, scoring.alibi_slopes
+    softcap, sink_logits = scoring.softcap, scoring.sink_logits
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
     if softcap is not None:
@@ -393,8 +409,8 @@ class AttentionBackend:
     windows: bool = True  # sliding windows
     sinks: bool = True  # StreamingLLM sink keys past a window
     alibi: bool = True
-    softcap: bool = False  # soft-capped scores (`softcap=`); a backend says it can
-    sink_logits: bool = False  # learned sink logits (`sink_logits=`); a backend says it can
+    softcap: bool = False  # soft-capped scores (`Scoring.softcap`); a backend says it can
+    sink_logits: bool = False  # learned sink logits (`Scoring.sink_logits`); a backend says it can
     devices: tuple[str, ...] = ("cpu", "cuda", "mps")
 
     def __call__(self, *args, **kwargs) -> Tensor:

@@ -47,10 +47,9 @@ from .fingerprints import Kept, checkpoints_of, files_stamp, findings, fingerpri
 from .registry import ANALYSES, Context, as_output, resolve_analyses
 from .report import write_report
 from interp.models.formats import checkpoint  # checkpoint.load_checkpoint looked up at call time: tests monkeypatch it
-from interp.models.formats.checkpoint import CheckpointError, is_wrapped, read_config, rope_scaling_for
-from interp.models.placement.device import compute_record, resolve_device
-from interp.models.placement.memory import check_fits
-from interp.models.placement.device_map import DeviceMapRefused, check_fits_split, is_split, parse_device_map, resolve_device_map
+from interp.models.formats.checkpoint import CheckpointError, check_placement, is_wrapped, read_config, rope_scaling_for
+from interp.models.placement.choice import Placement
+from interp.models.placement.device import compute_record
 from interp.models.rope.choice import as_hf, choose, rope_spec
 from interp.models.formats.folder import refuse_code_in
 from interp.models.runs.names import resolve_run
@@ -86,7 +85,8 @@ class SweepSettings:
                  same numbers, so not part of the results' meaning either.
     device_map   None, "auto" or {layer or unit: device} (or the command line's LAYERS:DEVICE,...): each model's
                  blocks split over devices (`interp.models.placement.device_map`); the same numbers, not part of the
-                 results' meaning.
+                 results' meaning. device, offload and device_map are one choice, `placement`
+                 (`interp.models.placement.choice.Placement`), checked when the settings are made.
     rope_scaling a RoPE scaling every model runs with, in place of its own (`interp.models.rope.choice`:
                  transformers' dict, or any spelling `rope_spec` reads; None: each checkpoint's own);
                  its original length, when not given, is each model's trained context.
@@ -108,11 +108,17 @@ class SweepSettings:
 
     def __post_init__(self) -> None:
         resolve_analyses(self.analyses)  # raises on unknown names
+        self.placement  # noqa: B018 - made to be checked: a device this machine lacks, a map beside an offload, ...
         if self.rope_scaling is not None:  # any spelling, kept as transformers' dict (settings.json's)
             object.__setattr__(self, "rope_scaling", rope_spec(self.rope_scaling))
         if self.expensive_on not in EXPENSIVE_ON:
             raise ValueError(f"expensive_on must be one of {EXPENSIVE_ON}, got {self.expensive_on!r}")
         check_data(self.data)  # kind "auto" is checked once settled (`_resolve_data` remakes the settings)
+
+    @property
+    def placement(self) -> Placement:
+        """Where each model's weights go: device, offload and device_map as one value."""
+        return Placement(self.device, self.offload, self.device_map)
 
     def meaning(self) -> dict:
         """The part of the settings results depend on (compared against an existing folder)."""
@@ -128,11 +134,9 @@ class CheckpointTask:
     checkpoint: Checkpoint
     analyses: tuple[str, ...]
     data: DataSpec
-    device: str | None
+    placement: Placement  # `SweepSettings.placement`: its device resolved by the worker, on its machine
     tokens: object = None  # the data, when the driver could build it once for all (`prebuild_tokens`)
     rope_scaling: dict | None = None  # `SweepSettings.rope_scaling`
-    offload: str | None = None  # `SweepSettings.offload`
-    device_map: str | dict | None = None  # `SweepSettings.device_map`
     expected: str | None = None  # the kept fingerprint's hash: the weights its finished parts were computed from
     redo: tuple[str, ...] = ()  # its analyses with finished parts: run again when the weights are not `expected`
     files: tuple = ()  # `fingerprints.files_stamp` of the checkpoint when planned, kept beside its fingerprint
@@ -180,12 +184,9 @@ class SweepResult:
 def run_checkpoint(task: CheckpointTask) -> Iterator[PartEvent | ErrorEvent]:
     """Load one checkpoint, run each pending analysis on it, yield one event per analysis."""
     ckpt = task.checkpoint
-    device = str(resolve_device(task.device))
+    placement = task.placement.resolved()  # a device this machine lacks: raised, as for the whole sweep
     try:
-        device_map = None if task.device_map is None else parse_device_map(task.device_map)
-        model = checkpoint.load_checkpoint(ckpt.path, device=None if device_map is not None and task.device is None
-                                           else device, rope_scaling=task.rope_scaling, offload=task.offload,
-                                           device_map=device_map)
+        model = checkpoint.load_checkpoint(ckpt.path, rope_scaling=task.rope_scaling, placement=placement)
         tokens = build_tokens(task.data, model, task.tokens).to(model.device)
     except Exception as e:  # noqa: BLE001 - any failure to load is reported, and the sweep goes on
         yield ErrorEvent(ckpt, LOAD, type(e).__name__, str(e), n_analyses=len(task.analyses))
@@ -210,13 +211,14 @@ def run_checkpoint(task: CheckpointTask) -> Iterator[PartEvent | ErrorEvent]:
             yield PartEvent(ckpt, name, result.rows.reset_index(drop=True), time.perf_counter() - start, result.extra)
     finally:
         size = sum(t.numel() * t.element_size() for t in model.parameters())
+        cuda = model.device.type == "cuda"
         del ctx, model
         # The model holds reference cycles, so only the cycle collector frees it. A full collection
         # costs ~0.5 s with torch's modules imported: worth it to hold one big model at a time, not
         # for the small ones, which the generational collector reclaims soon enough.
-        if size > _COLLECT_ABOVE_BYTES or device.startswith("cuda"):
+        if size > _COLLECT_ABOVE_BYTES or cuda:
             gc.collect()
-            if device.startswith("cuda"):
+            if cuda:
                 torch.cuda.empty_cache()
 
 
@@ -251,9 +253,8 @@ def plan(runs: Sequence[Run], settings: SweepSettings, done: set,
             record = stored.get(key)
             checked = key in trusted and record["files"] == files
             if pending or (finished.get(key) and not checked):
-                tasks.append(CheckpointTask(ckpt, pending, settings.data, settings.device,
-                                            rope_scaling=settings.rope_scaling, offload=settings.offload,
-                                            device_map=settings.device_map,
+                tasks.append(CheckpointTask(ckpt, pending, settings.data, settings.placement,
+                                            rope_scaling=settings.rope_scaling,
                                             expected=record["weights"] if record else None,
                                             redo=tuple(finished.get(key, ())), files=tuple(map(tuple, files))))
     return tasks, skipped
@@ -505,39 +506,30 @@ def _run_facts(run: Run, settings: SweepSettings) -> dict:
 
 def check_up_front(settings: SweepSettings, runs: Sequence[Run]) -> None:
     """Refuse, before anything is loaded or written, settings that would fail on every checkpoint:
-    a device this machine does not have, sequences longer than a learned position table, token ids
-    outside the vocabulary, a RoPE scaling a model cannot take (no rotary positions, wrapped). Configs are
-    read without weights; an unreadable one is left to the sweep, which reports that checkpoint and goes on."""
-    resolve_device(settings.device)
-    device_map = None if settings.device_map is None else parse_device_map(settings.device_map)
-    if device_map is not None and settings.offload is not None:
-        raise DeviceMapRefused(f"--device-map and --offload {settings.offload} both say where the weights go: give one "
-                               "of the two")
+    a device this machine does not have or a placement a model cannot take (`settings.placement`, checked
+    when the settings were made, and here against each run: `check_placement`), sequences longer than a learned
+    position table, token ids outside the vocabulary, a RoPE scaling a model cannot take (no rotary positions,
+    wrapped). Configs are read without weights; an unreadable one is left to the sweep, which reports that
+    checkpoint and goes on."""
+    placement = settings.placement
     needing = [a for a in settings.analyses if ANALYSES[a].gradients]
-    if settings.offload is not None and needing:
+    if placement.offload is not None and needing:
         raise ValueError(f"--analyses {','.join(needing)} need(s) gradients through the model, which an offloaded model "
-                         f"(--offload {settings.offload}) does not keep: leave them out, or run without --offload")
+                         f"(--offload {placement.offload}) does not keep: leave them out, or run without --offload")
+    kv = [a for a in settings.analyses if ANALYSES[a].kv_cache]
     spec = settings.data
     file_tokens = int(prebuild_tokens(spec).max()) if spec.kind == "file" else None
     for run in runs:
         for ckpt in run.checkpoints:  # code in a checkpoint folder never runs: refused, not skipped
             refuse_code_in(ckpt.path)
-        if settings.offload is not None and is_wrapped(run.checkpoints[-1].path):
-            raise ValueError(f"--offload {settings.offload}: {run.name} is an architecture transformers runs (wrapped), "
-                             "which interp does not offload: run it without --offload")
-        if device_map is not None and is_wrapped(run.checkpoints[-1].path):
-            raise DeviceMapRefused(f"--device-map: {run.name} is an architecture transformers runs (wrapped), which "
-                                   "interp does not split over devices: run it on one device")
         try:
             cfg = _config_at(str(run.checkpoints[-1].path))
         except (CheckpointError, FileNotFoundError, ValueError, KeyError, ImportError):
             continue
-        if device_map is not None:
-            kv = [a for a in settings.analyses if ANALYSES[a].kv_cache]
-            if is_split(resolve_device_map(device_map, cfg, device=settings.device)) and kv:
-                raise DeviceMapRefused(f"--analyses {','.join(kv)} read(s) interp's KV cache, which holds every layer on "
-                                       f"one device, and --device-map splits {run.name} over several: leave them out, "
-                                       "or run on one device")
+        check_placement(run.checkpoints[-1].path, placement, cfg=cfg)  # a wrapped model, a map against its layers
+        if kv:
+            placement.refuse_split(cfg, f"--analyses {','.join(kv)} read(s) interp's KV cache, which holds every layer "
+                                   "on one device", name=run.name)
         if settings.rope_scaling is not None:
             rope_scaling_for(run.checkpoints[-1].path, settings.rope_scaling, cfg=cfg)
         if cfg.positional in ("learned", "sinusoidal") and spec.seq_len > cfg.n_ctx:
@@ -547,10 +539,7 @@ def check_up_front(settings: SweepSettings, runs: Sequence[Run]) -> None:
             raise ValueError(f"--seq-len {spec.seq_len} is longer than {run.name}'s trained context (n_ctx={cfg.n_ctx}): "
                              f"pass --extrapolate to run past it (the report marks the numbers as extrapolated), or "
                              f"--seq-len {cfg.n_ctx} or less")
-        if device_map is None:
-            check_fits(cfg, spec.n_seqs, spec.seq_len, resolve_device(settings.device), offload=settings.offload)
-        else:
-            check_fits_split(cfg, spec.n_seqs, spec.seq_len, device_map, device=settings.device)
+        placement.check_fits(cfg, spec.n_seqs, spec.seq_len)
         if file_tokens is not None and file_tokens >= cfg.d_vocab:
             raise ValueError(f"{spec.path} holds token id {file_tokens}, outside {run.name}'s vocabulary "
                              f"[0, {cfg.d_vocab})")

@@ -448,6 +448,49 @@ def _checked(model, tokens, layer: int, head: int, query_pos, key_pos, top_keys:
     return tokens, rows, q_pos, k_pos
 
 
+def _top_keys(visible: Tensor, pattern: Tensor, top_keys: int) -> Tensor:
+    """The `top_keys` keys the query attends to most, by weight (ties in key order): at most the keys it sees,
+    each once (never padded with copies: `key_on`)."""
+    w = torch.where(visible, pattern, torch.full_like(pattern, -1.0))
+    return w.argsort(descending=True, stable=True)[:min(top_keys, int(visible.sum()))]
+
+
+def _change(c: dict, d: dict, keys: Tensor, T: Tensor, scale: float, cap) -> tuple[dict, float]:
+    """One query's clean (`c`) to corrupted (`d`) change, both `_query`'s, at `keys`, T the clean terms
+    [K, Sq, Sk]: each pair's change of term, its first-order share of the attention weight's change, their sum
+    and the true change (`results`' entries), and max |sum of the changes - the score's change|."""
+    score, vis, pat, alibi, q, K = c["score"], c["visible"], c["pattern"], c["alibi"], c["q"], c["K"]
+    T2 = scale * torch.einsum("ad,kbd->kab", d["q"], d["K"][:, keys].transpose(0, 1))
+    D = T2 - T  # [K, Sq, Sk]
+    error = float((D.sum((1, 2)) - (d["score"] - score)[keys]).abs().max())
+    # d weight_j = a_j (c'_j dscore_j - sum_k a_k c'_k dscore_k), c' the soft cap's slope (1 without)
+    raw = score - (alibi if alibi is not None else 0)
+    slope = (1 - torch.tanh(raw / cap) ** 2) if cap is not None else torch.ones_like(score)
+    a = torch.where(vis, pat, torch.zeros_like(pat))
+    wk = torch.where(vis, a * slope, torch.zeros_like(a))  # [i + 1]
+    mixed = scale * (d["q"] @ (wk[None, :, None] * d["K"]).sum(1).T - q @ (wk[None, :, None] * K).sum(1).T)
+    Wc = a[keys][:, None, None] * (slope[keys][:, None, None] * D - mixed[None])
+    return dict(delta=D.float().cpu(), weight=Wc.float().cpu(), first=Wc.sum((1, 2)).float().cpu(),
+                true=(d["pattern"] - pat)[keys].float().cpu()), error
+
+
+def _stacked(results: dict[int, dict], N: int) -> tuple[dict[str, Tensor | None], Tensor]:
+    """The N queries' `results` as [N, K, ...] tensors by entry (None for an entry no query has), a query with
+    fewer keys than K padded (key positions with -1, the rest with 0), and key_on [N, K]: which slots are real."""
+    K = max(int(results[n]["keys"].numel()) for n in range(N))
+
+    def stack(name, fill=0):
+        got = [results[n][name] for n in range(N) if name in results[n]]
+        if not got:
+            return None
+        return torch.stack([torch.cat([t, t.new_full((K - t.shape[0], *t.shape[1:]), fill)]) for t in got])
+
+    names = ("terms", "contrast", "alibi", "alibi_c", "score", "cscore", "pattern", "delta", "weight", "first", "true")
+    stacked = {"keys": stack("keys", -1), **{name: stack(name) for name in names}}
+    counts = torch.tensor([int(results[n]["keys"].numel()) for n in range(N)])
+    return stacked, torch.arange(K)[None] < counts[:, None]
+
+
 def qk_attribution(model, tokens: Tensor, layer: int, head: int, query_pos, key_pos=None, top_keys: int = 3,
                    corrupted: Tensor | None = None, batch_size: int = 16, rows: Sequence[int] | Tensor | None = None,
                    given=None) -> QKAttribution:
@@ -489,12 +532,7 @@ def qk_attribution(model, tokens: Tensor, layer: int, head: int, query_pos, key_
             r, i = int(qr[m]), int(qi[m])
             c = _query(model, layer, head, got["clean"], maps["clean"], m, r, i)
             score, vis, pat, alibi, q, K = c["score"], c["visible"], c["pattern"], c["alibi"], c["q"], c["K"]
-            if k_pos is None:
-                w = torch.where(vis, pat, torch.full_like(pat, -1.0))
-                # at most the keys the query sees, each once (never padded with copies: `key_on`)
-                keys = w.argsort(descending=True, stable=True)[:min(top_keys, int(vis.sum()))]
-            else:
-                keys = k_pos[n].to(score.device)
+            keys = _top_keys(vis, pat, top_keys) if k_pos is None else k_pos[n].to(score.device)
             T = scale * torch.einsum("ad,kbd->kab", q, K[:, keys].transpose(0, 1))  # [K, Sq, Sk]
             Tc = T - scale * (q @ K[:, vis].mean(1).T)  # less the mean over the visible keys
             a_c = (alibi - alibi[vis].mean()) if alibi is not None else None
@@ -510,35 +548,16 @@ def qk_attribution(model, tokens: Tensor, layer: int, head: int, query_pos, key_
                 out.update(alibi=alibi[keys].float().cpu(), alibi_c=a_c[keys].float().cpu())
             if corrupted is not None:
                 d = _query(model, layer, head, got["corrupted"], maps["corrupted"], m, r, i)
-                T2 = scale * torch.einsum("ad,kbd->kab", d["q"], d["K"][:, keys].transpose(0, 1))
-                D = T2 - T  # [K, Sq, Sk]
-                derr = max(derr, float((D.sum((1, 2)) - (d["score"] - score)[keys]).abs().max()))
-                # d weight_j = a_j (c'_j dscore_j - sum_k a_k c'_k dscore_k), c' the soft cap's slope (1 without)
-                raw = score - (alibi if alibi is not None else 0)
-                slope = (1 - torch.tanh(raw / cap) ** 2) if cap is not None else torch.ones_like(score)
-                a = torch.where(vis, pat, torch.zeros_like(pat))
-                wk = torch.where(vis, a * slope, torch.zeros_like(a))  # [i + 1]
-                mixed = scale * (d["q"] @ (wk[None, :, None] * d["K"]).sum(1).T - q @ (wk[None, :, None] * K).sum(1).T)
-                Wc = a[keys][:, None, None] * (slope[keys][:, None, None] * D - mixed[None])
-                out.update(delta=D.float().cpu(), weight=Wc.float().cpu(), first=Wc.sum((1, 2)).float().cpu(),
-                           true=(d["pattern"] - pat)[keys].float().cpu())
+                change, error = _change(c, d, keys, T, scale, cap)
+                derr = max(derr, error)
+                out.update(change)
 
-    K = max(int(results[n]["keys"].numel()) for n in range(N))
-
-    def stack(name, fill=0):  # [N, K, ...]: a query with fewer keys than K padded with `fill`, its slots off
-        got = [results[n][name] for n in range(N) if name in results[n]]
-        if not got:
-            return None
-        return torch.stack([torch.cat([t, t.new_full((K - t.shape[0], *t.shape[1:]), fill)]) for t in got])
-
-    counts = torch.tensor([int(results[n]["keys"].numel()) for n in range(N)])
-    key_on = torch.arange(K)[None] < counts[:, None]
-
+    stack, key_on = _stacked(results, N)
     return QKAttribution(
         layer=layer, head=head, kv_head=kv, query_senders=list(senders), key_senders=list(senders),
-        prompts=rows.clone(), query_pos=q_pos.cpu(), key_pos=stack("keys", -1), terms=stack("terms"),
-        contrast=stack("contrast"), alibi=stack("alibi"), alibi_contrast=stack("alibi_c"), score=stack("score"),
-        contrast_score=stack("cscore"), pattern=stack("pattern"), max_error=err, contrast_max_error=cerr,
-        softcapped=cap is not None, delta=stack("delta"), weight_change=stack("weight"),
-        weight_first_order=stack("first"), weight_true=stack("true"),
+        prompts=rows.clone(), query_pos=q_pos.cpu(), key_pos=stack["keys"], terms=stack["terms"],
+        contrast=stack["contrast"], alibi=stack["alibi"], alibi_contrast=stack["alibi_c"], score=stack["score"],
+        contrast_score=stack["cscore"], pattern=stack["pattern"], max_error=err, contrast_max_error=cerr,
+        softcapped=cap is not None, delta=stack["delta"], weight_change=stack["weight"],
+        weight_first_order=stack["first"], weight_true=stack["true"],
         delta_max_error=derr if corrupted is not None else None, key_on=None if bool(key_on.all()) else key_on)

@@ -47,7 +47,6 @@ from torch import Tensor
 from interp.kernels import attention_stats
 from interp.models.placement.device import to_numpy
 from interp.errors import as_user_errors
-from interp.models.placement.device_map import check_fits_for
 from interp.models.readouts.head_statistics import for_each_layer_qk, layer_scoring
 
 from .._common import progress
@@ -330,8 +329,7 @@ class LengthStudy(Study):
 
     def check(self, cfg, s: LengthSettings):
         lengths = check_lengths(list(s.lengths), cfg.n_ctx, extrapolate=s.extrapolate)
-        check_fits_for(cfg, s.data.rows, lengths[-1], device=s.device, what="--lengths", offload=s.offload,
-                       device_map=s.device_map)
+        s.placement.check_fits(cfg, s.data.rows, lengths[-1], what="--lengths")
         if s.data.spec is None or s.data.spec.kind not in ("text", "corpus"):
             kind = s.data.spec.kind if s.data.spec is not None else "file"
             raise ValueError(f"--lengths needs text or the zoo corpus (scores on the same text at every length); "

@@ -28,7 +28,6 @@ import numpy as np
 import pandas as pd
 
 from interp.errors import as_user_errors, check_int, check_real
-from interp.models.placement.device_map import check_fits_for
 from interp.models.rope.choice import as_hf, choose
 from interp.models.rope.heads import logn_heads, scaled_heads
 
@@ -162,10 +161,9 @@ class ExtrapolateStudy(Study):
             if s.repair_fraction > REPAIR_FRACTION:
                 raise ValueError(f"--repair-fraction {s.repair_fraction:g}: a repair changes at most "
                                  f"{REPAIR_FRACTION:g} of the heads")
-        where = dict(device=s.device, offload=s.offload, device_map=s.device_map, what="--lengths")
-        check_fits_for(cfg, s.data.rows, lengths[-1], **where)  # the text's pass
+        s.placement.check_fits(cfg, s.data.rows, lengths[-1], what="--lengths")  # the text's pass
         if s.depths:
-            check_fits_for(cfg, 1, lengths[-1] + s.max_new_tokens, **where)  # a passkey answer
+            s.placement.check_fits(cfg, 1, lengths[-1] + s.max_new_tokens, what="--lengths")  # a passkey answer
         data = s.data.at_length(lengths[-1]) if s.data.spec is not None else s.data
         if data.length < lengths[-1]:
             raise ValueError(f"the data holds {data.length} tokens a sequence, fewer than the longest length "

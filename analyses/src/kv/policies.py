@@ -36,7 +36,6 @@ import torch.nn.functional as F
 
 from interp.errors import BadValue, as_user_errors, check_int
 from interp.models.kv.policies import WINDOW, Policy, PolicyMap, is_window, parse_policies, resolve_policies, split_policies
-from interp.models.placement.device_map import check_fits_for
 
 from .. import plots
 from .._common import progress, stages
@@ -312,8 +311,7 @@ def check_retrieval(cfg, s: RetrievalSettings, default_lengths: Sequence[int]) -
         if not 1 <= length <= room:
             raise ValueError(f"--lengths {length}: prompts plus {s.max_new_tokens} answer tokens must fit this model's "
                              f"context (n_ctx={cfg.n_ctx}): use lengths up to {room}")
-    check_fits_for(cfg, 1, max(lengths) + s.max_new_tokens, device=s.device, what="--lengths", offload=s.offload,
-                   device_map=s.device_map)
+    s.placement.check_fits(cfg, 1, max(lengths) + s.max_new_tokens, what="--lengths")
     data, note = fit_default(s.data, cfg.n_ctx)
     notes += [note] if note else []
     if data.length > cfg.n_ctx:

@@ -20,7 +20,6 @@ import pandas as pd
 import torch
 
 from interp.kernels.kv_quant import check_precision, code_shape
-from interp.models.placement.device_map import check_fits_for
 
 from .. import plots
 from .._common import spearman
@@ -77,7 +76,7 @@ class PrecisionStudy(Study):
         for p in precisions:
             code_shape(p, cfg.head_dim)  # int4 with an odd d_head fails here, as the cache would
         data.check(cfg.d_vocab)
-        check_fits_for(cfg, data.rows, data.length, device=s.device, offload=s.offload, device_map=s.device_map)
+        s.placement.check_fits(cfg, data.rows, data.length)
         return dataclasses.replace(s, precisions=precisions, data=data), [note] if note else []
 
     def measure(self, model, s: PrecisionSettings, stage):

@@ -69,13 +69,13 @@ class OnsetStudy(Study):
         tokens = s.data.tokens(model)  # the run's tokenizer (its last checkpoint's), or refused in one line
         rope = model.cfg.rope_scaling if model.runtime.rope_chosen else None
         last = s.checkpoints[-1]
+        placed = dataclasses.replace(s.placement, device=model.device)  # every checkpoint where the last one runs
         rows, skipped = [], []
 
         def every_checkpoint():
             for c in progress(s.checkpoints, desc="checkpoints", enabled=s.progress):
                 try:
-                    m = model if c is last else load_checkpoint(c.path, device=model.device, rope_scaling=rope,
-                                                                offload=s.offload)
+                    m = model if c is last else load_checkpoint(c.path, rope_scaling=rope, placement=placed)
                 except UserError as e:  # a damaged or NaN checkpoint: skipped and named, as a sweep does
                     skipped.append(dict(checkpoint=c.name, step=c.step, reason=str(e)))
                     continue

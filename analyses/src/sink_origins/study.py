@@ -24,7 +24,6 @@ import torch
 
 from interp.errors import check_int, check_real
 from interp.models.placement.device import to_numpy
-from interp.models.placement.device_map import check_fits_for
 
 from .._common import progress
 from ..document import Section, png
@@ -141,7 +140,7 @@ def check_sink_settings(cfg, s: StudySettings):
         raise ValueError(f"--seq-len {data.length}: the study needs at least 4 tokens a sequence")
     check_int("--n-seqs", data.rows, minimum=1)
     data.check(cfg.d_vocab)
-    check_fits_for(cfg, data.rows, data.length, device=s.device, offload=s.offload, device_map=s.device_map)
+    s.placement.check_fits(cfg, data.rows, data.length)
     return data, note
 
 

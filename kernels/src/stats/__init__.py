@@ -155,22 +155,28 @@ def attention_stats(
                               alibi=scoring.alibi_slopes is not None, softcap=scoring.softcap is not None,
                               sink_logits=scoring.sink_logits is not None, stats=wanted)
     args = validate(q, k, tokens, scoring, n_sink=n_sink, key_padding_mask=key_padding_mask)
+    stacked = _run_backend(backend, q, k, args, wanted, block_q, block_k)
+    return AttentionStats.from_stacked(stacked, added(wanted))
+
+
+def _run_backend(backend: str, q: Tensor, k: Tensor, args: dict, wanted, block_q: int | None,
+                 block_k: int | None) -> Tensor:
+    """The resolved `backend`'s stacked statistics (`AttentionStats.from_stacked`'s input) on validated `args`,
+    after checking its block sizes (None: the backend's default)."""
     if backend == "fused":
         if block_q is not None and block_q < 1:
             raise ValueError(f"block_q must be positive, got {block_q}")
-        stacked = attention_stats_fused(q, k, stats=wanted, block_q=block_q, **args)
-    elif backend == "triton":
+        return attention_stats_fused(q, k, stats=wanted, block_q=block_q, **args)
+    if backend == "triton":
         # Imported here because it imports triton, an optional third-party package (GPU path).
         from .triton_kernel import attention_stats_triton
 
-        stacked = attention_stats_triton(q, k, block_q=block_q, block_k=block_k, **args)
-    else:
-        default_q, default_k = torch_blocks(q.shape[0] * q.shape[1])
-        block_q, block_k = block_q or default_q, block_k or default_k
-        if block_q < 1 or block_k < 1:
-            raise ValueError(f"block sizes must be positive, got block_q={block_q}, block_k={block_k}")
-        stacked = attention_stats_tiles(q, k, block_q=block_q, block_k=block_k, added=added(wanted), **args)
-    return AttentionStats.from_stacked(stacked, added(wanted))
+        return attention_stats_triton(q, k, block_q=block_q, block_k=block_k, **args)
+    default_q, default_k = torch_blocks(q.shape[0] * q.shape[1])
+    block_q, block_k = block_q or default_q, block_k or default_k
+    if block_q < 1 or block_k < 1:
+        raise ValueError(f"block sizes must be positive, got block_q={block_q}, block_k={block_k}")
+    return attention_stats_tiles(q, k, block_q=block_q, block_k=block_k, added=added(wanted), **args)
 
 
 def resolve_backend(backend: str = "auto", device: torch.device | str = "cpu", *, causal: bool = True,

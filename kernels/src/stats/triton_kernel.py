@@ -86,7 +86,7 @@ def _attention_stats_kernel(
 ):
     """One program: BLOCK_M queries of one (batch, head) against every key block they can see. The
     signature is the launch's (pointers, strides, sizes, the constexpr features); the work is in the
-    helpers below, one step each (scores, online softmax, epilogue)."""
+    helpers below, one step each (key tile, scores, online softmax, epilogue)."""
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = (off_bh // heads).to(tl.int64)  # int64 offsets: batch * heads * n * d may pass 2^31
@@ -128,15 +128,8 @@ def _attention_stats_kernel(
 
     for start_n in tl.range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < n_k
-        k = tl.load(
-            k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-            mask=col_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-        real = col_ok
-        if HAS_KPM:
-            real = col_ok & (tl.load(KPM + off_b * stride_pb + offs_n * stride_pn, mask=col_ok, other=0) != 0)
+        k, real = _key_tile(k_base, KPM, off_b, offs_n, offs_d, d_ok, n_k, stride_kn, stride_kd, stride_pb, stride_pn,
+                            HAS_KPM)
         s, delta_f, visible = _masked_scores(q, k, pos, offs_n, row_ok, real, window, qk_scale, cap_scale, slope,
                                              CAUSAL, HAS_WINDOW, HAS_ALIBI, HAS_SOFTCAP, IEEE_DOT)
         m_i, l_i, acc_k, acc_ent, acc_sink, acc_dist = _online_step(
@@ -147,6 +140,23 @@ def _attention_stats_kernel(
               OUT + off_b * stride_ob + off_h * stride_oh + offs_m * stride_om, stride_os,
               LSE + off_b * stride_lb + off_h * stride_lh + offs_m * stride_lm,
               CAUSAL, HAS_ALIBI, HAS_SOFTCAP)
+
+
+@triton.jit
+def _key_tile(k_base, KPM, off_b, offs_n, offs_d, d_ok, n_k, stride_kn, stride_kd, stride_pb, stride_pn,
+              HAS_KPM: tl.constexpr):
+    """The tile's keys [BLOCK_N, BLOCK_D] (0 past the ends) and which of them are real: inside the keys and,
+    with a padding mask, not padding."""
+    col_ok = offs_n < n_k
+    k = tl.load(
+        k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+        mask=col_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    real = col_ok
+    if HAS_KPM:
+        real = col_ok & (tl.load(KPM + off_b * stride_pb + offs_n * stride_pn, mask=col_ok, other=0) != 0)
+    return k, real
 
 
 @triton.jit

@@ -25,17 +25,17 @@ from . import gguf
 from .build import build_model, check_finite, convert_weights, refuse_quantized, refuse_quantization_config
 from ..rope import choice as rope_choice
 from ..placement import memory
-from ..placement.offload import check_offload
 from ..placement import device_map as device_maps
+from ..placement.choice import Placement
 from ..config import ModelConfig, RopeScaling
 from interp.errors import BadValue, CheckpointError, OwnCodeRefused
 from .folder import local_tokenizer, refuse_files_outside, refuse_own_code
 from ..placement.tensor_files import FORMAT_VERSION, index_shards, read_state_dict, safetensors_header, save_model
 from ..base import HookedModel, rope_refusal
 
-__all__ = ["CheckpointError", "FORMAT_VERSION", "OwnCodeRefused", "build_model", "check_finite", "convert_weights",
-           "is_wrapped", "load_checkpoint", "local_tokenizer", "parse_dtype", "read_config", "read_state_dict",
-           "rope_scaling_for", "save_model"]
+__all__ = ["CheckpointError", "FORMAT_VERSION", "OwnCodeRefused", "build_model", "check_finite", "check_placement",
+           "convert_weights", "is_wrapped", "load_checkpoint", "local_tokenizer", "parse_dtype", "read_config",
+           "read_state_dict", "rope_scaling_for", "save_model"]
 
 
 def _format_of(path, *, tokenizer_given: bool):
@@ -63,44 +63,41 @@ def _format_of(path, *, tokenizer_given: bool):
     return (format_ours if format_ours.claims(raw) else format_hf), path, raw
 
 
-def load_checkpoint(path, *, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
-                    tokenizer=None, rope_scaling=None, offload: str | None = None, device_map=None) -> HookedModel:
+def load_checkpoint(path, *, dtype: torch.dtype | str | None = None, tokenizer=None, rope_scaling=None,
+                    placement: Placement = Placement()) -> HookedModel:
     """A model from a local checkpoint directory (or a file inside it): our format, or a Hugging Face
     checkpoint converted by its family (by config.json's `model_type`), without `transformers`;
     or a llama-architecture `.gguf` file (`interp.models.formats.gguf`). `rope_scaling` (any spelling of
     `rope_choice`; None: the checkpoint's own) replaces the checkpoint's rotary scaling, checked against
     its config before a weight is read (`rope_scaling_for`). `dtype`: see `resolve_dtype`; the weights in
     it must fit in the device's free memory (`memory.check_weights_fit`, from the config, before any weight
-    is read). `offload` ("disk", "cpu"): the weights stay off the device, each block brought there when it
-    runs (`interp.models.placement.offload`); then only the largest block must fit. `device_map` ("auto" or {layer or
-    unit: device}): the blocks split over devices (`interp.models.placement.device_map`), checked against the config
-    and the machine, and each device's share of the weights against its free memory, before a weight is read.
-    A quantized checkpoint (config.json's `quantization_config`, integer or float8 weights in its safetensors
-    headers) is refused first, in one line naming its layout (`build.refuse_quantized`)."""
-    offload = check_offload(offload)
-    if device_map is not None and offload is not None:
-        raise device_maps.DeviceMapRefused(f"device_map and offload={offload!r} both say where the weights go: give one "
-                                           "of the two")
+    is read). `placement` (`interp.models.placement.choice.Placement`: device, offload, device map; default
+    the CPU, whole): with an offload the weights stay off the device, each block brought there when it runs
+    (`interp.models.placement.offload`), and only the largest block must fit; with a device map the blocks
+    split over devices (`interp.models.placement.device_map`), checked against the config and the machine, and
+    each device's share of the weights against its free memory, before a weight is read. Either is refused for
+    a model transformers runs (`Placement.refuse_wrapped`). A quantized checkpoint (config.json's
+    `quantization_config`, integer or float8 weights in its safetensors headers) is refused first, in one line
+    naming its layout (`build.refuse_quantized`)."""
     dtype = parse_dtype(dtype)
     fmt, path, raw = _format_of(path, tokenizer_given=tokenizer is not None)
     if fmt is not gguf:  # integer or float8 weights: a quantized layout, refused from the headers alone
         refuse_quantized({k: d for k, (d, _) in stored_dtypes(path).items()}, str(path))
-    if device_map is not None and fmt is format_hf and not format_hf.native(raw):
-        raise device_maps.DeviceMapRefused(
-            f"{path}: device_map splits interp's own transformer, and transformers runs this architecture "
-            f"({raw.get('model_type')}, wrapped): load it with transformers' from_pretrained(device_map=...) and "
-            "interp.from_hf, or on one device")
+    wrapped = fmt is format_hf and not format_hf.native(raw)
+    if wrapped:
+        placement.refuse_wrapped(str(path), raw.get("model_type"))
     scaling = None if rope_scaling is None else _rope_scaling(fmt, path, raw, rope_scaling)
+    device, offload = placement.device, placement.offload
     asked, dtype = dtype, resolve_dtype(dtype, device, fmt, path, raw)
     placed = None
-    if fmt is not format_hf or format_hf.native(raw):  # a wrapped config's size is transformers' to build
+    if not wrapped:  # a wrapped config's size is transformers' to build
         cfg = fmt.config(path, raw)
         if fmt is format_ours:
             format_ours.check_header(path, cfg)
-        if device_map is None:
+        placed = placement.units(cfg)
+        if placed is None:
             memory.check_weights_fit(cfg, dtype, device, source=str(path), offload=offload)
         else:
-            placed = device_maps.resolve_device_map(device_map, cfg, device=device)
             device = placed["embed"]
             dtype = resolve_dtype(asked, device, fmt, path, raw)  # the checkpoint's own on GPUs, as device= does
             device_maps.check_fits(cfg, dtype, placed, source=str(path))
@@ -110,6 +107,17 @@ def load_checkpoint(path, *, dtype: torch.dtype | str | None = None, device: tor
     extra = {} if placed is None else {"device_map": placed}
     model = fmt.load(path, raw, dtype=dtype, device=device, tokenizer=tokenizer, offload=offload, **extra)
     return model if rope_scaling is None else model.rescale_rope_(scaling)
+
+
+def check_placement(path, placement: Placement, *, cfg: ModelConfig | None = None) -> None:
+    """`placement` checked against the checkpoint at `path` from its config alone (`cfg`, when the caller has
+    read it already), as `load_checkpoint` checks it: an offload or a map for a model transformers runs, and a
+    map against the model's layers, units and this machine, refused in one line (`Placement`)."""
+    fmt, path, raw = _format_of(path, tokenizer_given=False)
+    if fmt is format_hf and not format_hf.native(raw):
+        placement.refuse_wrapped(str(path), raw.get("model_type"))
+    else:
+        placement.units(cfg or fmt.config(path, raw))
 
 
 def rope_scaling_for(path, rope_scaling, *, cfg: ModelConfig | None = None) -> RopeScaling | None:

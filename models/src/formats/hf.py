@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ..placement.offload import OffloadRefused
 from .build import build_model, check_finite, config_errors, convert_weights
 from ..config import ModelConfig
 from interp.errors import CheckpointError
@@ -130,12 +129,7 @@ def config(path: Path, raw: dict) -> ModelConfig:
 
 
 def load(path: Path, raw: dict, *, dtype, device, tokenizer, offload=None, device_map=None) -> HookedTransformer:
-    if not native(raw):
-        if offload is not None:
-            raise OffloadRefused(f"{path}: offload={offload!r} runs interp's own transformer block by block, and "
-                                 f"transformers runs this architecture ({raw.get('model_type')}, wrapped): load it "
-                                 "without offload, or with transformers' device_map and offload_folder and "
-                                 "interp.from_hf")
+    if not native(raw):  # an offload or a device map was refused by `load_checkpoint` (`Placement.refuse_wrapped`)
         return load_wrapped(path, raw, dtype=dtype, device=device,
                                     tokenizer=tokenizer if tokenizer is not None else local_tokenizer(path))
     family = get_family(raw.get("model_type"))

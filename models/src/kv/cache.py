@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from interp.kernels.stats import Scoring
+
 
 class KVCache:
     """Preallocated keys and values of every layer, for the kv-heads only.
@@ -111,14 +113,16 @@ class KVCache:
             self.queries[layer, :, :, start:end] = q
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask, run, **layer_info) -> Tensor:
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask, run, *, scoring: Scoring,
+               own_window: int | None = None, hooked: bool = False) -> Tensor:
         """One attention call through this cache: write this call's keys and values, then
-        `run(q, keys, values, mask)` (the layer's backend) over everything cached. `layer_info`
-        (scale, windows, whether hooks read the pattern) serves caches that hold per-head policies
-        (`interp.models.kv.policy_cache.PolicyKVCache`); this cache holds every token of every head and needs
-        none."""
+        `run(q, keys, values, mask, scoring)` (the layer's backend) over everything cached, scored by the
+        layer's `scoring` (`attn.scoring`). `own_window` (the layer's own window, however an analysis narrows
+        `scoring.window`) and `hooked` (whether hooks read the pattern) serve caches that hold per-head
+        policies (`interp.models.kv.policy_cache.PolicyKVCache`); this cache holds every token of every head
+        and needs neither."""
         k, v = self.append(layer, k, v, q)
-        return run(q, k, v, mask)
+        return run(q, k, v, mask, scoring)
 
     def commit(self, tokens: Tensor | None, valid: Tensor) -> None:
         """Advance `length` past the tokens of one forward pass (called by the model at its end)."""

@@ -35,6 +35,7 @@ residuals, kept keys and values, their slots and scores; `allocated_nbytes` what
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -51,6 +52,7 @@ from interp.kernels.kv_quant import (
     kivi_quantize_keys,
     kivi_quantize_values,
 )
+from interp.kernels.stats import Scoring
 from interp.kernels.visibility import visible
 
 from interp.errors import BadValue, UserError
@@ -324,6 +326,14 @@ class _SubsetLayer(_CacheLayer):
         return _nbytes(self.k, self.v, self.slots, *self.entries.values())
 
 
+def _of_heads(scoring: Scoring, heads: Tensor) -> Scoring:
+    """`scoring` for a group of a layer's query heads (`heads`, their indices): its per-head tensors (ALiBi
+    slopes, learned sink logits) those heads' only."""
+    per_head = {name: getattr(scoring, name)[heads] for name in ("alibi_slopes", "sink_logits")
+                if getattr(scoring, name) is not None}
+    return dataclasses.replace(scoring, **per_head) if per_head else scoring
+
+
 _STORES = {"dense": _DenseLayer, "kivi": _KiviLayer, "subset": _SubsetLayer}  # by `Policy.layout`
 
 
@@ -357,9 +367,13 @@ class PolicyKVCache(KVCache):
         raise UserError("a cache with per-head policies is written by attention calls (model(..., kv_cache=cache)), "
                         "since what each head keeps depends on the attention; read it with k(layer), v(layer)")
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, run, *, scale: float,
-               window: int | None = None, own_window: int | None = None, hooked: bool = False) -> Tensor:
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, run, *, scoring: Scoring,
+               own_window: int | None = None, hooked: bool = False) -> Tensor:
+        """`KVCache.attend`, each group of KV heads holding what its policy keeps: one call over every head
+        while every group holds every slot, else one call per group over what it holds (its query heads'
+        part of `scoring`: `_of_heads`), masked by its policy's visibility through `scoring.window`."""
         groups, start, n = self.groups[layer], self.length, k.shape[2]
+        scale, window = scoring.scale, scoring.window
         if self.queries is not None:
             self.queries[layer, :, :, start : start + n] = q
         valid = mask.key_valid[:, -n:].to(k.device) if mask.key_valid is not None else torch.ones(
@@ -367,7 +381,7 @@ class PolicyKVCache(KVCache):
         if len(groups) == 1 and groups[0].contiguous:  # every head holds every slot: the layer's own call
             g = groups[0]
             K, V, _ = g.update(k, v, start, valid)
-            z = run(q, K, V, mask)
+            z = run(q, K, V, mask, scoring)
             g.after(q, K, V, None, None, scale, start, n)
             return z
         if all(g.contiguous for g in groups):  # precisions per head: still one pattern, one call (hooks too)
@@ -376,7 +390,7 @@ class PolicyKVCache(KVCache):
             V = torch.empty_like(K)
             for g, Kg, Vg in parts:
                 K[:, g.index], V[:, g.index] = Kg, Vg
-            z = run(q, K, V, mask)
+            z = run(q, K, V, mask, scoring)
             for g, Kg, Vg in parts:
                 g.after(q[:, g.q_index], Kg, Vg, None, None, scale, start, n)
             return z
@@ -394,7 +408,7 @@ class PolicyKVCache(KVCache):
             else:
                 ok = g.visible(S, start, n, window, own_window)
                 m = AttentionMask(n_q=n, n_k=K.shape[2], explicit=g.per_query_head(ok))
-            z[:, g.q_index] = run(qg, K, V, m, heads=g.q_index)
+            z[:, g.q_index] = run(qg, K, V, m, _of_heads(scoring, g.q_index))
             g.after(qg, K, V, S, ok, scale, start, n)
         return z
 
@@ -423,7 +437,7 @@ class PolicyKVCache(KVCache):
                            "cache with model.new_kv_cache(..., capture_queries=True)")
         valid = full.valid()
         for layer, groups in enumerate(self.groups):
-            attn = model.blocks[layer].attn
+            scoring = model.blocks[layer].attn.scoring
             k, v = full.k(layer), full.v(layer)
             q = full.q(layer) if full.queries is not None else None
             if self.queries is not None and q is not None:
@@ -432,9 +446,9 @@ class PolicyKVCache(KVCache):
                 K, V, S = g.update(k, v, 0, valid)
                 ok = None
                 if S is not None:  # the prompt's rows made as they are read, never [n, n] at once
-                    def ok(a, b, g=g, S=S, window=attn.window, own=model.cfg.window(layer)):
+                    def ok(a, b, g=g, S=S, window=scoring.window, own=model.cfg.window(layer)):
                         return g.visible(S, a, b - a, window, own, own_at=S.shape[-1] - n + a)
-                g.after(None if q is None else q[:, g.q_index], K, V, S, ok, attn.scale, 0, n)
+                g.after(None if q is None else q[:, g.q_index], K, V, S, ok, scoring.scale, 0, n)
         self.key_valid[:, :n] = valid
         self.tokens[:, :n] = full.tokens[:, :n]
         self.n_seen.copy_(full.n_seen)

@@ -45,7 +45,7 @@ class Attention(nn.Module):
         self.W_O_flat = nn.Parameter(torch.empty(h * dh, cfg.d_model))
         self.b_O = nn.Parameter(torch.zeros(cfg.d_model)) if cfg.attn_out_bias else None
         # Learned sink logits (gpt-oss), one per head: each joins its head's softmax denominator and gives no
-        # value (`cfg.learned_sinks`; the backends' `sink_logits`). None: none.
+        # value (`cfg.learned_sinks`; `Scoring.sink_logits`). None: none.
         self.sinks = nn.Parameter(torch.zeros(h)) if cfg.learned_sinks else None
         # Gated attention (`cfg.attn_output_gate`, Qiu et al. 2025): z * sigmoid(x W_gate_attn) per head before W_O.
         if cfg.attn_output_gate:
@@ -224,27 +224,23 @@ class Attention(nn.Module):
         if k.shape[1] != kv and kv_cache is None:
             k, v = self._as_expanded(k, v)
         backend = self.backend_now(q.device, mask.n_sink)  # asked once per call
+        scoring, own = scoring_of(self, live=True), self.cfg.window(self.layer)  # live: its gradient reaches the sinks
         hooks = {}
         if backend.gives_pattern:
             hooks = dict(scores_hook=self.hook_attn_scores if self.hook_attn_scores.active else None,
                          pattern_hook=self.hook_pattern if self.hook_pattern.active else None)
 
-        def run(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, heads=None) -> Tensor:
-            # heads: which query heads q holds, when a cache attends a group of them at a time (their sinks)
-            sinks = self.sinks if self.sinks is None or heads is None else self.sinks[heads]
-            return backend(q, k, v, mask, scale=self.scale, window=self.window, alibi_slopes=self.alibi_slopes,
-                           sink_limit=self.cfg.window(self.layer) if mask.n_sink else None, softcap=self.softcap,
-                           sink_logits=sinks, **hooks)
+        def run(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scoring: Scoring) -> Tensor:
+            # the StreamingLLM sink keys stay inside the layer's own window (`sink_limit`), however narrowed
+            return backend(q, k, v, mask, scoring, sink_limit=own if mask.n_sink else None, **hooks)
 
         if kv_cache is None:
-            z = run(q, k, v, mask)
+            z = run(q, k, v, mask, scoring)
         else:  # the cache writes this call's keys/values and runs the backend over what it holds
             if k.shape[1] != kv:
                 k, v = self._regrouped(k, v)
-            z = kv_cache.attend(self.layer, q, k, v, mask, run, scale=self.scale, window=self.window,
-                                own_window=self.cfg.window(self.layer),
+            z = kv_cache.attend(self.layer, q, k, v, mask, run, scoring=scoring, own_window=own,
                                 hooked=any(h is not None for h in hooks.values()))
-
         z = z.transpose(1, 2)  # [batch, pos, head, d_head]
         if self.W_gate_attn is not None:
             z = z * self.hook_attn_gate(self._gate(x, per_head, h, dh))
@@ -284,14 +280,15 @@ class _AsExpanded(torch.autograd.Function):
         return grad, None
 
 
-def scoring_of(attn) -> Scoring:
+def scoring_of(attn, *, live: bool = False) -> Scoring:
     """The `Scoring` of an attention layer, native (`Attention`) or wrapped (`interp.models.wrapped.WrappedAttention`):
     its scale, window (narrowed, while `narrow_windows` narrows it), ALiBi slopes, soft cap and learned sink
     logits as the layer holds them now (on its device), causal. Built from the attributes every attention
-    layer has, so the statistics need no per-kind geometry."""
+    layer has, so the statistics need no per-kind geometry. The sink logits are detached, for readers; `live`:
+    the layer's parameter itself, as a native layer's forward hands it to its backend (the gradient reaches it)."""
     sinks = attn.sinks
     return Scoring(scale=attn.scale, window=attn.window, alibi_slopes=attn.alibi_slopes, softcap=attn.softcap,
-                   sink_logits=None if sinks is None else sinks.detach())
+                   sink_logits=sinks if sinks is None or live else sinks.detach())
 
 
 def effective_window(own: int | None, asked: int | None) -> int | None:

@@ -341,11 +341,7 @@ class HookedTransformer(WeightViews, HookedModel):
             device_maps.refuse_kv_cache(self)
             kv_cache.reserve(n, batch)
         positions = self._positions(valid, kv_cache)
-        past = kv_cache.length if kv_cache is not None else 0
-        key_valid = None
-        if attention_mask is not None or (kv_cache is not None and not bool(kv_cache.valid().all())):
-            key_valid = valid if kv_cache is None else torch.cat([kv_cache.valid(), valid], dim=1)
-        mask = AttentionMask(n_q=n, n_k=past + n, key_valid=key_valid, n_sink=kv_cache.n_sink if kv_cache is not None else 0)
+        mask = self._attention_mask(valid, n, attention_mask is not None, kv_cache)
 
         split = device_maps.is_split(self.device_map)
         if start_at_layer is None:
@@ -366,6 +362,20 @@ class HookedTransformer(WeightViews, HookedModel):
             kv_cache.commit(tokens, valid)
         if stop_at_layer is not None:
             return resid
+        return self._readout(resid, return_type, tokens, valid, loss_per_token, split)
+
+    def _attention_mask(self, valid: Tensor, n: int, masked: bool, kv_cache: KVCache | None) -> AttentionMask:
+        """The blocks' mask for this call's n queries against the cached keys and their own: per-key validity
+        only when an attention mask was given (`masked`) or the cache holds padding, None (all real) otherwise."""
+        past = kv_cache.length if kv_cache is not None else 0
+        key_valid = None
+        if masked or (kv_cache is not None and not bool(kv_cache.valid().all())):
+            key_valid = valid if kv_cache is None else torch.cat([kv_cache.valid(), valid], dim=1)
+        return AttentionMask(n_q=n, n_k=past + n, key_valid=key_valid, n_sink=kv_cache.n_sink if kv_cache is not None else 0)
+
+    def _readout(self, resid: Tensor, return_type: ReturnType, tokens: Tensor | None, valid: Tensor,
+                 loss_per_token: bool, split: bool):
+        """`forward`'s result from the final residual stream: logits, the loss, both, or None (`return_type`)."""
         if return_type is None:
             return None
         if return_type != "logits" and tokens is None:

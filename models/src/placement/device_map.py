@@ -77,28 +77,29 @@ def parse_device_map(text: str):
     text = str(text).strip()
     if text == "auto":
         return "auto"
+    said = f"device_map (--device-map) {text!r}"
     out: dict = {}
     for item in (s.strip() for s in text.split(",")):
         key, sep, device = item.partition(":")
         key, device = key.strip(), device.strip()
         if not sep or not key or not device:
-            raise DeviceMapRefused(f"--device-map {text!r}: each item is LAYERS:DEVICE (0-15:cuda:0) or UNIT:DEVICE "
-                                   f"(unembed:cuda:1), or the whole map is auto; {item!r} is not")
+            raise DeviceMapRefused(f"{said}: give 'auto', a dict {{layer or unit: device}}, or items LAYERS:DEVICE "
+                                   f"(0-15:cuda:0) or UNIT:DEVICE (unembed:cuda:1); {item!r} is not one")
         if key.isdigit():
             keys = [int(key)]
         elif re.fullmatch(r"\d+-\d+", key):
             a, b = map(int, key.split("-"))
             if b < a:
-                raise DeviceMapRefused(f"--device-map {text!r}: the range {key} runs backwards; write {b}-{a}")
+                raise DeviceMapRefused(f"{said}: the range {key} runs backwards; write {b}-{a}")
             keys = list(range(a, b + 1))
         elif key in FIXED_UNITS:
             keys = [key]
         else:
-            raise DeviceMapRefused(f"--device-map {text!r}: {key!r} is not a layer, a range of layers (0-15) or a "
-                                   f"unit ({', '.join(FIXED_UNITS)})")
+            raise DeviceMapRefused(f"{said}: {key!r} is not a layer, a range of layers (0-15) or a unit "
+                                   f"({', '.join(FIXED_UNITS)})")
         for k in keys:
             if k in out:
-                raise DeviceMapRefused(f"--device-map {text!r} names {k} twice: give each layer and unit once")
+                raise DeviceMapRefused(f"{said} names {k} twice: give each layer and unit once")
             out[k] = device
     return out
 
@@ -319,16 +320,6 @@ def check_fits_split(cfg, batch: int, length: int, device_map, *, device=None, w
         share = sum(unit_bytes(cfg, u, element_size) for u, d in placed.items() if d == dev)
         fits.append(memory.check_fits(cfg, batch, length, dev, what=what, element_size=element_size, weights=share))
     return min(fits, key=lambda f: float("inf") if f.longest is None else f.longest)
-
-
-def check_fits_for(cfg, batch: int, length: int, *, device=None, offload: str | None = None, device_map=None,
-                   what: str = "--seq-len"):
-    """`memory.check_fits` where a load will put the weights: whole (or offloaded) on `device`, or each device's
-    share of a `device_map`. What the study commands check with their settings (device, offload, device_map)."""
-    if device_map is None:
-
-        return memory.check_fits(cfg, batch, length, machine.resolve_device(device), what=what, offload=offload)
-    return check_fits_split(cfg, batch, length, device_map, device=device, what=what)
 
 
 def check_fits(cfg, dtype: torch.dtype, device_map: dict[str, torch.device], *, source: str) -> None:

@@ -57,14 +57,6 @@ class OffloadRefused(UserError):
     """What an offloaded model cannot do, in one line (a backward pass, a move, saving, weight processing)."""
 
 
-def check_offload(offload) -> str | None:
-    if offload is None or offload in OFFLOADS:
-        return offload
-    raise OffloadRefused(f"offload={offload!r}: give 'disk' (weights stay in the checkpoint's mapped files), 'cpu' "
-                         "(in host memory, each block moved to the device when it runs) or None (the whole model on "
-                         "the device)")
-
-
 @dataclass
 class _Slot:
     """One parameter of a unit: where its weights live, and the parameter's shape, layout and dtype."""

@@ -4,10 +4,13 @@ layer's scores or pattern, the explicit computation when something does (see `in
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor, nn
 
 from interp.kernels.attention import Needs, choose
+from interp.kernels.stats import Scoring
 
 from ..native.attention_layer import scoring_of
 from ..base import native_only
@@ -58,24 +61,26 @@ def _repeat_kv(x: Tensor, heads: int) -> Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-def _explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, *, scaling: float,
-              softcap: float | None, sinks: Tensor | None, scores_hook=None, pattern_hook=None,
-              dropout: float = 0.0) -> Tensor:
-    """softmax(cap(q k^T * scaling) masked [, sink]) v in float32 -> [batch, head, q, d] (v's dtype).
+def _explicit(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scoring: Scoring, *, scores_hook=None,
+              pattern_hook=None, dropout: float = 0.0) -> Tensor:
+    """softmax(cap(q k^T * scale) masked [, sink]) v in float32 -> [batch, head, q, d] (v's dtype).
     `dropout`: the probability transformers passes in training mode (0 otherwise), applied to the pattern
     after `hook_pattern` sees it, as transformers' eager attention applies it after the softmax.
 
-    `mask`: transformers' bool mask (True: attend) or an additive float one; None with `causal`: the
-    queries are the last q of the k keys. A sink logit per head (gpt-oss) joins each row's softmax and is
-    dropped after it, so a row's pattern sums to less than 1, as transformers' eager attention shows it.
-    A query that sees no key gets a zero row (its output is zero, never NaN)."""
+    `scoring`: the call's scale, soft cap, sink logits and causality, as transformers passed them
+    (`WrappedAttention.attend`); the window and any bias are in `mask`: transformers' bool mask (True:
+    attend) or an additive float one; None with `scoring.causal`: the queries are the last q of the k keys.
+    A sink logit per head (gpt-oss) joins each row's softmax and is dropped after it, so a row's pattern sums
+    to less than 1, as transformers' eager attention shows it. A query that sees no key gets a zero row (its
+    output is zero, never NaN)."""
     heads, n_q, n_k = q.shape[1], q.shape[2], k.shape[2]
-    scores = torch.matmul(q, _repeat_kv(k, heads).transpose(-1, -2)).float() * scaling
+    softcap, sinks = scoring.softcap, scoring.sink_logits
+    scores = torch.matmul(q, _repeat_kv(k, heads).transpose(-1, -2)).float() * scoring.scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
-    elif causal and n_q > 1:
+    elif scoring.causal and n_q > 1:
         rows = torch.arange(n_k - n_q, n_k, device=q.device)[:, None]
         scores = scores.masked_fill(torch.arange(n_k, device=q.device)[None, :] > rows, float("-inf"))
     if scores_hook is not None:
@@ -157,6 +162,8 @@ class WrappedAttention(nn.Module):
             self.__dict__["seen_window"] = kwargs["sliding_window"] or None
         scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        # the call's scoring as transformers passed it (the window and any bias are in its mask)
+        scoring = Scoring(scale=scaling, softcap=softcap, sink_logits=sinks, causal=causal)
         q = _heads_last(q, self.hook_q)
         k = _heads_last(k, self.hook_k)
         v = _heads_last(v, self.hook_v)
@@ -164,7 +171,7 @@ class WrappedAttention(nn.Module):
         dropout = float(dropout or 0.0) if module.training else 0.0
         if self.instrumented_now() or dropout and (softcap is not None or sinks is not None):
             # one block: the dropout mask is drawn over the whole pattern, as transformers' eager draws it
-            z = _explicit(q, k, v, mask, causal, scaling=scaling, softcap=softcap, sinks=sinks, dropout=dropout,
+            z = _explicit(q, k, v, mask, scoring, dropout=dropout,
                           scores_hook=self.hook_attn_scores if self.hook_attn_scores.active else None,
                           pattern_hook=self.hook_pattern if self.hook_pattern.active else None)
         elif softcap is None and sinks is None:
@@ -174,7 +181,7 @@ class WrappedAttention(nn.Module):
                                        **kwargs)[0].transpose(1, 2)
         else:  # SDPA cannot soft-cap or add a sink: the same arithmetic, a block of queries at a time
             n_q, n_k = q.shape[2], k.shape[2]
-            parts = []
+            blocked, parts = dataclasses.replace(scoring, causal=False), []  # each block's mask is made here
             for s in range(0, n_q, QUERY_BLOCK):
                 e = min(n_q, s + QUERY_BLOCK)
                 if mask is not None:
@@ -184,7 +191,7 @@ class WrappedAttention(nn.Module):
                                                                                     device=q.device)[:, None]
                 else:
                     m = None
-                parts.append(_explicit(q[:, :, s:e], k, v, m, False, scaling=scaling, softcap=softcap, sinks=sinks))
+                parts.append(_explicit(q[:, :, s:e], k, v, m, blocked))
             z = torch.cat(parts, dim=2)
         z = z.transpose(1, 2)  # [batch, q, head, d]
         return self.hook_z(z) if self.hook_z.active else z

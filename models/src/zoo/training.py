@@ -344,11 +344,7 @@ def train(recipe: Recipe, out_dir: str | Path, *, steps: int | None = None, seed
         corpus = corpus or load_corpus()
         cfg = recipe.model
         model = initial_model(recipe, seed)
-        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
-                                 {"params": no_decay, "weight_decay": 0.0}],
-                                lr=recipe.lr, betas=recipe.betas)
+        opt = _optimizer(model, recipe)
         sampler = BatchSampler(corpus.train, cfg.n_ctx, recipe.batch_size, seed, recipe.copy_prob, recipe.copy_span,
                                recipe.random_span_prob)
         held_out = eval_windows(corpus, cfg.n_ctx, recipe.eval_windows)
@@ -383,17 +379,7 @@ def train(recipe: Recipe, out_dir: str | Path, *, steps: int | None = None, seed
                     _save_resume(out_dir, key, step, model, opt, sampler, losses, time.perf_counter() - start)
             if step == steps:
                 break
-            for group in opt.param_groups:
-                group["lr"] = recipe.lr_at(step, steps)
-            batch = next(sampler)
-            nll = model(batch.tokens, return_type="loss", loss_per_token=True)
-            loss = (nll * batch.weights).sum() / batch.weights.sum()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if recipe.grad_clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
-            opt.step()
-            losses.append(loss.item())
+            losses.append(_train_step(model, opt, sampler, recipe, step, steps))
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
         bar.close()
@@ -420,6 +406,31 @@ def initial_model(recipe: Recipe, seed: int) -> HookedTransformer:
 
 
 _SUMMARY = ("step", "loss", "eval_loss", "icl", "induction", "previous")
+
+
+def _optimizer(model, recipe: Recipe) -> torch.optim.AdamW:
+    """AdamW with the recipe's weight decay on the matrices (2-d and up) only, none on biases and norm weights."""
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=recipe.lr, betas=recipe.betas)
+
+
+def _train_step(model, opt, sampler: BatchSampler, recipe: Recipe, step: int, steps: int) -> float:
+    """One update at `step` of `steps` on the sampler's next batch (the schedule's rate, the loss weighted by
+    `Batch.weights`, the recipe's gradient clipping); returns its loss."""
+    for group in opt.param_groups:
+        group["lr"] = recipe.lr_at(step, steps)
+    batch = next(sampler)
+    nll = model(batch.tokens, return_type="loss", loss_per_token=True)
+    loss = (nll * batch.weights).sum() / batch.weights.sum()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if recipe.grad_clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+    opt.step()
+    return loss.item()
 
 
 def _checkpoint_meta(model, recipe: Recipe, step: int, steps: int, seed: int, losses: list[float], held_out: Tensor,

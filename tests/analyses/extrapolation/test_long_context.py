@@ -19,6 +19,7 @@ from interp.analyses.extrapolation.lengths import (FROM_FRACTION, METRICS, check
                                      scores_by_length)
 from interp.analyses.sinks import attention_sinks
 from interp.cli import main as cli
+from interp.kernels import Scoring
 from interp.kernels import attention as A
 from interp.models.placement.memory import check_fits, estimate_bytes
 
@@ -42,7 +43,7 @@ def test_banded_window_attention_equals_the_whole_mask(n_q, n_k, window, n_sink,
     mask = A.AttentionMask(n_q, n_k, key_valid=key_valid, n_sink=n_sink)
     slopes = torch.rand(4, generator=g) if alibi else None
     assert A.banded(mask, window)
-    got = A.fused_attention(q, k, v, mask, scale=0.25, window=window, alibi_slopes=slopes, sink_limit=sink_limit)
+    got = A.fused_attention(q, k, v, mask, Scoring(scale=0.25, window=window, alibi_slopes=slopes), sink_limit=sink_limit)
     whole = (mask.visible(window, q.device, sink_limit) if slopes is None
              else mask.bias(window, slopes, q.dtype, q.device, sink_limit))  # the [n, n] mask the bands avoid
     want = F.scaled_dot_product_attention(q, A.expand_kv(k, 4), A.expand_kv(v, 4), attn_mask=whole, scale=0.25)

@@ -21,6 +21,7 @@ from interp import HookedTransformer, ModelConfig
 from interp.kernels import attention_stats
 from interp.kernels import attention as kernels
 from interp.kernels.attention import AttentionMask, fused_attention, instrumented_attention
+from interp.kernels.stats import Scoring
 from interp.kernels.stats.reference import reference_stats
 from interp.models.families import get_family
 from near_ties import assert_greedy_agrees
@@ -189,25 +190,25 @@ def test_sink_logits_equal_a_hand_softmax_on_every_mask_path(backend, monkeypatc
         "alibi": (AttentionMask(13, 13), None, _causal(13, 13), -slopes[None, :, None, None] * rel),
     }
     for name, (mask, window, visible, bias) in cases.items():
-        out = backend(q, k, v, mask, scale=0.3, window=window, sink_logits=sinks,
-                      alibi_slopes=None if bias is None else slopes)
+        out = backend(q, k, v, mask, Scoring(scale=0.3, window=window, sink_logits=sinks,
+                                             alibi_slopes=None if bias is None else slopes))
         ref = _sink_attention_by_hand(q, k, v, visible, sinks, 0.3, bias)
         rows = visible.any(-1, keepdim=True)  # a padding query's row is meaningless
         assert float(((out - ref).abs() * rows).max()) < 1e-5, name
     # decoding: the last query (and the last three) against every key
     for n_q in (1, 3):
-        out = backend(q[:, :, -n_q:], k, v, AttentionMask(n_q, 13), scale=0.3, sink_logits=sinks)
+        out = backend(q[:, :, -n_q:], k, v, AttentionMask(n_q, 13), Scoring(scale=0.3, sink_logits=sinks))
         assert float((out - _sink_attention_by_hand(q[:, :, -n_q:], k, v, _causal(n_q, 13), sinks, 0.3)).abs().max()) < 1e-5
     # a long windowed prefill runs in bands (made short here), the sink key in front of every band
     monkeypatch.setattr(kernels, "BAND_FROM", 8)
     monkeypatch.setattr(kernels, "BAND_MIN", 3)
     assert kernels.banded(AttentionMask(13, 13), 3)
-    out = backend(q, k, v, AttentionMask(13, 13), scale=0.3, window=3, sink_logits=sinks)
+    out = backend(q, k, v, AttentionMask(13, 13), Scoring(scale=0.3, window=3, sink_logits=sinks))
     assert float((out - _sink_attention_by_hand(q, k, v, _causal(13, 13, 3), sinks, 0.3)).abs().max()) < 1e-5
     # the sinks matter: without them the output differs; with sinks at -1e4 it is plain attention
-    plain = backend(q, k, v, AttentionMask(13, 13), scale=0.3)
-    assert float((plain - backend(q, k, v, AttentionMask(13, 13), scale=0.3, sink_logits=sinks)).abs().max()) > 1e-2
-    gone = backend(q, k, v, AttentionMask(13, 13), scale=0.3, sink_logits=torch.full((6,), -1e4))
+    plain = backend(q, k, v, AttentionMask(13, 13), Scoring(scale=0.3))
+    assert float((plain - backend(q, k, v, AttentionMask(13, 13), Scoring(scale=0.3, sink_logits=sinks))).abs().max()) > 1e-2
+    gone = backend(q, k, v, AttentionMask(13, 13), Scoring(scale=0.3, sink_logits=torch.full((6,), -1e4)))
     assert float((plain - gone).abs().max()) < 1e-5
 
 

@@ -32,7 +32,7 @@ import interp.kernels.attention as A
 from core_models import hf_pair, scored, small
 from interp import HookedTransformer
 from interp.kernels import attention_stats
-from interp.kernels.stats import STAT_NAMES
+from interp.kernels.stats import STAT_NAMES, Scoring
 from interp.kernels.stats.reference import reference_stats
 from interp.models.families import get_family
 from interp.models.positions import Rotary
@@ -105,7 +105,7 @@ def test_soft_capped_attention_equals_a_hand_computation_on_both_backends(case, 
     monkeypatch.setattr(A, "CAP_BLOCK", 3)  # the fused path in blocks of 3 queries (an odd edge at the end)
     for name, backend in A.ATTENTION_BACKENDS.items():
         mask = A.AttentionMask(n_q, n_k, key_valid=key_valid, n_sink=n_sink)
-        got = backend(q, k, v, mask, scale=0.37, window=window, alibi_slopes=slopes, softcap=2.5)
+        got = backend(q, k, v, mask, Scoring(scale=0.37, window=window, alibi_slopes=slopes, softcap=2.5))
         real = 1.0 if key_valid is None else key_valid[:, None, -n_q:, None]  # real queries only
         assert float(((got.double() - want).abs() * real).max()) < 1e-5, name
     # Negative: the cap matters on these scores (it is not a no-op the comparison would pass anyway).
@@ -120,11 +120,11 @@ def test_soft_cap_with_learned_sink_logits_agrees_on_both_backends(monkeypatch):
     sink_logits = torch.tensor([0.5, -1.0, 2.0, 0.0, 1.5, -0.5])
     monkeypatch.setattr(A, "CAP_BLOCK", 4)
     mask = A.AttentionMask(11, 11, key_valid=key_valid)
-    args = dict(scale=0.37, softcap=2.5, window=6)
-    fused = A.fused_attention(q, k, v, mask, sink_logits=sink_logits, **args)
-    torch.testing.assert_close(fused, A.instrumented_attention(q, k, v, mask, sink_logits=sink_logits, **args),
-                               atol=2e-6, rtol=1e-5)
-    assert float((fused - A.fused_attention(q, k, v, mask, **args)).abs().max()) > 1e-2
+    plain = Scoring(scale=0.37, softcap=2.5, window=6)
+    sinks = Scoring(scale=0.37, softcap=2.5, window=6, sink_logits=sink_logits)
+    fused = A.fused_attention(q, k, v, mask, sinks)
+    torch.testing.assert_close(fused, A.instrumented_attention(q, k, v, mask, sinks), atol=2e-6, rtol=1e-5)
+    assert float((fused - A.fused_attention(q, k, v, mask, plain)).abs().max()) > 1e-2
 
 
 def test_soft_cap_is_a_backend_capability():
@@ -159,23 +159,24 @@ def test_the_fused_capped_path_holds_one_block_of_scores_at_a_time(monkeypatch):
     n = 97
     q, k, v, _, _ = _cap_inputs(n, n, False, False)
     mask = A.AttentionMask(n, n)
-    ref = A.instrumented_attention(q, k, v, mask, scale=0.37, softcap=2.5)
+    capped = Scoring(scale=0.37, softcap=2.5)
+    ref = A.instrumented_attention(q, k, v, mask, capped)
     monkeypatch.setattr(A, "CAP_BLOCK", 8)
     with _Shapes() as spy:
-        out = A.fused_attention(q, k, v, mask, scale=0.37, softcap=2.5)
+        out = A.fused_attention(q, k, v, mask, capped)
     tiles = spy.tiles()
     assert max(r for r, _ in tiles) == 8 and max(c for _, c in tiles) == n  # 8 queries, up to every key
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
     monkeypatch.setattr(A, "CAP_TILE", 2 * 6 * 3 * n)  # batch * heads * 3 queries * all keys
     with _Shapes() as spy:
-        out = A.fused_attention(q, k, v, mask, scale=0.37, softcap=2.5)
+        out = A.fused_attention(q, k, v, mask, capped)
     assert max(r for r, _ in spy.tiles()) == 3
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
     with _Shapes() as spy:  # a window of 5: each block reads only the keys its window reaches
-        A.fused_attention(q, k, v, mask, scale=0.37, softcap=2.5, window=5)
+        A.fused_attention(q, k, v, mask, Scoring(scale=0.37, softcap=2.5, window=5))
     assert max(c for _, c in spy.tiles()) <= 8 + 5 - 1
     with _Shapes() as spy:  # control: the instrumented path does build the whole [q, k]
-        A.instrumented_attention(q, k, v, mask, scale=0.37, softcap=2.5)
+        A.instrumented_attention(q, k, v, mask, capped)
     assert (n, n) in spy.tiles()
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import interp
 import interp.models.native.attention_layer as attention_module
 from core_models import OWN_CONFIGS, build, hf_pair, left_mask, own, small, tokens
 from hf_cases import CASES
@@ -28,6 +29,7 @@ from interp.kernels.attention import (
     get_backend,
     instrumented_attention,
 )
+from interp.kernels.stats import Scoring
 from interp.models.positions import alibi_slopes, sinusoidal_table
 
 N = 11  # longer than every sliding window in the configs
@@ -153,7 +155,7 @@ def test_instrumented_hand_worked_2x2():
         return hook
 
     out = instrumented_attention(
-        q, k, v, AttentionMask(2, 2, causal=False), scale=1 / math.sqrt(2),
+        q, k, v, AttentionMask(2, 2, causal=False), Scoring(scale=1 / math.sqrt(2)),
         scores_hook=keep("scores"), pattern_hook=keep("pattern"),
     )
     # scores = QK^T / sqrt(2) = [[2, 3], [0, -1]] / sqrt(2)
@@ -161,7 +163,7 @@ def test_instrumented_hand_worked_2x2():
     torch.testing.assert_close(seen["pattern"][0, 0], torch.tensor([[0.330, 0.670], [0.670, 0.330]]), atol=5e-4, rtol=0)
     torch.testing.assert_close(out[0, 0], torch.tensor([[23.40, 33.40], [16.60, 26.60]]), atol=5e-3, rtol=0)
     # the fused path gives the same numbers
-    torch.testing.assert_close(get_backend("fused")(q, k, v, AttentionMask(2, 2, causal=False), scale=1 / math.sqrt(2)), out)
+    torch.testing.assert_close(get_backend("fused")(q, k, v, AttentionMask(2, 2, causal=False), Scoring(scale=1 / math.sqrt(2))), out)
 
 
 def test_alibi_slopes_match_press_et_al():
@@ -316,7 +318,37 @@ def test_forcing_fused_while_hooking_the_pattern_is_an_error():
     with model.attention("fused"), pytest.raises(RuntimeError, match="fused"):
         model.run_with_cache(tokens(1, 5))  # caching everything includes the patterns
     with pytest.raises(RuntimeError, match="never materialises"):
-        get_backend("fused")(*(torch.randn(1, 1, 2, 2),) * 3, AttentionMask(2, 2), scale=1.0, pattern_hook=lambda t: t)
+        get_backend("fused")(*(torch.randn(1, 1, 2, 2),) * 3, AttentionMask(2, 2), Scoring(scale=1.0),
+                             pattern_hook=lambda t: t)
+
+
+def test_the_backends_take_one_scoring_and_a_layer_hands_its_own():
+    """A backend's geometry is one `Scoring` after the mask (the separate keywords are gone, CHANGELOG.md); a
+    layer's forward hands its own (`attn.scoring`) with the sink logits live, so the gradient reaches them,
+    while readers of `attn.scoring` get them detached."""
+    q, k, v = (torch.randn(1, 2, 3, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    for backend in ATTENTION_BACKENDS.values():
+        with pytest.raises(TypeError, match="scale"):
+            backend(q, k, v, AttentionMask(3, 3), scale=0.5)
+        with pytest.raises(TypeError, match="scoring must be a Scoring"):
+            backend(q, k, v, AttentionMask(3, 3), 0.5)
+        default = backend(q, k, v, AttentionMask(3, 3), Scoring())  # scale None: 1 / sqrt(d_head)
+        assert torch.equal(default, backend(q, k, v, AttentionMask(3, 3), Scoring(scale=1 / math.sqrt(4))))
+    cfg = interp.ModelConfig(n_layers=2, d_model=24, n_heads=4, n_kv_heads=2, d_head=6, d_vocab=11, n_ctx=32,
+                             learned_sinks=True, sliding_window=4, positional="rotary", normalization="rmsnorm", d_mlp=16)
+    model = interp.HookedTransformer(cfg, seed=1)
+    with torch.no_grad():
+        for b in model.blocks:
+            b.attn.sinks.normal_(0, 2, generator=torch.Generator().manual_seed(b.attn.layer))
+    toks = torch.randint(0, 11, (2, 9), generator=torch.Generator().manual_seed(0))
+    _, cache = model.run_with_cache(toks, names_filter=lambda n: n.endswith(("rot_q", "rot_k", "hook_v", "hook_z")))
+    for layer, b in enumerate(model.blocks):
+        q, k, v = (cache[f"blocks.{layer}.attn.hook_{x}"].transpose(1, 2) for x in ("rot_q", "rot_k", "v"))
+        z = get_backend("fused")(q, k, v, AttentionMask(9, 9), b.attn.scoring).transpose(1, 2)
+        assert torch.equal(z, cache[f"blocks.{layer}.attn.hook_z"])
+        assert b.attn.sinks.requires_grad and not b.attn.scoring.sink_logits.requires_grad
+    model(toks).logsumexp(-1).sum().backward()
+    assert all(float(b.attn.sinks.grad.abs().sum()) > 0 for b in model.blocks)
 
 
 @pytest.mark.parametrize("name", ["rotary-rms-swiglu-gqa", "learned-layernorm"])
