@@ -14,7 +14,7 @@ This face is thin: its names are imported on first use (PEP 562), so `import int
 
 from __future__ import annotations
 
-import importlib
+from ._faces import lazy_face
 
 _LAZY = {  # name -> the module that defines it (relative to this package, or absolute)
     "ablate_heads": ".ablation",
@@ -54,13 +54,4 @@ _LAZY = {  # name -> the module that defines it (relative to this package, or ab
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted([*globals(), *_LAZY])
+__getattr__, __dir__ = lazy_face(__name__, _LAZY)

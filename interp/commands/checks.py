@@ -177,8 +177,10 @@ def run_command(study, args, settings, *, path=None) -> int:
     for note in notes:
         print(note)
     start = time.perf_counter()
-    model = interp.load(args.model if path is None else str(path), rope_scaling=rope,
-                        **placement.resolved().keywords())
+    # the checkpoint the checks read (a name resolved once, above: a Hub name is not looked up again), under the
+    # name the user gave
+    model = interp.load(target, rope_scaling=rope, **placement.resolved().keywords())
+    model.loaded_as(args.model if path is None else str(path))
     report = run(study, model, args.out, settings, force=args.force)
     print(f"done in {time.perf_counter() - start:.0f} s; report: {report} (and {study.files()})")
     return 0

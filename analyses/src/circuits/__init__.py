@@ -38,7 +38,7 @@ IOI, greater-than, JSON lines), `study` (`interp circuit`), `choices` (the setti
 
 from __future__ import annotations
 
-import importlib
+from .._faces import lazy_face
 
 _LAZY = {  # name -> its module here: imported on first use (PEP 562), so `choices` alone loads no torch
     **dict.fromkeys(("FRACTIONS", "Graph", "Task", "areas", "greedy_edges", "prune_dangling", "select", "top_edges"),
@@ -52,13 +52,4 @@ _LAZY = {  # name -> its module here: imported on first use (PEP 562), so `choic
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted([*globals(), *_LAZY])
+__getattr__, __dir__ = lazy_face(__name__, _LAZY)
