@@ -308,11 +308,16 @@ def pruning_curves(points: pd.DataFrame, threshold: float | None = None):
             ax.fill_between(stats.index, stats["min"], stats["max"], color=line.get_color(), alpha=0.2)
     if threshold is not None:
         ax.axhline(threshold, color="gray", linestyle=":", linewidth=1, label="+5% of the clean loss")
-    ax.set_xlabel("fraction of heads pruned")
-    ax.set_ylabel("held-out loss")
+    return _finished(fig, ax, "fraction of heads pruned", "held-out loss", "pruning curve (Michel et al. 2019)")
+
+
+def _finished(fig, ax, xlabel: str, ylabel: str, title: str):
+    """A one-axes figure's labels, legend, grid and title, laid out: the figure."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    ax.set_title("pruning curve (Michel et al. 2019)", fontsize=10)
+    ax.set_title(title, fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -358,13 +363,8 @@ def position_losses(points: pd.DataFrame, bin_size: int | None = None):
                 linestyle="-" if setting != "window" else "--")
     for window in sorted({int(w) for w in points["window"] if w}):
         ax.axvline(window, color="gray", linewidth=0.6, alpha=0.6)
-    ax.set_xlabel("position in the stream")
-    ax.set_ylabel(f"next-token loss (mean over {bin_size} positions)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    ax.set_title("StreamingLLM: loss per position (grey lines: window sizes)", fontsize=10)
-    fig.tight_layout()
-    return fig
+    return _finished(fig, ax, "position in the stream", f"next-token loss (mean over {bin_size} positions)",
+                     "StreamingLLM: loss per position (grey lines: window sizes)")
 
 
 def mixed_precision_curve(mixed: pd.DataFrame):
@@ -380,13 +380,8 @@ def mixed_precision_curve(mixed: pd.DataFrame):
         ax.plot(curve["bytes_per_token"], curve["perplexity"], marker="o", markersize=3,
                 label=f"{sel}" + (" (mean of seeds)" if sel == "random" else ""), linestyle="--" if sel == "random" else "-")
     ax.set_xscale("log")
-    ax.set_xlabel("KV-cache bytes per token (log)")
-    ax.set_ylabel("perplexity")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title("mixed precision: top-k KV heads in fp32, the rest int4", fontsize=10)
-    fig.tight_layout()
-    return fig
+    return _finished(fig, ax, "KV-cache bytes per token (log)", "perplexity",
+                     "mixed precision: top-k KV heads in fp32, the rest int4")
 
 
 def policy_tradeoff(cells: pd.DataFrame, summary: pd.DataFrame):
@@ -458,9 +453,4 @@ def gate_curve(curve: pd.DataFrame):
     for col in [c for c in ("total", "distill", "l1") if c in curve.columns]:
         ax.plot(curve["step"] if "step" in curve else range(len(curve)), curve[col], label=col)
     ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (log)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
+    return _finished(fig, ax, "step", "loss (log)", "")

@@ -12,6 +12,18 @@ from .choices import ROPE_SCALING_HELP
 
 
 # ---- options ---------------------------------------------------------------------------------------
+def add_text_data_options(p, title: str, n_seqs_help: str):
+    """--data, --text-file, --n-seqs: the text a long-context study reads (`interp extrapolate`, `interp lengths`);
+    the group, for a command's own data options."""
+    d = p.add_argument_group(title)
+    d.add_argument("--data", choices=("auto", "text", "corpus"), default="auto",
+                   help="text (--text-file, default the Python Language Reference) or the zoo's held-out corpus; auto: "
+                        "the corpus for byte-level zoo models, text otherwise")
+    d.add_argument("--text-file", default=None, help="a UTF-8 text file (default: the Python Language Reference)")
+    d.add_argument("--n-seqs", type=int, default=1, help=n_seqs_help)
+    return d
+
+
 def add_output_options(p) -> None:
     """--out, --force, --device, --rope-scaling, --no-progress: every study command's."""
 

@@ -59,12 +59,7 @@ def add_arguments(p) -> None:
     q.add_argument("--prompts", type=int, default=1, help="prompts per (length, depth) (default 1)")
     q.add_argument("--seed", type=int, default=0, help="seed of the pass keys (default 0)")
     q.add_argument("--new-tokens", type=int, default=8, help="greedy tokens decoded per answer (default 8)")
-    d = p.add_argument_group("data (the text at the longest length)")
-    d.add_argument("--data", choices=("auto", "text", "corpus"), default="auto",
-                   help="text (--text-file, default the Python Language Reference) or the zoo's held-out corpus; auto: "
-                        "the corpus for byte-level zoo models, text otherwise")
-    d.add_argument("--text-file", default=None, help="a UTF-8 text file (default: the Python Language Reference)")
-    d.add_argument("--n-seqs", type=int, default=1, help="sequences of the text (default 1)")
+    checks.add_text_data_options(p, "data (the text at the longest length)", "sequences of the text (default 1)")
     checks.add_output_options(p)
 
 

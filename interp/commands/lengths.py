@@ -29,12 +29,7 @@ def add_arguments(p) -> None:
     g.add_argument("--lengths", required=True, help="comma-separated context lengths, e.g. 1024,4096,8192")
     g.add_argument("--extrapolate", action="store_true",
                    help="allow lengths past the model's trained context (n_ctx); marked extrapolated")
-    d = p.add_argument_group("data (the same text at every length)")
-    d.add_argument("--data", choices=("auto", "text", "corpus"), default="auto",
-                   help="text (--text-file, default the Python Language Reference) or the zoo's held-out corpus; auto: "
-                        "the corpus for byte-level zoo models, text otherwise")
-    d.add_argument("--text-file", default=None, help="a UTF-8 text file (default: the Python Language Reference)")
-    d.add_argument("--n-seqs", type=int, default=1, help="sequences (default 1)")
+    d = checks.add_text_data_options(p, "data (the same text at every length)", "sequences (default 1)")
     d.add_argument("--seed", type=int, default=DATA_SEED, help=f"which windows of the text (default {DATA_SEED})")
     checks.add_output_options(p)
 

@@ -179,23 +179,27 @@ def check_memory(model, task: Task, batch_size: int, available: int | None = Non
         return found.line(fixed)
     needed = fixed + found.peak
     where = "this machine's" if torch.device(model.device).type == "cpu" else f"{model.device}'s"
+    fits = lambda found: fixed + found.peak <= available  # noqa: E731
     if found.held < found.chunks or cost(1, positions).peak == found.peak:  # more prompts cost no more memory
-        low, high = 0, positions  # the longest prompts that fit
-        while low < high:
-            mid = (low + high + 1) // 2
-            low, high = (mid, high) if fixed + cost(n, mid).peak <= available else (low, mid - 1)
+        low = _most(positions, lambda p: fits(cost(n, p)))  # the longest prompts that fit
         raise ValueError(f"prompts of {positions} tokens: about {needed / GiB:.1f} GiB needed (its peak in "
                          f"{found.peak_stage}, {found.held * found.per_chunk} prompt(s)' runs held at a time: "
                          f"{len(Graph(cfg).senders)} senders at every position), more than {where} "
                          f"{available / GiB:.1f} GiB free; prompts of at most about {low:,} tokens fit")
-    low, high = 0, n  # the most prompts that fit
-    while low < high:
-        mid = (low + high + 1) // 2
-        low, high = (mid, high) if fixed + cost(mid, positions).peak <= available else (low, mid - 1)
+    low = _most(n, lambda k: fits(cost(k, positions)))  # the most prompts that fit
     raise ValueError(f"--prompts {n}: about {needed / GiB:.1f} GiB needed for {n} prompts of {positions} tokens (its "
                      f"peak in {found.peak_stage}: the clean and corrupted runs, {len(Graph(cfg).senders)} senders "
                      f"cached at every position), more than {where} {available / GiB:.1f} GiB free; at most about "
                      f"{low:,} prompts fit (--prompts)")
+
+
+def _most(high: int, fits) -> int:
+    """The largest k in 0..high with fits(k) (fits: true up to some k, false past it), by bisection."""
+    low = 0
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
 
 
 class CircuitStudy(Study):

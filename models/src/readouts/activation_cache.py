@@ -179,6 +179,19 @@ class ActivationCache:
         self.cache_dict[name] = res
         return res
 
+    def _stacked(self, parts: list[Tensor], pos_slice) -> Tensor:
+        """Per-layer parts [..., units, d_model] as one stack [units of every layer, ...] (empty: no layer)."""
+        if parts:
+            return torch.cat(parts, dim=-2).movedim(-2, 0)
+        src = _slice(self["hook_embed"], pos_slice, -2)
+        return src.new_zeros((0, *src.shape))
+
+    def _with_remainder(self, stack: Tensor, target: str, pos_slice, labels: list[str]) -> Tensor:
+        """The stack and, last, the activation `target` less the stack's sum, labelled "remainder"."""
+        total = _slice(self[target], pos_slice, -2)
+        labels.append("remainder")
+        return torch.cat([stack, (total - stack.sum(0))[None]])
+
     def stack_head_results(self, layer: int = -1, return_labels: bool = False, incl_remainder: bool = False,
                            pos_slice=None, apply_ln: bool = False):
         """[layers * heads (+1), batch, pos, d_model]: each head's write to the residual stream (z_h W_O[h],
@@ -191,15 +204,9 @@ class ActivationCache:
         for l in range(n):
             parts.append(_slice(self._head_result(l), pos_slice, -3))
             labels += [f"L{l}H{h}" for h in range(self.model.cfg.n_heads)]
-        if parts:
-            stack = torch.cat(parts, dim=-2).movedim(-2, 0)
-        else:
-            src = _slice(self["hook_embed"], pos_slice, -2)
-            stack = src.new_zeros((0, *src.shape))
+        stack = self._stacked(parts, pos_slice)
         if incl_remainder:
-            total = _slice(self[act_name("resid_post", n - 1)], pos_slice, -2)
-            stack = torch.cat([stack, (total - stack.sum(0))[None]])
-            labels.append("remainder")
+            stack = self._with_remainder(stack, act_name("resid_post", n - 1), pos_slice, labels)
         if apply_ln:
             stack = self.apply_ln_to_stack(stack, n, pos_slice=pos_slice)
         return (stack, labels) if return_labels else stack
@@ -228,16 +235,10 @@ class ActivationCache:
         proj = None if project_output_onto is None else (
             project_output_onto[:, None] if project_output_onto.dim() == 1 else project_output_onto)
         parts = [self.get_neuron_results(l, neuron_slice, pos_slice) for l in range(n)]
-        if parts:
-            stack = torch.cat(parts, dim=-2).movedim(-2, 0)
-        else:
-            src = _slice(self["hook_embed"], pos_slice, -2)
-            stack = src.new_zeros((0, *src.shape))
+        stack = self._stacked(parts, pos_slice)
         if incl_remainder:
             target = act_name("resid_mid", n) if mlp_input else act_name("resid_post", n - 1)
-            total = _slice(self[target], pos_slice, -2)
-            stack = torch.cat([stack, (total - stack.sum(0))[None]])
-            labels.append("remainder")
+            stack = self._with_remainder(stack, target, pos_slice, labels)
         if apply_ln:
             stack = self.apply_ln_to_stack(stack, n, pos_slice=pos_slice, mlp_input=mlp_input)
         if proj is not None:
