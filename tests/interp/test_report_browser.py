@@ -11,7 +11,7 @@ import pytest
 from headless import CHROMIUM, needs_chromium
 from headless import shots as _shots
 from headless import sync_api as _sync_api
-from smol import needs_smol
+from smol import needs_smol, smollm2_atlas
 
 from interp.cli import main as cli
 
@@ -69,9 +69,7 @@ def test_zoo_sweep_report_in_a_browser(tmp_path):
 @needs_smol
 @pytest.mark.slow
 def test_real_model_atlas_in_a_browser(tmp_path):
-    out = tmp_path / "atlas"
-    assert cli(["analyze", "smollm2-135m", "--out", str(out), "--n-seqs", "2", "--seq-len", "64",
-                "--analyses", "previous_token,induction,sinks,viewer", "--no-progress"]) == 0
+    out = smollm2_atlas(tmp_path / "atlas", seq_len=64, analyses="previous_token,induction,sinks,viewer")
     shots = _shots(tmp_path)
     seen = exercise(out / "report.html", shots, "smollm2-135m")
     _check(seen, shots, "smollm2-135m")

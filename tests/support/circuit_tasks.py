@@ -1,4 +1,5 @@
-"""A circuit task made of random tokens, shared by the circuit, QK-attribution and offload tests."""
+"""A circuit task made of random tokens, shared by the circuit, QK-attribution and offload tests, and the
+interventions the circuit tests write out by hand with the model's own hooks."""
 
 from __future__ import annotations
 
@@ -19,3 +20,43 @@ def random_task(model, n: int = 3, p: int = 7, seed: int = 0) -> Task:
     answers = torch.randint(V, (2 * n, 1), generator=g).tolist()
     wrongs = torch.randint(V, (2 * n, 1), generator=g).tolist()
     return Task("random", clean, corrupted, rows, positions, token_metric("logit-diff", answers, wrongs), "logit-diff")
+
+
+def head_delta(model, clean: torch.Tensor, corrupted: torch.Tensor, layer: int, head: int) -> torch.Tensor:
+    """Head `head` of layer `layer`'s output (its hook_result, [batch, pos, d_model]) on the corrupted prompts
+    less that on the clean ones: what patching the head from the corrupted run adds downstream."""
+    name = f"blocks.{layer}.attn.hook_result"
+    _, a = model.run_with_cache(clean, names_filter=lambda n: n == name)
+    _, b = model.run_with_cache(corrupted, names_filter=lambda n: n == name)
+    return b[name][:, :, head] - a[name][:, :, head]
+
+
+def add_to_head(head: int, delta: torch.Tensor):
+    """A forward hook on a per-head input ([batch, pos, head, d_model], e.g. hook_q_input) adding `delta` to head
+    `head`'s."""
+
+    def hook(x, hook):
+        x = x.clone()
+        x[:, :, head] += delta
+        return x
+
+    return hook
+
+
+def run_hooked(model, tokens: torch.Tensor, fwd_hooks=(), split_qkv: bool = False) -> torch.Tensor:
+    """The logits of a forward without gradients with `fwd_hooks`; `split_qkv`: with each head's query, key and value
+    inputs apart (hook_q_input, ...), put back together after."""
+    if split_qkv:
+        model.set_use_split_qkv_input(True)
+    try:
+        with torch.no_grad():
+            return model.run_with_hooks(tokens, fwd_hooks=list(fwd_hooks))
+    finally:
+        if split_qkv:
+            model.set_use_split_qkv_input(False)
+
+
+def by_hand_metric(model, task: Task, fwd_hooks=(), split_qkv: bool = False) -> float:
+    """The task's metric from a whole forward of the clean prompts, with `fwd_hooks` (`run_hooked`)."""
+    logits = run_hooked(model, task.clean, fwd_hooks, split_qkv)
+    return float(task.metric(logits[task.rows, task.positions], torch.arange(task.n_answers)).double().mean())

@@ -77,6 +77,19 @@ def left_mask(batch: int, n: int) -> torch.Tensor:
     return mask
 
 
+def fused_agreeing_with_instrumented(model: HookedTransformer, toks: torch.Tensor, mask: torch.Tensor,
+                                     tol: float = 1e-5) -> torch.Tensor:
+    """The model's logits on its fused attention path, checked within `tol` of the instrumented path's at every
+    real (unmasked) position of `mask`."""
+    with torch.no_grad():
+        fused = model(toks, attention_mask=mask)
+        with model.attention("instrumented"):
+            instrumented = model(toks, attention_mask=mask)
+    real = mask.bool()[..., None]
+    assert float(((fused - instrumented).abs() * real).max()) < tol
+    return fused
+
+
 @functools.lru_cache(maxsize=None)
 def hf_pair(name: str):
     """(Hugging Face model, our conversion) for a case of hf_cases.py, built once per test process.

@@ -55,10 +55,17 @@ CASES = {
 
 
 def build_hf(name: str, seed: int = 0):
+    """The case `name` of CASES, built by `build_hf_from`."""
+    cfg_cls, model_cls, kwargs = CASES[name]
+    return build_hf_from(cfg_cls, model_cls, seed, **kwargs)
+
+
+def build_hf_from(cfg_cls: str, model_cls: str, seed: int = 0, **kwargs):
+    """A tiny random transformers model (eval mode) from the names of its config and model classes and the
+    config's kwargs (the vocabulary VOCAB), seeded by `seed`."""
     transformers = pytest.importorskip("transformers")
     import torch
 
-    cfg_cls, model_cls, kwargs = CASES[name]
     torch.manual_seed(seed)
     config = getattr(transformers, cfg_cls)(vocab_size=VOCAB, **kwargs)
     model = getattr(transformers, model_cls)(config).eval()

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 from analyses_fixtures import build, tokens  # noqa: F401
-from smol import SMOL, needs_smol
+from smol import SMOL, needs_smol, smollm2_atlas
 
 import interp
 from interp.analyses import window_eval
@@ -108,9 +108,7 @@ def test_pruning_study_splits_the_data_and_orders_both_ways():
 @needs_smol
 @pytest.mark.slow
 def test_analyze_smollm2_scores_equal_materialised_patterns(tmp_path):
-    out = tmp_path / "atlas"
-    assert cli(["analyze", "smollm2-135m", "--out", str(out), "--n-seqs", "2", "--seq-len", "96",
-                "--analyses", "previous_token,induction,sinks,composition", "--no-progress"]) == 0
+    out = smollm2_atlas(tmp_path / "atlas", seq_len=96, analyses="previous_token,induction,sinks,composition")
     settings = json.loads((out / "settings.json").read_text())
     assert settings["data"]["kind"] == "text"  # real text by default for a real model
     table = pd.read_parquet(out / "results.parquet")

@@ -14,23 +14,16 @@ import torch
 import interp
 from interp.analyses import circuits as C
 from interp.analyses.circuits import runner as circuit_runner
-from interp.analyses.circuits import Graph, Runner, Task, prune_dangling, select
+from interp.analyses.circuits import Graph, Runner, prune_dangling, select
 from interp.analyses.circuits.tasks import file_task, induction_task, read_task_file
 from interp.analyses.store import read_table
 from interp.cli import main as cli
 
-from circuit_tasks import random_task
+from circuit_tasks import add_to_head, by_hand_metric, head_delta, random_task
 from core_models import OWN_CONFIGS, build
 from smol import needs_smol
 
 NAMES = sorted(OWN_CONFIGS)
-
-
-def by_hand_metric(model, task: Task, fwd_hooks=()) -> float:
-    """The task's metric from a whole forward of the clean prompts, with `fwd_hooks`."""
-    with torch.no_grad():
-        logits = model.run_with_hooks(task.clean, fwd_hooks=list(fwd_hooks))
-    return float(task.metric(logits[task.rows, task.positions], torch.arange(task.n_answers)).double().mean())
 
 
 def test_the_graph_of_the_zoo_model():
@@ -80,21 +73,8 @@ def test_exact_edge_patching_is_the_intervention_written_out_by_hand(name):
     g = runner.graph
     last = model.cfg.n_layers - 1
     s, r = g.senders.index("L0H1"), g.receivers.index(f"L{last}H2")  # a head into a later head's query
-    names = lambda n: n.endswith("hook_result")
-    _, clean = model.run_with_cache(task.clean, names_filter=names)
-    _, corrupt = model.run_with_cache(task.corrupted, names_filter=names)
-    delta = _head_value(model, corrupt, 0, 1) - _head_value(model, clean, 0, 1)
-
-    def hook(x, hook):
-        x = x.clone()
-        x[:, :, 2] += delta
-        return x
-
-    model.set_use_split_qkv_input(True)
-    try:
-        want = by_hand_metric(model, task, [(f"blocks.{last}.hook_q_input", hook)])
-    finally:
-        model.set_use_split_qkv_input(False)
+    delta = head_delta(model, task.clean, task.corrupted, 0, 1)
+    want = by_hand_metric(model, task, [(f"blocks.{last}.hook_q_input", add_to_head(2, delta))], split_qkv=True)
     mask = torch.zeros(g.allowed.shape)
     mask[s, r] = 1
     assert runner.patch_edges([(s, r)])[s, r] == pytest.approx(want - runner.clean_metric, abs=1e-4)

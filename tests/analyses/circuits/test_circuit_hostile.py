@@ -31,6 +31,15 @@ def _write(path: Path, rows: list) -> Path:
     return path
 
 
+def _refused_naming_the_line(tmp_path: Path, row: dict, says: str) -> None:
+    """A task file of the one line `row` is refused by read_task_file, before any model, in one line: the file,
+    then `says` (which starts with the line number)."""
+    f = _write(tmp_path / "t.jsonl", [row])
+    with pytest.raises(ValueError) as e:
+        read_task_file(f)
+    assert str(e.value).startswith(f"{f}{says}") and "\n" not in str(e.value), str(e.value)  # the line named
+
+
 def _one_line(capsys) -> str:
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
@@ -95,10 +104,7 @@ def test_the_command_says_the_keys_were_capped_and_lists_only_what_it_wrote(tmp_
      ':1: "wrong_ids": 5 is listed 2 times'),
 ])
 def test_an_answer_listed_twice_is_refused_before_any_model(tmp_path, row, says):
-    f = _write(tmp_path / "t.jsonl", [row])
-    with pytest.raises(ValueError) as e:
-        read_task_file(f)
-    assert str(e.value).startswith(f"{f}{says}") and "\n" not in str(e.value), str(e.value)  # the line named
+    _refused_naming_the_line(tmp_path, row, says)
 
 
 def test_an_answer_listed_twice_in_tensors_is_refused(model):
@@ -127,10 +133,7 @@ def test_the_command_refuses_a_repeated_answer_id_before_loading(tmp_path, capsy
      ":1: answers[0] and answers[2] are both at position 1: give each position once"),
 ])
 def test_two_answers_at_one_position_are_refused_before_any_model(tmp_path, row, says):
-    f = _write(tmp_path / "t.jsonl", [row])
-    with pytest.raises(ValueError) as e:
-        read_task_file(f)
-    assert str(e.value).startswith(f"{f}{says}") and "\n" not in str(e.value), str(e.value)  # the line named
+    _refused_naming_the_line(tmp_path, row, says)
 
 
 def test_two_answers_at_one_position_are_refused_once_text_is_tokenised(model, tmp_path):

@@ -19,15 +19,9 @@ from interp.analyses.circuits.tasks import ioi_task
 from interp.analyses.store import read_table
 from interp.cli import main as cli
 
-from circuit_tasks import random_task
+from circuit_tasks import add_to_head, by_hand_metric, head_delta, random_task
 from core_models import OWN_CONFIGS, build
 from smol import needs_smol
-
-
-def by_hand_metric(model, task, fwd_hooks=()) -> float:
-    with torch.no_grad():
-        logits = model.run_with_hooks(task.clean, fwd_hooks=list(fwd_hooks))
-    return float(task.metric(logits[task.rows, task.positions], torch.arange(task.n_answers)).double().mean())
 
 
 def classed_task(model, n: int = 3, p: int = 7):
@@ -61,23 +55,11 @@ def test_exact_position_patching_is_the_intervention_written_out_by_hand(name):
     g = runner.graph
     last = model.cfg.n_layers - 1
     s, r, c = g.senders.index("L0H1"), g.receivers.index(f"L{last}H2"), pos.index("B")
-    names = lambda n: n.endswith("hook_result")  # noqa: E731
-    _, clean = model.run_with_cache(task.clean, names_filter=names)
-    _, corrupt = model.run_with_cache(task.corrupted, names_filter=names)
-    delta = corrupt["blocks.0.attn.hook_result"][:, :, 1] - clean["blocks.0.attn.hook_result"][:, :, 1]
+    delta = head_delta(model, task.clean, task.corrupted, 0, 1)
     at = torch.zeros(delta.shape[:2], dtype=torch.bool)
     at[:, [4, 5]] = True  # class B's positions only
-
-    def hook(x, hook):
-        x = x.clone()
-        x[:, :, 2] += delta * at[..., None]
-        return x
-
-    model.set_use_split_qkv_input(True)
-    try:
-        want = by_hand_metric(model, task, [(f"blocks.{last}.hook_q_input", hook)])
-    finally:
-        model.set_use_split_qkv_input(False)
+    want = by_hand_metric(model, task, [(f"blocks.{last}.hook_q_input", add_to_head(2, delta * at[..., None]))],
+                          split_qkv=True)
     got = P.patch_edges(runner, pos, [(s, r, c)])[s, r, c]
     assert float(got) == pytest.approx(want - runner.clean_metric, abs=1e-4)
     assert abs(want - runner.clean_metric) > 1e-4  # the patch does something

@@ -17,6 +17,8 @@ from interp.analyses.circuits import Runner
 from interp.analyses.circuits.tasks import file_task, read_task_file, tensor_task
 from interp.cli import main as cli
 
+from circuit_tasks import add_to_head, head_delta, run_hooked
+
 BOS = 256  # attn-only-2l reads bytes: one token per byte, BOS 256, a vocabulary of 257
 
 
@@ -155,22 +157,8 @@ def test_exact_patching_of_one_edge_on_several_positions_is_the_intervention_wri
     g = runner.graph
     s = g.senders.index("L0H2")  # layer-0 head 2 into the key of L1H0
     r = next(i for i, (name, kind) in enumerate(zip(g.receivers, g.inputs)) if name == "L1H0" and kind == "k")
-    names = lambda n: n.endswith("hook_result")  # noqa: E731
-    _, a = model.run_with_cache(clean, names_filter=names)
-    _, b = model.run_with_cache(corrupted, names_filter=names)
-    delta = b["blocks.0.attn.hook_result"][:, :, 2] - a["blocks.0.attn.hook_result"][:, :, 2]
-
-    def hook(x, hook):
-        x = x.clone()
-        x[:, :, 0] += delta
-        return x
-
-    model.set_use_split_qkv_input(True)
-    try:
-        with torch.no_grad():
-            logits = model.run_with_hooks(clean, fwd_hooks=[("blocks.1.hook_k_input", hook)])
-    finally:
-        model.set_use_split_qkv_input(False)
+    delta = head_delta(model, clean, corrupted, 0, 2)
+    logits = run_hooked(model, clean, [("blocks.1.hook_k_input", add_to_head(0, delta))], split_qkv=True)
     p = clean.shape[1]
     want = float(torch.stack([logits[i, q % p, answers[i, j]] for i in range(clean.shape[0])
                               for j, q in enumerate([3, -2, -1])]).double().mean())

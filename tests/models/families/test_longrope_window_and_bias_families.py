@@ -28,7 +28,7 @@ import torch
 
 import interp
 from core_models import hf_pair, left_mask, tokens
-from hf_cases import CASES, VOCAB
+from hf_cases import CASES, VOCAB, build_hf_from
 from near_ties import assert_greedy_agrees
 
 transformers = pytest.importorskip("transformers")
@@ -42,22 +42,10 @@ OURS = ["qwen3-qknorm-window", "phi3-partial-window", "phi3-longrope", "gpt-neo-
         "falcon-7b-style", "falcon-40b-style", "falcon-sequential", "mpt", "xglm"]
 
 
-def build(cfg_cls: str, model_cls: str, seed: int = 0, **kwargs):
-    """A transformers model from a config class and kwargs, biases and norm weights perturbed as
-    `hf_cases.build_hf` perturbs them (so a dropped bias shows)."""
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(vocab_size=VOCAB, **kwargs)).eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("bias") or "norm" in n or "ln" in n:
-                p.add_(torch.randn_like(p) * 0.1)
-    return model
-
-
 def case(name: str, **overrides):
     """A case of hf_cases.py with some of its config kwargs changed."""
     cfg_cls, model_cls, kwargs = CASES[name]
-    return build(cfg_cls, model_cls, **{**kwargs, **overrides})
+    return build_hf_from(cfg_cls, model_cls, **{**kwargs, **overrides})
 
 
 def variant(hf, edit=None, **changes):
@@ -142,7 +130,7 @@ PHI3_LONGROPE = dict(num_hidden_layers=2, hidden_size=48, num_attention_heads=6,
 def test_phi3_longrope_within_and_past_the_original_context(backend):
     """Short factors while the sequence fits original_max_position_embeddings (16), long ones past it,
     as transformers chooses them for a forward over the whole sequence."""
-    hf = build("Phi3Config", "Phi3ForCausalLM", original_max_position_embeddings=16, **PHI3_LONGROPE)
+    hf = build_hf_from("Phi3Config", "Phi3ForCausalLM", original_max_position_embeddings=16, **PHI3_LONGROPE)
     model = interp.from_hf(hf)
     short, long = tokens(2, 12, vocab=VOCAB), tokens(2, 20, seed=1, vocab=VOCAB)
     long[:, :12] = short
@@ -158,7 +146,7 @@ def test_phi3_longrope_generation_crosses_the_original_context():
     first steps rotate with the short factors; at the 9th token the cache is rebuilt from the whole
     sequence with the long ones, in transformers' generate as in ours (so every step equals a full
     forward, which a cache that kept its short-rotated keys would not)."""
-    hf = build("Phi3Config", "Phi3ForCausalLM", original_max_position_embeddings=8, **PHI3_LONGROPE)
+    hf = build_hf_from("Phi3Config", "Phi3ForCausalLM", original_max_position_embeddings=8, **PHI3_LONGROPE)
     model = interp.from_hf(hf)
     prompt = tokens(3, 6, seed=2, vocab=VOCAB)
     with torch.no_grad():

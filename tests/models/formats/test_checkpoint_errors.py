@@ -156,6 +156,11 @@ def _rewrite(path, change):
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
+def _drop_rows(path, name: str, rows: int):
+    """The checkpoint in `path` with the last `rows` rows of its tensor `name` cut off."""
+    _rewrite(path, lambda t: t.update({name: t[name][:-rows].clone()}))
+
+
 def test_truncated_safetensors(hf_dir):
     file = hf_dir / "model.safetensors"
     raw = file.read_bytes()
@@ -172,10 +177,7 @@ def test_missing_tensor(hf_dir):
 
 
 def test_mismatched_shape(hf_dir):
-    def shrink(t):
-        t["model.layers.0.mlp.down_proj.weight"] = t["model.layers.0.mlp.down_proj.weight"][:-1].clone()
-
-    _rewrite(hf_dir, shrink)
+    _drop_rows(hf_dir, "model.layers.0.mlp.down_proj.weight", 1)
     with pytest.raises(CheckpointError, match=r"tensor 'blocks.0.mlp.W_out' .* has shape \(72, 47\), the config implies \(72, 48\)"):
         interp.load(hf_dir)
 
@@ -183,11 +185,7 @@ def test_mismatched_shape(hf_dir):
 def test_mismatched_fused_qkv_names_the_tensor(tmp_path):
     hf, _ = hf_pair("neox")
     hf.save_pretrained(tmp_path)
-
-    def shrink(t):
-        t["gpt_neox.layers.1.attention.query_key_value.weight"] = t["gpt_neox.layers.1.attention.query_key_value.weight"][:-3].clone()
-
-    _rewrite(tmp_path, shrink)
+    _drop_rows(tmp_path, "gpt_neox.layers.1.attention.query_key_value.weight", 3)
     with pytest.raises(CheckpointError, match=r"gpt_neox.layers.1.attention.query_key_value.weight"):
         interp.load(tmp_path)
 

@@ -25,22 +25,12 @@ import interp
 from interp.errors import CheckpointError
 from interp.models.formats import gguf as gguf_format
 
+from hf_cases import VOCAB, build_hf_from
+
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 97
 N = 12
-
-
-def _hf(cfg_cls: str, model_cls: str, seed: int = 0, **kwargs):
-    """A tiny random transformers model; biases and norm weights perturbed so a dropped one shows."""
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(vocab_size=VOCAB, **kwargs)).eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("bias") or "norm" in n or "ln" in n:
-                p.add_(torch.randn_like(p) * 0.1)
-    return model
 
 
 def _write(path: Path, arch: str, keys: dict, tensors: dict[str, np.ndarray], edit=None) -> Path:
@@ -251,7 +241,7 @@ CASES = {
 
 def _case(name: str, tmp_path: Path, seed: int = 0, extra=None, edit=None, **changes):
     writer, cfg_cls, model_cls, kwargs = CASES[name]
-    hf = _hf(cfg_cls, model_cls, seed, **{**kwargs, **changes})
+    hf = build_hf_from(cfg_cls, model_cls, seed, **{**kwargs, **changes})
     return hf, writer(tmp_path / f"tiny-{name}.gguf", hf, extra, edit)
 
 
@@ -419,7 +409,7 @@ def test_a_llama3_file_reads_its_rope_freqs_as_the_scaling(params, tmp_path):
     """Llama 3.1 and later files carry their RoPE scaling only as `rope_freqs.weight`; read as Llama 3's
     scaling, the file gives the logits of the transformers model it was written from, past the original
     length (transformers' own GGUF loading drops the tensor, so it is no oracle here)."""
-    hf = _hf("LlamaConfig", "LlamaForCausalLM", seed=5, **{**LLAMA3, "rope_parameters": params})
+    hf = build_hf_from("LlamaConfig", "LlamaForCausalLM", seed=5, **{**LLAMA3, "rope_parameters": params})
     path = llama_file(tmp_path / "llama3.gguf", hf)
     toks = _tokens(n=96, seed=6)
     with torch.no_grad():
@@ -444,7 +434,7 @@ def test_a_llama3_file_reads_its_rope_freqs_as_the_scaling(params, tmp_path):
 def test_a_scaling_stated_in_llama_metadata_is_read(params, keys, tmp_path):
     """llama.cpp's converters state linear and YaRN scaling in rope.scaling.*: read, the file gives the logits of
     the transformers model it was written from past the original length; a replacement at load is taken."""
-    hf = _hf("LlamaConfig", "LlamaForCausalLM", seed=5, **{**LLAMA3, "rope_parameters": {"rope_theta": 1000.0, **params}})
+    hf = build_hf_from("LlamaConfig", "LlamaForCausalLM", seed=5, **{**LLAMA3, "rope_parameters": {"rope_theta": 1000.0, **params}})
     path = llama_file(tmp_path / "scaled.gguf", hf, extra=keys)
     toks = _tokens(n=96, seed=6)
     with torch.no_grad():
@@ -482,7 +472,7 @@ def test_a_qwen3_file_with_yarn_gives_the_model_it_was_written_from(tmp_path):
      r"rope_scaling.factor must be a finite number from 0.0001 to 10000, got 3\.\d+e\+38"),
 ])
 def test_a_scaling_llama_metadata_cannot_say_is_refused(keys, message, tmp_path):
-    hf = _hf("LlamaConfig", "LlamaForCausalLM", seed=5, **{**LLAMA3, "rope_parameters": {"rope_theta": 1000.0}})
+    hf = build_hf_from("LlamaConfig", "LlamaForCausalLM", seed=5, **{**LLAMA3, "rope_parameters": {"rope_theta": 1000.0}})
     path = llama_file(tmp_path / "odd.gguf", hf, extra=keys)
     with pytest.raises((NotImplementedError, CheckpointError), match=message) as raised:
         interp.load(path)
@@ -495,7 +485,7 @@ def test_a_scaling_llama_metadata_cannot_say_is_refused(keys, message, tmp_path)
     (lambda f: f * 0.5, "divisors below 1"),
 ])
 def test_rope_freqs_that_are_not_llama3s_are_refused(values, message, tmp_path):
-    hf = _hf("LlamaConfig", "LlamaForCausalLM", seed=5, **LLAMA3)
+    hf = build_hf_from("LlamaConfig", "LlamaForCausalLM", seed=5, **LLAMA3)
 
     def edit(tensors):
         return tensors | {"rope_freqs.weight": values(tensors["rope_freqs.weight"])}
@@ -509,7 +499,7 @@ def test_rope_freqs_that_are_not_llama3s_are_refused(values, message, tmp_path):
 def test_a_llama_file_with_experts_is_refused_not_loaded_dense(tmp_path):
     """llama.cpp writes Mixtral as a "llama" file with experts; transformers' GGUF loading drops them (no
     oracle), interp refuses the file."""
-    hf = _hf("LlamaConfig", "LlamaForCausalLM", num_hidden_layers=1, hidden_size=48, num_attention_heads=6,
+    hf = build_hf_from("LlamaConfig", "LlamaForCausalLM", num_hidden_layers=1, hidden_size=48, num_attention_heads=6,
              num_key_value_heads=2, intermediate_size=72, max_position_embeddings=64)
     experts = {"blk.0.ffn_gate_inp.weight": np.ones((4, 48), np.float32),
                "blk.0.ffn_gate_exps.weight": np.ones((4, 72, 48), np.float32)}
