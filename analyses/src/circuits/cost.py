@@ -18,7 +18,8 @@ of one chunk's stream (b x p x d_model values) and one forward's activations (`p
                  the runs are released before it (`study.CircuitStudy.measure`), here and in patterns
     patterns     the report's view of the circuit's heads: a fused forward of a chunk of 16 prompts
                  (`study._movers`) and the rows of one layer's pattern it reads (`attention_rows`: the answer
-                 positions, or the first prompt's shown positions), never a whole p x p pattern
+                 positions, or the first prompt's shown positions, from its layers' q and k kept from one
+                 forward), never a whole p x p pattern
 
 and to each, the two largest working sets before it: glibc keeps what a stage frees (blocks under 32 MB) and
 reuses it only in part, so the resident memory does not fall back between stages (measured against the
@@ -155,7 +156,9 @@ def stage_bytes(cfg, n_prompts: int, positions: int, batch_size: int = 16, *, me
         # weights and their exponent, float32): the answer rows of the chunk, or the first prompt's shown
         # positions (every one up to PATTERN_MAX, then fewer: a few keys per head)
         rows = max(heads_batch * heads_batch, min(positions, PATTERN_MAX))
-        work["patterns"] = heads_batch * positions * per_token_bytes(cfg) + 3 * cfg.n_heads * rows * positions * 4
+        qk = cfg.n_layers * positions * (cfg.n_heads + cfg.kv_heads) * cfg.d_head * 4  # the first prompt's q and k
+        work["patterns"] = (heads_batch * positions * per_token_bytes(cfg) + 3 * cfg.n_heads * rows * positions * 4
+                            + qk)
     out, earlier = {}, []
     for stage, own in work.items():
         # the runs are released before the report's stages (`study.CircuitStudy.measure`)

@@ -438,12 +438,15 @@ def _patterns(model, task, heads: pd.DataFrame, limit: int = 24):
     answer = int(task.positions[task.rows == 0].max())
     n = answer + 1
     tokens = task.clean[:1, :n].to(model.device)
+    qk: dict[int, tuple] = {}  # each layer's q and k of this one prompt (MBs): one forward, any rows after it
+    for_each_layer_qk(model, tokens, lambda l, q, k, v: qk.__setitem__(l, (q, k)), layers={l for l, _ in pairs})
+    rows = lambda at: {l: attention_rows(q, k, at, layer_scoring(model, l))[0] for l, (q, k) in qk.items()}  # noqa: E731
     shown = torch.arange(n)
     if n > PATTERN_MAX:
-        rows = _pattern_rows(model, tokens, pairs, torch.tensor([answer]))  # [1, head, 1, key] per layer
-        top = torch.stack([rows[l][0, h, 0] for l, h in pairs]).cpu().topk(PATTERN_KEYS, dim=-1).indices
+        answer_rows = rows(torch.tensor([answer]))  # [head, 1, key] per layer
+        top = torch.stack([answer_rows[l][h, 0] for l, h in pairs]).cpu().topk(PATTERN_KEYS, dim=-1).indices
         shown = torch.unique(torch.cat([top.flatten(), torch.tensor([0]), torch.arange(n - PATTERN_TAIL, n)]))
-    got = {l: p[0][:, :, shown.to(p.device)] for l, p in _pattern_rows(model, tokens, pairs, shown).items()}
+    got = {l: p[:, :, shown.to(p.device)] for l, p in rows(shown).items()}
     stack = torch.stack([got[l][h] for l, h in pairs])
     try:
         strings = model.to_str_tokens(tokens[0])
