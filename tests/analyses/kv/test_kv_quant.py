@@ -119,8 +119,8 @@ def test_bad_precisions_are_refused():
 
 
 @needs_smol
-def test_int8_greedy_still_knows_paris():
-    model = interp.load("smollm2-135m")
+def test_int8_greedy_still_knows_paris(smollm2):
+    model = smollm2
     prompt = model.to_tokens("The capital of France is")
     out = model.generate(prompt, 1, kv_precision="int8")
     assert model.to_string(out[0, -1:]) == " Paris"

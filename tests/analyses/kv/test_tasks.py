@@ -240,8 +240,8 @@ def test_bad_input_is_one_clear_line_before_any_prompt_is_built(zoo, monkeypatch
 
 # ---- SmolLM2 ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def smol():
-    return interp.load("smollm2-135m")
+def smol(smollm2):
+    return smollm2  # the suite's one SmolLM2 (tests/conftest.py)
 
 
 @needs_smol

