@@ -353,14 +353,14 @@ def test_token_helpers_match_the_bridge():
 
 
 @pytest.mark.slow
-def test_smollm2_generate_matches_transformers_and_the_bridge():
+def test_smollm2_generate_matches_transformers_and_the_bridge(smollm2):
     """The real model's greedy continuations: ours equal transformers' own `generate` on its GGUF
     load token for token (stopping at SmolLM2's EOS, `<|im_end|>`), and the bridge's text for a plain
     and a chat-template prompt, alone and left-padded together (special tokens dropped from the
     text, as TransformerLens decodes). The bridge runs uncached: its cached decoding goes wrong on
     this model ("Paris-------"), and leaves the transformers model it wraps doing the same."""
     hf, hf_tok = smollm2_hf()
-    ours = interp.load("smollm2-135m")
+    ours = smollm2  # the suite's one SmolLM2 (tests/conftest.py)
     prompts = ["The capital of France is", "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"]
     eos = hf_tok.eos_token_id
     assert ours.tokenizer.eos_token_id == eos

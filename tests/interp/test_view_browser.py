@@ -232,13 +232,13 @@ def test_1024_tokens_9_heads_size_and_open_time(tmp_path):
 
 @needs_smol
 @pytest.mark.slow
-def test_smollm2_induction_head_from_the_cache(tmp_path):
+def test_smollm2_induction_head_from_the_cache(tmp_path, smollm2):
     """cache.view on SmolLM2's induction head L18H6 (the atlas's best): hovering a token of the second
     half of repeated random tokens, its strongest weight is on the token after its first occurrence, and
     every weight the page shows is the cache's. The README's screenshot (view_smollm2_L18.png)."""
     from interp.analyses import repeated_random_tokens
 
-    model = interp.load("smollm2-135m")
+    model = smollm2  # the suite's one SmolLM2 (tests/conftest.py)
     half = 24
     ids = repeated_random_tokens(model.cfg.d_vocab, seq_len=half, n_repeats=2, batch_size=1,
                                  bos_token_id=model.tokenizer.bos_token_id)

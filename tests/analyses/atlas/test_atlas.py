@@ -26,8 +26,8 @@ def test_default_text_is_the_language_reference():
 
 
 @needs_smol
-def test_text_windows_on_smollm2():
-    model = interp.load("smollm2-135m")
+def test_text_windows_on_smollm2(smollm2):
+    model = smollm2  # the suite's one SmolLM2 (tests/conftest.py)
     spec = DataSpec(kind="text", n_seqs=3, seq_len=64, seed=2)
     a, b = build_tokens(spec, model), build_tokens(spec, model)
     assert a.shape == (3, 64) and torch.equal(a, b)
@@ -107,12 +107,12 @@ def test_pruning_study_splits_the_data_and_orders_both_ways():
 # ---- the atlas on SmolLM2: the report's numbers against patterns materialised here ---------------------
 @needs_smol
 @pytest.mark.slow
-def test_analyze_smollm2_scores_equal_materialised_patterns(tmp_path):
+def test_analyze_smollm2_scores_equal_materialised_patterns(tmp_path, smollm2):
     out = smollm2_atlas(tmp_path / "atlas", seq_len=96, analyses="previous_token,induction,sinks,composition")
     settings = json.loads((out / "settings.json").read_text())
     assert settings["data"]["kind"] == "text"  # real text by default for a real model
     table = pd.read_parquet(out / "results.parquet")
-    model = interp.load("smollm2-135m")
+    model = smollm2  # the suite's one SmolLM2 (tests/conftest.py)
     toks = build_tokens(DataSpec.from_dict(settings["data"]), model)
     _, cache = model.run_with_cache(toks, names_filter=lambda n: n.endswith("hook_pattern"))
     get = lambda metric, l, h: float(table[(table.metric == metric) & (table.layer == l) & (table["head"] == h)].value.iloc[0])  # noqa: E731

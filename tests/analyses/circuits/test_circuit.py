@@ -284,13 +284,13 @@ def test_a_run_with_many_edges_patched_is_the_same_stacked_or_from_the_buffer(na
 # ---- on a real model ------------------------------------------------------------------------------------
 @pytest.mark.slow
 @needs_smol
-def test_smollm2_ioi_and_greater_than():
+def test_smollm2_ioi_and_greater_than(smollm2):
     """SmolLM2 does IOI (the indirect object beats the subject) and greater-than (later years beat earlier
     ones, and the corrupted ..01 start removes most of it); EAP-IG's node ranking follows exact patching."""
     from interp.analyses._common import spearman
     from interp.analyses.circuits.tasks import greater_than_task, ioi_task
 
-    model = interp.load("smollm2-135m")
+    model = smollm2  # the suite's one SmolLM2 (tests/conftest.py)
     ioi = ioi_task(model, 8)
     assert (ioi.clean != ioi.corrupted).any(1).all() and ioi.clean.shape == ioi.corrupted.shape
     runner = Runner(model, ioi)

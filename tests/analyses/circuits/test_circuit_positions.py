@@ -224,8 +224,8 @@ def test_the_command_writes_the_position_curve_beside_the_plain_one(tmp_path):
 
 @pytest.mark.slow
 @needs_smol
-def test_smollm2_ioi_classes_decode_to_the_names():
-    model = interp.load("smollm2-135m")
+def test_smollm2_ioi_classes_decode_to_the_names(smollm2):
+    model = smollm2  # the suite's one SmolLM2 (tests/conftest.py)
     task = ioi_task(model, 8)
     pos = P.task_classes(task)
     for i in range(8):

@@ -315,14 +315,14 @@ KVPRESS = Path(__file__).parents[2] / "data" / "kvpress" / "smollm2_passkey_1024
 @pytest.mark.slow
 @needs_smol
 @pytest.mark.skipif(not KVPRESS.exists(), reason="the kvpress fixture (tests/data/kvpress/make_fixture.py makes it)")
-def test_knorm_and_tova_keep_what_kvpress_keeps_on_smollm2():
+def test_knorm_and_tova_keep_what_kvpress_keeps_on_smollm2(smollm2):
     """NVIDIA's kvpress 0.5.5 (KnormPress, TOVAPress) on SmolLM2-135M loaded by transformers from the same GGUF,
     on two of our 1,024-token passkey prompts at 132 tokens per head, recorded which prompt positions each
     (layer, KV head) kept (tests/data/kvpress/make_fixture.py). Our knorm(132) and tova(132) after the same
     prefill keep the same positions, but where kvpress's own score sits within 1e-4 of its cut (`near_boundary`:
     two implementations round there differently), where only the count must agree."""
     data = json.loads(KVPRESS.read_text())
-    model = interp.load("smollm2-135m")
+    model = smollm2  # the suite's one SmolLM2 (tests/conftest.py)
     compared = 0
     for prompt in data["prompts"]:
         toks = torch.tensor([prompt["tokens"]])

