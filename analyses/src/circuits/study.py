@@ -16,7 +16,7 @@ head's score from the answer position, `qk.qk_attribution`) and a report section
 from __future__ import annotations
 
 import html
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +33,7 @@ from .._common import spearman
 from .graph import IG_ON, METHODS, SELECTIONS, Graph, Task, areas, curve_fractions, select
 from .positions import check_mode as check_positions, measure as measure_positions, positions_for
 from .positions import record as position_record, section as position_section
-from .qk import check_model, parse_heads
+from .qk import check_model, parse_head, parse_heads
 from .cost import PATTERN_MAX, duration, estimate, machine_flops
 from .runner import IG_POINTS, Runner, faithfulness_curve, steps_refused
 from .passkey import passkey_task
@@ -65,7 +65,7 @@ class CircuitSettings(StudySettings):
              of MIB's sizes whose faithfulness reaches `GOOD` (0.8), else 5%
     oracle   "none", "nodes" (exact node patching: one run per node), "edges" (exact edge patching), to
              report how the fast scores agree (Spearman of |score| ranks)
-    qk       None, or heads ("1.0,L1H2"): decompose each one's scores from the answer position into sender
+    qk       None, or heads ("1.0,L1H2", or ((1, 0), (1, 2)), the form `check` returns): decompose each one's scores from the answer position into sender
              pairs (`qk.qk_attribution`), at the `qk_keys` keys it attends to most
     positions "none", or edges resolved by position (`positions`): "each" (a class per position), "classes"
              (the task's named positions: IOI's S1, S2, IO, END, other) or some class names ("S2,END"); scored
@@ -88,11 +88,18 @@ class CircuitSettings(StudySettings):
     select: str = "top"
     size: float | None = None
     oracle: str = "none"
-    qk: str | None = None
+    qk: str | tuple[tuple[int, int], ...] | None = None
     qk_keys: int = 3
     positions: str = "none"
     length: int | None = None
     rope_scaling: str | dict | None = None
+
+
+def _heads(qk, cfg) -> list[tuple[int, int]]:
+    """The --qk heads: as `check` returned them, or parsed here for a caller of `run` who skipped `check`."""
+    if qk is None:
+        return []
+    return parse_heads(qk, cfg) if isinstance(qk, str) else [parse_head(h, cfg) for h in qk]
 
 
 def chosen_size(curve: pd.DataFrame) -> float:
@@ -243,8 +250,8 @@ class CircuitStudy(Study):
                                  ("--prompts", s.prompts if s.prompts is not None else 1, 1)):
             if value < low:
                 raise ValueError(f"{name} must be at least {low}, got {value}")
-        if s.qk is not None:
-            parse_heads(s.qk, cfg)
+        if isinstance(s.qk, str):  # parsed here, once: `measure` reads the heads `check` returns
+            s = replace(s, qk=tuple(parse_heads(s.qk, cfg)))
         if s.qk_keys < 1:
             raise ValueError(f"--qk-keys must be at least 1, got {s.qk_keys}")
         check_positions(s.task, s.positions)
@@ -257,7 +264,7 @@ class CircuitStudy(Study):
 
     def measure(self, model, s: CircuitSettings, stage):
         with as_user_errors(ValueError, NotImplementedError):
-            heads = parse_heads(s.qk, model.cfg) if s.qk is not None else []
+            heads = _heads(s.qk, model.cfg)
             if heads:
                 check_model(model)
             task = stage("task", lambda: _task(model, s))

@@ -182,10 +182,14 @@ def test_a_wrapped_model_is_refused_saying_what_it_lacks():
     assert "wrapped" in str(e.value) and "hook_result" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_the_command_writes_its_qk_table_and_sections(tmp_path):
+def test_the_command_writes_its_qk_table_and_sections(tmp_path, monkeypatch):
+    import interp.analyses.circuits.study as circuit_study
+    parsed = []  # the head string is parsed once, in `check`; `measure` reads the heads it returned
+    monkeypatch.setattr(circuit_study, "parse_heads", lambda *a: parsed.append(a) or parse_heads(*a))
     out = tmp_path / "ind"
     assert cli(["circuit", "attn-only-2l", "--task", "induction", "--prompts", "2", "--method", "eap",
                 "--qk", "1.0,L1H3", "--qk-keys", "2", "--no-progress", "--out", str(out)]) == 0
+    assert [a[0] for a in parsed] == ["1.0,L1H3"]
     qk = read_table(out, "qk")
     assert {"head", "query_sender", "key_sender", "mean_term", "mean_abs_term", "mean_contrast", "mean_delta",
             "mean_weight_change"} <= set(qk.columns)
