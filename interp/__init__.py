@@ -28,6 +28,9 @@ _LAZY = {
     "load": "interp.loading",
     "save_model": "interp.loading",
     "from_transformer_lens": "interp.interop",  # imports transformer_lens only when called
+    "SAE": "interp.models.saes",  # sparse autoencoders: read, spliced into any model (model.add_sae, run_with_saes)
+    "load_sae": "interp.models.saes",
+    "HookedSAETransformer": "interp.saes",  # SAELens's way in (from_pretrained); every interp model has its methods
 }
 
 __all__ = sorted(_LAZY)

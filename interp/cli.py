@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "extrapolate": "interp.commands.extrapolate",
     "circuit": "interp.commands.circuit",
     "sinks": "interp.commands.sinks",
+    "features": "interp.commands.features",
     "report": "interp.commands.report",
     "kv": "interp.commands.kv",
     "bench": "interp.commands.bench",

@@ -36,6 +36,7 @@ from interp.kernels.attention import BackendChoice
 from .readouts.activation_cache import ActivationCache, to_tl_cache
 from .families import FAMILIES
 from .hooks import HookedRootModule, HookPoint, NamesFilter, caching_hook
+from .saes.splice import SAEMixin
 from .rope.choice import rope_spec
 from .runtime import Runtime
 from .readouts.head_statistics import kv_cache_attention_stats, model_attention_stats
@@ -97,7 +98,7 @@ class TokenBatch:
         return self.attention_mask.to(device=self.tokens.device, dtype=torch.bool)
 
 
-class HookedModel(TextMixin, HookedRootModule):
+class HookedModel(TextMixin, SAEMixin, HookedRootModule):
     """The model interface every interp model has (see the module docstring). Subclasses set `native`,
     `_core` (the submodule whose presence says the model is built) and `cfg`, and give `forward`, `device`,
     `dtype` and `generate`."""
@@ -204,8 +205,12 @@ class HookedModel(TextMixin, HookedRootModule):
         return self.process_weights_(center_unembed=self.cfg.output_logits_soft_cap is None)
 
     def set_use_attn_result(self, use_attn_result: bool) -> None:
-        """Accepted for TransformerLens code: `attn.hook_result` [batch, pos, head, d_model] always exists
-        here and is computed only while something hooks or caches it."""
+        """TransformerLens's switch: `attn.hook_result` [batch, pos, head, d_model] always exists here and is
+        computed while something hooks or caches it; with this on, every native layer computes it and calls it on
+        every forward (so PyTorch module hooks and nnsight, which interp cannot see, read it: docs/interop.md)."""
+        for module in self.modules():
+            if hasattr(module, "use_attn_result"):
+                module.use_attn_result = bool(use_attn_result)
 
     # ---- attention backend --------------------------------------------------------------------
     @property

@@ -1,9 +1,9 @@
 """One command per study (`interp kv precision|passkey|select`, `interp lengths`, `interp circuit`, `interp
-extrapolate`, beside `interp analyze` and `interp sweep`): every `Study` subclass under `interp.analyses`, found
-by importing each of its modules, has a command here and writes its declared tables with their columns, its
-settings.json with the same keys as every study, and its report (so a new study cannot skip the contract); a
-default length fitted to the model in one note (an explicit one past n_ctx still refused), the old spellings
-with one deprecation note, at most 12 options of its own per `interp kv` subcommand, a study that completes
+extrapolate`, `interp features`, beside `interp analyze` and `interp sweep`): every `Study` subclass under
+`interp.analyses`, found by importing each of its modules, has a command here and writes its declared tables with
+their columns, its settings.json with the same keys as every study, and its report (so a new study cannot skip the
+contract); a default length fitted to the model in one note (an explicit one past n_ctx still refused), the old
+spellings with one deprecation note, at most 12 options of its own per `interp kv` subcommand, a study that completes
 without pyarrow, and one study's folder refused to another without --force."""
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from interp.analyses.study import SHARED_KEYS, Study
 from interp.cli import build_parser
 from interp.cli import main as cli
 
+
+
 PASSKEY = ["--lengths", "248", "--depths", "0.5", "--prompts", "1", "--seq-len", "200", "--no-progress"]
 COMMANDS = {
     "precision": ["kv", "precision", "attn-only-2l", "--seq-len", "96", "--sensitivity-tokens", "64", "--seeds", "1",
@@ -38,6 +40,8 @@ COMMANDS = {
     "sinks": ["sinks", "rope-gqa-4l", "--n-seqs", "2", "--seq-len", "32", "--interventions", "massive_dims,early_mlp",
               "--mlp-layers", "0", "--no-progress"],
     "onset": ["sinks", "rope-gqa-4l", "--over-checkpoints", "--n-seqs", "1", "--seq-len", "32", "--no-progress"],
+    "features": ["features", "attn-only-2l", "--sae", "attn-only-2l/blocks.1.attn.hook_z", "--n-seqs", "2", "--seq-len", "32", "--top-k", "2",
+                 "--features", "3", "--no-progress"],
     "sweep": ["analyze", "attn-only-2l", "--analyses", "sinks", "--n-seqs", "2", "--seq-len", "32", "--no-progress",
               "--no-report"],
 }
@@ -46,7 +50,7 @@ COMMANDS = {
 # the study each command writes (its settings.json "study")
 STUDY = {"precision": "kv-precision", "passkey": "kv-policies", "select": "kv-roles", "lengths": "lengths",
          "circuit": "circuit", "extrapolate": "extrapolate", "sinks": "sinks", "onset": "sink-onset",
-         "sweep": "sweep"}
+         "features": "features", "sweep": "sweep"}
 
 
 def every_study() -> list[type[Study]]:

@@ -51,6 +51,13 @@ class HookPoint(nn.Module):
         self._fwd: list[HookFn] = []
         self._bwd: list[HookFn] = []
         self.ctx: dict = {}  # scratch space hooks may share across calls (TransformerLens's hook.ctx)
+        # A sparse autoencoder spliced here (`model.add_sae`, models/src/saes/splice.py), run after the hooks. Kept
+        # out of the module tree, so the model's state_dict, .to() and parameters stay the model's.
+        self.__dict__["sae"] = None
+
+    def set_sae(self, sae: "nn.Module | None") -> None:
+        """Splice `sae` here (None: take it out); `model.add_sae` is the way in (it indexes the SAE's hooks)."""
+        self.__dict__["sae"] = sae
 
     def layer(self) -> int:
         """The block this hook point is in (`blocks.3.attn.hook_pattern` -> 3), as TransformerLens's."""
@@ -64,8 +71,9 @@ class HookPoint(nn.Module):
 
     @property
     def active(self) -> bool:
-        """True when any hook is attached (used to switch attention to the instrumented path)."""
-        return bool(self._fwd or self._bwd)
+        """True when any hook is attached or an SAE is spliced here (the model then calls this hook point; a
+        hook on the scores or pattern also switches its layer's attention to the instrumented path)."""
+        return bool(self._fwd or self._bwd) or self.sae is not None
 
     def add_hook(self, fn: HookFn, dir: Direction = "fwd", prepend: bool = False, is_permanent: bool = False) -> HookHandle:
         """Attach `fn(tensor, hook)`; `is_permanent` hooks survive `reset_hooks()` (as in
@@ -101,6 +109,8 @@ class HookPoint(nn.Module):
                 x = x.detach().requires_grad_(True)
             for entry in list(self._bwd):
                 x.register_hook(_BackwardCall(entry.fn, self))
+        if self.sae is not None:
+            x = self.sae(x)
         return x
 
     def extra_repr(self) -> str:

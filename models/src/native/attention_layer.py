@@ -86,6 +86,10 @@ class Attention(nn.Module):
     # TransformerLens 3's ungroup_grouped_query_attention (the model's `set_ungroup_grouped_query_attention`):
     # keys and values, and their split inputs, per query head instead of per KV head.
     ungroup: bool = False
+    # Whether hook_result is computed (and called as a module) on every call, not only while an interp hook is
+    # on it: TransformerLens's `use_attn_result`, for readers that do not add interp hooks (PyTorch module hooks,
+    # nnsight). It costs [batch, pos, head, d_model] per call, so it is off by default.
+    use_attn_result: bool = False
 
     @property
     def kv_inputs(self) -> int:
@@ -225,14 +229,16 @@ class Attention(nn.Module):
             k, v = self._as_expanded(k, v)
         backend = self.backend_now(q.device, mask.n_sink)  # asked once per call
         scoring, own = scoring_of(self, live=True), self.cfg.window(self.layer)  # live: its gradient reaches the sinks
-        hooks = {}
-        if backend.gives_pattern:
-            hooks = dict(scores_hook=self.hook_attn_scores if self.hook_attn_scores.active else None,
-                         pattern_hook=self.hook_pattern if self.hook_pattern.active else None)
+        # The instrumented path calls its hook points as modules, hooked or not, so PyTorch module hooks and
+        # nnsight (which wraps each module's forward) see scores and pattern whenever the path runs (forced, or
+        # chosen because an interp hook is on them); the fused path builds neither and calls neither.
+        hooks = dict(scores_hook=self.hook_attn_scores, pattern_hook=self.hook_pattern) if backend.gives_pattern else {}
 
         def run(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask, scoring: Scoring) -> Tensor:
-            # the StreamingLLM sink keys stay inside the layer's own window (`sink_limit`), however narrowed
-            return backend(q, k, v, mask, scoring, sink_limit=own if mask.n_sink else None, **hooks)
+            # the StreamingLLM sink keys stay inside the layer's own window (`sink_limit`), however narrowed; a
+            # cache's call over one group of heads (heads holding different tokens) has no whole pattern to show
+            whole = hooks if q.shape[1] == h else {}
+            return backend(q, k, v, mask, scoring, sink_limit=own if mask.n_sink else None, **whole)
 
         if kv_cache is None:
             z = run(q, k, v, mask, scoring)
@@ -240,12 +246,12 @@ class Attention(nn.Module):
             if k.shape[1] != kv:
                 k, v = self._regrouped(k, v)
             z = kv_cache.attend(self.layer, q, k, v, mask, run, scoring=scoring, own_window=own,
-                                hooked=any(h is not None for h in hooks.values()))
+                                hooked=self.hook_attn_scores.active or self.hook_pattern.active)
         z = z.transpose(1, 2)  # [batch, pos, head, d_head]
         if self.W_gate_attn is not None:
             z = z * self.hook_attn_gate(self._gate(x, per_head, h, dh))
         z = self.hook_z(z)
-        if self.hook_result.active:
+        if self.hook_result.active or self.use_attn_result:
             result = self.hook_result(torch.einsum("bphd,hdm->bphm", z, self.W_O))
             out, b_O = result.sum(2), stored(self, "b_O")
             return out if b_O is None else out + b_O

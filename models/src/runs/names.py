@@ -11,13 +11,10 @@ import re
 from pathlib import Path
 
 from .. import zoo
-from interp.errors import CheckpointError, UserError
+from interp.errors import CheckpointError
+from ..hub import ModelNotFound, hub_download
 from ..zoo.run_types import Checkpoint, Run, parse_step
 from .discover import discover
-
-class ModelNotFound(UserError, FileNotFoundError):
-    """A name that resolves to no model: the message says what was tried and how to fix it."""
-
 
 # Real pretrained models by short name: name -> (the package that ships the file, where the file is in
 # it, how to install it). Where: a file name inside the package, or "f()" for a function of the package
@@ -78,29 +75,8 @@ def _looks_like_repo_id(text: str) -> bool:
 def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
     """The local snapshot folder of `repo_id` at `revision`, from huggingface_hub's cache (downloaded
     as huggingface_hub does when online; with HF_HUB_OFFLINE=1 only what is cached)."""
-    try:
-        import huggingface_hub
-        from huggingface_hub import errors as hub_errors
-    except ImportError as e:
-        raise ImportError(f"loading the repo {repo_id!r} needs huggingface_hub: pip install huggingface_hub") from e
+    folder = hub_download(repo_id, revision, ["*.json", "*.safetensors", "*.bin", "*.model", "*.txt", "*.gguf"])
     rev = revision or "main"
-    fetch = f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
-    patterns = ["*.json", "*.safetensors", "*.bin", "*.model", "*.txt", "*.gguf"]
-    try:
-        folder = Path(huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
-    except hub_errors.RevisionNotFoundError:
-        raise ModelNotFound(f"{repo_id} has no revision {rev!r}; list its branches and tags on the Hub "
-                            f"(Pythia names its checkpoints step0 ... step143000)") from None
-    except hub_errors.RepositoryNotFoundError:
-        raise ModelNotFound(f"no Hugging Face repo {repo_id!r} (or it is private: log in with `hf auth login`)") from None
-    except (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled, OSError) as e:
-        cached = _cached_revisions(repo_id)
-        have = f"; cached revisions: {', '.join(cached)}" if cached else "; nothing of it is cached"
-        raise ModelNotFound(
-            f"{repo_id} at revision {rev!r} is not in the Hugging Face cache ({huggingface_hub.constants.HF_HUB_CACHE}) "
-            f"and cannot be downloaded ({'HF_HUB_OFFLINE is set' if huggingface_hub.constants.HF_HUB_OFFLINE else type(e).__name__}){have}. "
-            f"Fetch it where there is a network: {fetch}"
-        ) from None
     if not (folder / "config.json").is_file() and not list(folder.glob("*.gguf")):
         raise CheckpointError(f"{repo_id} at revision {rev!r} ({folder}) has no config.json: it is not a model repo "
                               "interp can load (a checkpoint needs config.json and weights)")
@@ -153,18 +129,6 @@ def revisions_run(repo_id: str, revisions: list[str]):
                             f"({', '.join(r for r, _ in missing[:8])}{' ...' if len(missing) > 8 else ''}): {first}")
     checkpoints.sort(key=lambda c: (c.step is None, c.step or 0, c.name))
     return Run(repo_id, repo_id, tuple(checkpoints))
-
-
-def _cached_revisions(repo_id: str) -> list[str]:
-    try:
-        from huggingface_hub import scan_cache_dir
-
-        for repo in scan_cache_dir().repos:
-            if repo.repo_id == repo_id:
-                return sorted({ref for rev in repo.revisions for ref in rev.refs} | {r.commit_hash[:8] for r in repo.revisions})
-    except Exception:  # noqa: BLE001 - only for the hint in an error message
-        pass
-    return []
 
 
 def known_names() -> list[str]:

@@ -11,6 +11,8 @@ interface (Phi, Cohere, Granite, StarCoder2, GLM, Nemotron, ...) without a famil
                   [q, k] pattern.
     instrumented  explicit scores -> hook_attn_scores -> softmax -> hook_pattern -> z, for the layers whose
                   scores or pattern are hooked or cached (or all, under `model.attention("instrumented")`).
+                  It calls every hook point of the layer as a module, hooked or not (PyTorch module hooks
+                  and nnsight read them: docs/interop.md); the fused path calls only the hooked ones.
 
 On top sit TransformerLens's hook names, fired from the model's own modules:
 

@@ -51,9 +51,9 @@ def _attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, att
                        sinks=s_aux, is_causal=is_causal, **kwargs), None
 
 
-def _heads_last(x: Tensor, hook: HookPoint) -> Tensor:
-    """Run hook on [batch, pos, head, d] for an [batch, head, pos, d] tensor (only when hooked)."""
-    return hook(x.transpose(1, 2)).transpose(1, 2) if hook.active else x
+def _heads_last(x: Tensor, hook: HookPoint, shown: bool = False) -> Tensor:
+    """Run hook on [batch, pos, head, d] for an [batch, head, pos, d] tensor (only when hooked, or `shown`)."""
+    return hook(x.transpose(1, 2)).transpose(1, 2) if shown or hook.active else x
 
 
 def _repeat_kv(x: Tensor, heads: int) -> Tensor:
@@ -164,16 +164,20 @@ class WrappedAttention(nn.Module):
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
         # the call's scoring as transformers passed it (the window and any bias are in its mask)
         scoring = Scoring(scale=scaling, softcap=softcap, sink_logits=sinks, causal=causal)
-        q = _heads_last(q, self.hook_q)
-        k = _heads_last(k, self.hook_k)
-        v = _heads_last(v, self.hook_v)
+        # The instrumented path calls every hook point of the layer as a module, hooked or not, so PyTorch module
+        # hooks and nnsight (which wraps each module's forward) see them whenever it runs; the fused path calls
+        # only the hooked ones.
+        shown = self.instrumented_now()
+        q = _heads_last(q, self.hook_q, shown)
+        k = _heads_last(k, self.hook_k, shown)
+        v = _heads_last(v, self.hook_v, shown)
         # transformers passes the module's dropout in training mode, 0.0 otherwise; every path applies it
         dropout = float(dropout or 0.0) if module.training else 0.0
-        if self.instrumented_now() or dropout and (softcap is not None or sinks is not None):
+        if shown or dropout and (softcap is not None or sinks is not None):
             # one block: the dropout mask is drawn over the whole pattern, as transformers' eager draws it
             z = _explicit(q, k, v, mask, scoring, dropout=dropout,
-                          scores_hook=self.hook_attn_scores if self.hook_attn_scores.active else None,
-                          pattern_hook=self.hook_pattern if self.hook_pattern.active else None)
+                          scores_hook=self.hook_attn_scores if shown else None,
+                          pattern_hook=self.hook_pattern if shown else None)
         elif softcap is None and sinks is None:
             from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -194,4 +198,4 @@ class WrappedAttention(nn.Module):
                 parts.append(_explicit(q[:, :, s:e], k, v, m, blocked))
             z = torch.cat(parts, dim=2)
         z = z.transpose(1, 2)  # [batch, q, head, d]
-        return self.hook_z(z) if self.hook_z.active else z
+        return self.hook_z(z) if shown or self.hook_z.active else z

@@ -8,17 +8,12 @@ so that huggingface_hub and transformers read that environment as they start.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 from core_models import tiny_gguf
+from hub_cache import hub_repo, run_offline
 from smol import SMOL, needs_smol
 from near_ties import argmax_loop, assert_greedy_agrees
 
@@ -38,29 +33,17 @@ def hub_cache(tmp_path_factory) -> Path:
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     cache = tmp_path_factory.mktemp("hub")
-    repo = cache / ("models--" + REPO.replace("/", "--"))
-    (repo / "refs").mkdir(parents=True)
     for i, (rev, commit) in enumerate(REVISIONS.items()):
         torch.manual_seed(i)
         cfg = GPTNeoXConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                             intermediate_size=64, max_position_embeddings=64, rotary_pct=0.5)
-        GPTNeoXForCausalLM(cfg).save_pretrained(repo / "snapshots" / commit)
-        (repo / "refs" / rev).write_text(commit)
-    (repo / "refs" / "main").write_text(REVISIONS["step2000"])
+        refs = (rev, "main") if rev == "step2000" else (rev,)
+        GPTNeoXForCausalLM(cfg).save_pretrained(hub_repo(cache, REPO, commit, refs))
     return cache
 
 
-def _offline(cache: Path, script: str) -> dict:
-    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HF_HOME": str(cache.parent / "hf_home")}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=tempfile.gettempdir())
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def test_hub_revisions_load_offline_and_equal_transformers(hub_cache):
-    out = _offline(hub_cache, f"""
+    out = run_offline(hub_cache, f"""
         import json, torch, interp
         from transformers import AutoModelForCausalLM
         from interp.loading import ModelNotFound
@@ -91,7 +74,7 @@ def test_hub_revisions_load_offline_and_equal_transformers(hub_cache):
 def test_sweep_over_hub_revisions(hub_cache, tmp_path):
     """`interp sweep REPO --revisions ...` sweeps revisions like zoo checkpoints, keyed by revision and step."""
     out_dir = tmp_path / "sweep"
-    res = _offline(hub_cache, f"""
+    res = run_offline(hub_cache, f"""
         import json
         from interp.cli import main
         code = main(["sweep", "{REPO}", "--revisions", "step1000:2000:1000", "--analyses", "induction,previous_token",
