@@ -367,7 +367,7 @@ def test_the_drawing_needs_no_torch_and_every_template_ships_and_fills():
     root = Path(drawing.__file__).parent
     globs = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["interp.drawing"]
     files = [f.name for f in root.iterdir() if f.is_file() and f.suffix != ".py"]
-    assert sorted(files) == ["common.css", "common.js", "pattern.html", "stats.html"]
+    assert sorted(files) == ["common.css", "common.js", "features.html", "pattern.html", "stats.html"]
     assert all(any(fnmatch.fnmatch(f, g) for g in globs) for f in files)
     page = drawing.pattern_page(dict(tokens=["a"], heads=["h"], n=1, tri=True, codes=drawing.b64(drawing.codes_u8([[1.0]])),
                                      lo=0, hi=1, colour="red", mask=False, show_tokens=True, selected=0), "t", ["w"])

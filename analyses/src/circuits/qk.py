@@ -26,10 +26,17 @@ term (corrupted run - clean run, every key) passed through the softmax's (and a 
 at the clean run, a_j (c'_j d_ab(j) - sum_k a_k c'_k d_ab(k)); summed over the pairs it is the
 first-order estimate of the weight's change, reported beside the true change.
 
+With a residual-stream SAE at the stream the layer reads (`sae=`, `blocks.{layer}.hook_resid_pre` or
+`blocks.{layer-1}.hook_resid_post`) the senders are that stream as the SAE writes it (`qk_features`): on each
+side the features shown, `F{index}` (its activation times its row of W_dec), the rest of them summed
+(`other_features`), `b_dec`, `error` (the stream less the reconstruction) and `bias` (the constants alone);
+the same maps, contrast and changes, and the terms add up to the score just as exactly.
+
     from interp.analyses.circuits.qk import qk_attribution
     qk = qk_attribution(model, tokens, layer=1, head=0, query_pos=-1)
     qk.frame            # prompt, query_pos, key_pos, query_sender, key_sender, term, contrast_term
     qk.max_error        # max |sum of terms - the model's score| over the keys decomposed
+    qk_attribution(model, tokens, 1, 0, -1, sae=interp.load_sae(path))    # senders F12, ..., b_dec, error, bias
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from interp.models.placement.device import to_numpy
 
 from .graph import Graph
 from .passes import _Pass
+from .qk_features import Features, Stream, active_rows, check_sae, choose, sender_names, sender_values, split_stream
 
 BIAS, ALIBI = "bias", "alibi"
 
@@ -136,7 +144,9 @@ class QKAttribution:
     """The decomposition of one head's scores.
 
     query_senders / key_senders  the names of the rows / columns of `terms`: the senders below the layer,
-                      then `bias`; `alibi` (its own term, [N, K]) when the model has ALiBi
+                      then `bias`; `alibi` (its own term, [N, K]) when the model has ALiBi. With an SAE
+                      (`sae_hook` its hook): each side's features shown, `F{index}` (index: the feature's row
+                      of W_dec), then `other_features`, `b_dec`, `error`, `bias` (`qk_features`)
     prompts, query_pos [N]; key_pos [N, K]: where each (prompt, key) sits
     key_on            [N, K] bool: which of the K slots hold a key. With keys chosen by the pattern, a query
                       that sees fewer than `top_keys` keys is split at every key it sees, each once (K is the
@@ -177,6 +187,7 @@ class QKAttribution:
     weight_true: Tensor | None = None
     delta_max_error: float | None = None
     key_on: Tensor | None = None  # None: every slot holds a key
+    sae_hook: str | None = None  # with an SAE's features as the senders: the SAE's hook (its cfg.hook_name)
 
     @property
     def name(self) -> str:
@@ -283,10 +294,11 @@ def _chain_end(attn) -> tuple[str, str]:
     return "hook_q", "hook_k"
 
 
-def _capture(model, tokens: Tensor, layer: int, head: int, kv: int, given=None) -> dict:
-    """One forward up to `layer`: the senders' values below it (`passes._Pass`'s, S of [b, p, d]), the stream
-    entering it, the norms' scales, the rotation, the head's scores, pattern and final q / k. `given`: (values,
-    stream entering `layer`) from a run already made (a `Runner`'s cache): then only block `layer` runs."""
+def _capture(model, tokens: Tensor, layer: int, head: int, kv: int, given=None, senders: bool = True) -> dict:
+    """One forward up to `layer`: the senders' values below it (`passes._Pass`'s, S of [b, p, d]; not with
+    `senders` False: an SAE's features are the senders then), the stream entering it, the norms' scales, the
+    rotation, the head's scores, pattern and final q / k. `given`: (values, stream entering `layer`) from a run
+    already made (a `Runner`'s cache): then only block `layer` runs."""
     g = Graph(model.cfg)
     block, attn = model.blocks[layer], model.blocks[layer].attn
     pre = f"blocks.{layer}"
@@ -310,7 +322,7 @@ def _capture(model, tokens: Tensor, layer: int, head: int, kv: int, given=None) 
     hooks += [(f"{pre}.attn.{qn}", keep("q", pick=lambda x: x[:, :, head])),
               (f"{pre}.attn.{kn}", keep("k", pick=lambda x: x[:, :, kv]))]
     p = None
-    if given is None:
+    if given is None and senders:
         p = _Pass(model, g)
         receivers = ("hook_q_input", "hook_k_input", "hook_v_input", "hook_mlp_in")  # graph mode's; not needed here
         hooks = [(n, f) for n, f in p.hooks() if not n.endswith(receivers)] + hooks
@@ -327,8 +339,9 @@ def _capture(model, tokens: Tensor, layer: int, head: int, kv: int, given=None) 
                 model(given[1], start_at_layer=layer, stop_at_layer=layer + 1)
     finally:
         handle.remove()
-    below = sum(1 for l in g.sender_layer if l < layer)
-    got["values"] = p.values[:below] if given is None else given[0][:below]
+    if senders:
+        below = sum(1 for l in g.sender_layer if l < layer)
+        got["values"] = p.values[:below] if given is None else given[0][:below]
     return got
 
 
@@ -375,31 +388,39 @@ def _side(model, layer: int, head: int, kv: int, y: Tensor, const: Tensor, got: 
     return out
 
 
+def _projected(values, resid: Tensor, W: Tensor, pick) -> Tensor:
+    """The senders' `values` (stacked [S, b, P, d], a Runner's cache, or a list of [b, P, d]) and the stream's
+    remainder (`resid` [b, P, d] less their sum: what they leave out, biases) at the places `pick` chooses (a
+    function of a [b, P, ...] tensor giving [*B, ...]), projected by W: [S + 2, *B, d_head], the last row zeros."""
+    rem = pick(resid).clone()
+    if isinstance(values, Tensor):  # stacked: one product
+        y = pick(values.movedim(0, 2)).movedim(-2, 0)  # [S, *B, d]
+        rem -= y.sum(0)
+        y = y @ W
+    else:
+        picked = [pick(v) for v in values]
+        for v in picked:
+            rem -= v
+        y = torch.stack([v @ W for v in picked])
+    r = rem @ W
+    return torch.cat([y, r[None], torch.zeros_like(r)[None]])
+
+
 @torch.no_grad()
 def _maps(model, layer: int, head: int, kv: int, got: dict, rows: Tensor, pos: Tensor):
     """Each sender's query at the queries (`rows`, `pos` [n], chunk-relative rows) [Sq, n, d_head] and key at
     every position up to the last query [Sk, b, last + 1, d_head]: the senders' linear parts (the map of the
-    output less the map of zero), then `bias` = the map of the stream's remainder (its affine constant in it)."""
-    values = got["values"]  # [S, b, P, d] or a list of [b, P, d]
+    output less the map of zero), then `bias` = the map of the stream's remainder (its affine constant in it).
+    The key side reads got["key_values"] where there is one (an SAE's features: each side shows its own)."""
     last = int(pos.max()) + 1
     dev = got["resid"].device
     rows, pos = rows.to(dev), pos.to(dev)
     Wk, ck = _projection(model, layer, head, kv, "k")
     Wq, cq = _projection(model, layer, head, kv, "q")
-    rem = got["resid"][:, :last].clone()
-    if isinstance(values, Tensor):  # stacked (a Runner's cache): one product each
-        rem -= values[:, :, :last].sum(0)  # what the senders leave out of the stream: biases
-        yk, yq = values[:, :, :last] @ Wk, values[:, rows, pos] @ Wq
-    else:
-        for v in values:
-            rem -= v[:, :last]
-        yk = torch.stack([v[:, :last] @ Wk for v in values])
-        yq = torch.stack([v[rows, pos] @ Wq for v in values])
-    rk = rem @ Wk
-    yk = torch.cat([yk, rk[None], torch.zeros_like(rk)[None]])  # [S + 2, b, last, d_head]
-    rq = rem[rows, pos] @ Wq
-    yq = torch.cat([yq, rq[None], torch.zeros_like(rq)[None]])  # [S + 2, n, d_head]
-    b = rem.shape[0]
+    key_values = got.get("key_values", got["values"])
+    yk = _projected(key_values, got["resid"], Wk, lambda t: t[:, :last])  # [Sk + 2, b, last, d_head]
+    yq = _projected(got["values"], got["resid"], Wq, lambda t: t[rows, pos])  # [Sq + 2, n, d_head]
+    b = got["resid"].shape[0]
     grid = (torch.arange(b, device=dev)[:, None], torch.arange(last, device=dev)[None])
     k = _side(model, layer, head, kv, yk, ck, got, grid, "k")
     q = _side(model, layer, head, kv, yq, cq, got, (rows, pos), "q")  # [S + 2, n, d_head]
@@ -491,9 +512,153 @@ def _stacked(results: dict[int, dict], N: int) -> tuple[dict[str, Tensor | None]
     return stacked, torch.arange(K)[None] < counts[:, None]
 
 
+@dataclass(eq=False)
+class _Run:
+    """One `qk_attribution` call: the head, its inputs (checked), and the SAE whose features are the senders
+    (None: the graph's senders)."""
+
+    model: object
+    layer: int
+    head: int
+    kv: int
+    tokens: Tensor
+    corrupted: Tensor | None
+    rows: Tensor
+    q_pos: Tensor
+    k_pos: Tensor | None
+    top_keys: int
+    batch_size: int
+    given: object
+    features: Features | None
+
+    def chunks(self):
+        """(the chunk's slice of the prompts, its queries, their chunk-relative rows [n] and positions [n])."""
+        B, N = self.tokens.shape[0], self.rows.numel()
+        for start in range(0, B, self.batch_size):
+            part = slice(start, min(B, start + self.batch_size))
+            queries = [n for n in range(N) if part.start <= int(self.rows[n]) < part.stop]
+            if queries:
+                yield part, queries, self.rows[queries] - start, self.q_pos[queries]
+
+    def capture(self, which: str, part: slice) -> dict:
+        """`_capture` of the chunk's clean or corrupted prompts; with an SAE, without the graph's senders."""
+        toks = self.tokens if which == "clean" else self.corrupted
+        return _capture(self.model, toks[part], self.layer, self.head, self.kv,
+                        given=self.given(which, part) if self.given is not None else None,
+                        senders=self.features is None)
+
+    def keys(self, n: int, visible: Tensor, pattern: Tensor) -> Tensor:
+        """Query n's keys: those asked for, or the `top_keys` it attends to most."""
+        return _top_keys(visible, pattern, self.top_keys) if self.k_pos is None else self.k_pos[n].to(visible.device)
+
+
+# ---- an SAE's features as the senders --------------------------------------------------------------------
+@torch.no_grad()
+def _feature_rows(run: _Run, got: dict, stream: Stream, at: list[tuple[int, int]], which: str) -> list:
+    """At each (chunk row, position) of `at`: (its active features [A], their maps on the head's `which` side
+    [A + 3, d_head]: the features', b_dec's and the error's linear parts, then `bias`, the map of zero)."""
+    W, c = _projection(run.model, run.layer, run.head, run.kv, which)
+    D = stream.W_dec @ W  # [d_sae, d_head]: every feature's decoder row projected, once
+    r, p = torch.tensor(at, dtype=torch.long, device=D.device).reshape(-1, 2).unbind(1)
+    owner, index, rows, fixed = active_rows(stream, D, W, r, p)
+    side = lambda y, where: _side(run.model, run.layer, run.head, run.kv, y, c, got, where, which)  # noqa: E731
+    fixed = side(fixed, (r, p))  # [3, M, d_head]: b_dec, error, zero
+    lin = side(rows[None], (r[owner], p[owner]))[0] - fixed[2][owner]
+    rest = torch.cat([fixed[:2] - fixed[2:], fixed[2:]]).transpose(0, 1)  # [M, 3, d_head]
+    counts = torch.bincount(owner, minlength=len(at)).tolist()
+    return [(i, torch.cat([f, e])) for i, f, e in zip(index.split(counts), lin.split(counts), rest)]
+
+
+@torch.no_grad()
+def _feature_mass(run: _Run, got: dict, stream: Stream, at: list, mass: dict) -> None:
+    """Add to mass["q"] / mass["k"] ([d_sae], float64) each feature's |term| (less the attention scale, the same
+    for all) summed over the other side's senders (every active feature, b_dec, error, bias) at each query of
+    `at` ((chunk row, position, keys)) and its keys: the ranking only, in float32."""
+    qs = _feature_rows(run, got, stream, [(r, i) for r, i, _ in at], "q")
+    ks = _feature_rows(run, got, stream, [(r, j) for r, _, keys in at for j in keys], "k")
+
+    def add(side: str, idx: Tensor, m: Tensor) -> None:
+        mass.setdefault(side, m.new_zeros(stream.coef.shape[-1], dtype=torch.float64)).index_add_(0, idx, m.double())
+
+    start = 0
+    for (iq, Mq), (_, _, keys) in zip(qs, at):
+        block, start = ks[start:start + len(keys)], start + len(keys)
+        A = (Mq.float() @ torch.cat([Mk for _, Mk in block]).float().T).abs()  # [Aq + 3, sum of (Ak + 3)]
+        add("q", iq, A[:len(iq)].sum(1))
+        for (ik, Mk), col in zip(block, A.sum(0).split([len(Mk) for _, Mk in block])):
+            add("k", ik, col[:len(ik)])
+
+
+@torch.no_grad()
+def _choose_features(run: _Run) -> tuple[list[int], list[int]]:
+    """The features shown on the query side and on the key side: each side's `top` by summed |term| over every
+    query and key decomposed, in the clean run (`qk_features.choose`)."""
+    mass: dict[str, Tensor] = {}
+    for part, queries, qr, qi in run.chunks():
+        got = run.capture("clean", part)
+        stream = split_stream(run.features.sae, got["resid"][:, :int(qi.max()) + 1])
+        at = []
+        for m, n in enumerate(queries):
+            r, i = int(qr[m]), int(qi[m])
+            score = got["scores"][r, i, :i + 1]
+            at.append((r, i, run.keys(n, torch.isfinite(score), got["pattern"][r, i, :i + 1]).tolist()))
+        with run.model.holding(run.layer):
+            _feature_mass(run, got, stream, at, mass)
+    top = run.features.top
+    return choose(mass["q"], top) if mass else [], choose(mass["k"], top) if mass else []
+
+
+# ---- the decomposition -------------------------------------------------------------------------------------
+@torch.no_grad()
+def _decomposed(run: _Run, got: dict, maps: dict, m: int, n: int, r: int, i: int, errors: dict) -> dict:
+    """Query n (chunk row r, position i; the m-th of its chunk): its keys, terms, contrast terms, score, pattern,
+    ALiBi's term, and with corrupted tokens the changes (`_stacked`'s entries); the largest errors in `errors`."""
+    attn = run.model.blocks[run.layer].attn
+    cap, scale = attn.softcap, float(attn.scale)
+    c = _query(run.model, run.layer, run.head, got["clean"], maps["clean"], m, r, i)
+    score, vis, pat, alibi, q, K = c["score"], c["visible"], c["pattern"], c["alibi"], c["q"], c["K"]
+    keys = run.keys(n, vis, pat)
+    T = scale * torch.einsum("ad,kbd->kab", q, K[:, keys].transpose(0, 1))  # [K, Sq, Sk]
+    Tc = T - scale * (q @ K[:, vis].mean(1).T)  # less the mean over the visible keys
+    a_c = (alibi - alibi[vis].mean()) if alibi is not None else None
+    c_score = score - score[vis].mean()
+    extra = alibi[keys] if alibi is not None else 0
+    errors["terms"] = max(errors["terms"], float((T.sum((1, 2)) + extra - score[keys]).abs().max()))
+    c_extra = a_c[keys] if a_c is not None else 0
+    errors["contrast"] = max(errors["contrast"], float((Tc.sum((1, 2)) + c_extra - c_score[keys]).abs().max()))
+    out = dict(keys=keys.cpu(), terms=T.float().cpu(), contrast=Tc.float().cpu(), score=score[keys].float().cpu(),
+               cscore=c_score[keys].float().cpu(), pattern=pat[keys].float().cpu())
+    if alibi is not None:
+        out.update(alibi=alibi[keys].float().cpu(), alibi_c=a_c[keys].float().cpu())
+    if run.corrupted is not None:
+        d = _query(run.model, run.layer, run.head, got["corrupted"], maps["corrupted"], m, r, i)
+        change, error = _change(c, d, keys, T, scale, cap)
+        errors["delta"] = max(errors["delta"], error)
+        out.update(change)
+    return out
+
+
+@torch.no_grad()
+def _chunk(run: _Run, part: slice, queries: list[int], qr: Tensor, qi: Tensor, chosen, results: dict,
+           errors: dict) -> None:
+    """One chunk of prompts: its runs (clean, and corrupted), each sender's maps, then each query decomposed
+    into `results`. `chosen`: (query-side, key-side) features shown, with an SAE; None without."""
+    runs = ["clean"] + (["corrupted"] if run.corrupted is not None else [])
+    got, maps = {}, {}
+    for which in runs:
+        got[which] = run.capture(which, part)
+        if chosen is not None:  # the stream as the SAE writes it, each side with its own features shown
+            stream = split_stream(run.features.sae, got[which]["resid"][:, :int(qi.max()) + 1])
+            got[which]["values"], got[which]["key_values"] = (sender_values(stream, c) for c in chosen)
+        with run.model.holding(run.layer):  # an offloaded model's block, held while its weights are read
+            maps[which] = _maps(run.model, run.layer, run.head, run.kv, got[which], qr, qi)
+    for m, n in enumerate(queries):
+        results[n] = _decomposed(run, got, maps, m, n, int(qr[m]), int(qi[m]), errors)
+
+
 def qk_attribution(model, tokens: Tensor, layer: int, head: int, query_pos, key_pos=None, top_keys: int = 3,
                    corrupted: Tensor | None = None, batch_size: int = 16, rows: Sequence[int] | Tensor | None = None,
-                   given=None) -> QKAttribution:
+                   given=None, sae=None) -> QKAttribution:
     """Decompose head (`layer`, `head`)'s pre-softmax scores at `query_pos` into (query-side sender, key-side
     sender) terms, at `key_pos` (one list for all queries or [queries, K]; None: the `top_keys` keys the head
     attends to most from each query, or every key it sees when it sees fewer: `QKAttribution.key_on`).
@@ -505,59 +670,37 @@ def qk_attribution(model, tokens: Tensor, layer: int, head: int, query_pos, key_
                attention weight's change
     given      (which, chunk slice) -> (senders' values [S, b, p, d], stream entering `layer` [b, p, d]) or
                None: runs already made, for `which` "clean" or "corrupted" (a `Runner`'s cache)
+    sae        None (the senders are the graph's: embed, heads, MLPs, bias), or a residual-stream SAE at the
+               stream the layer reads (`blocks.{layer}.hook_resid_pre`, or `blocks.{layer-1}.hook_resid_post`;
+               an `interp.models.saes.SAE`, a SAELens SAE, or `qk_features.Features(sae, top=...)`): then the
+               senders on each side are the features shown there, `F{index}` (the feature's activation times its
+               W_dec row; the `top` of largest summed |term|, default 8), `other_features` (the rest of them,
+               summed), `b_dec`, `error` (the stream less the SAE's reconstruction) and `bias`; the terms still
+               add up to the score, the contrast and the changes work as without (`qk_features`)
     See the module's docstring."""
     tokens, rows, q_pos, k_pos = _checked(model, tokens, layer, head, query_pos, key_pos, top_keys, corrupted, rows)
+    features = check_sae(model, layer, sae) if sae is not None else None
     attn = model.blocks[layer].attn
-    B, N = tokens.shape[0], rows.numel()
     kv = head // (attn.n_heads // attn.n_kv_heads)
-    g = Graph(model.cfg)
-    senders = [s for s, l in zip(g.senders, g.sender_layer) if l < layer] + [BIAS]
-    cap, scale = attn.softcap, float(attn.scale)
-    err = cerr = derr = 0.0
+    run = _Run(model, layer, head, kv, tokens, corrupted, rows, q_pos, k_pos, top_keys, batch_size, given, features)
+    chosen = _choose_features(run) if features is not None else None
+    if chosen is None:
+        g = Graph(model.cfg)
+        q_senders = k_senders = [s for s, l in zip(g.senders, g.sender_layer) if l < layer] + [BIAS]
+    else:
+        q_senders, k_senders = (sender_names(c) + [BIAS] for c in chosen)
     results: dict[int, dict] = {}
-    for start in range(0, B, batch_size):
-        part = slice(start, min(B, start + batch_size))
-        queries = [n for n in range(N) if part.start <= int(rows[n]) < part.stop]
-        if not queries:
-            continue
-        qr, qi = rows[queries] - start, q_pos[queries]
-        runs = [("clean", tokens)] + ([("corrupted", corrupted)] if corrupted is not None else [])
-        got, maps = {}, {}
-        for which, toks in runs:
-            got[which] = _capture(model, toks[part], layer, head, kv,
-                                  given=given(which, part) if given is not None else None)
-            with model.holding(layer):  # an offloaded model's block, held while its weights are read
-                maps[which] = _maps(model, layer, head, kv, got[which], qr, qi)
-        for m, n in enumerate(queries):
-            r, i = int(qr[m]), int(qi[m])
-            c = _query(model, layer, head, got["clean"], maps["clean"], m, r, i)
-            score, vis, pat, alibi, q, K = c["score"], c["visible"], c["pattern"], c["alibi"], c["q"], c["K"]
-            keys = _top_keys(vis, pat, top_keys) if k_pos is None else k_pos[n].to(score.device)
-            T = scale * torch.einsum("ad,kbd->kab", q, K[:, keys].transpose(0, 1))  # [K, Sq, Sk]
-            Tc = T - scale * (q @ K[:, vis].mean(1).T)  # less the mean over the visible keys
-            a_c = (alibi - alibi[vis].mean()) if alibi is not None else None
-            c_score = score - score[vis].mean()
-            extra = alibi[keys] if alibi is not None else 0
-            err = max(err, float((T.sum((1, 2)) + extra - score[keys]).abs().max()))
-            c_extra = a_c[keys] if a_c is not None else 0
-            cerr = max(cerr, float((Tc.sum((1, 2)) + c_extra - c_score[keys]).abs().max()))
-            out = results.setdefault(n, {})
-            out.update(keys=keys.cpu(), terms=T.float().cpu(), contrast=Tc.float().cpu(),
-                       score=score[keys].float().cpu(), cscore=c_score[keys].float().cpu(), pattern=pat[keys].float().cpu())
-            if alibi is not None:
-                out.update(alibi=alibi[keys].float().cpu(), alibi_c=a_c[keys].float().cpu())
-            if corrupted is not None:
-                d = _query(model, layer, head, got["corrupted"], maps["corrupted"], m, r, i)
-                change, error = _change(c, d, keys, T, scale, cap)
-                derr = max(derr, error)
-                out.update(change)
-
-    stack, key_on = _stacked(results, N)
+    errors = {"terms": 0.0, "contrast": 0.0, "delta": 0.0}
+    for part, queries, qr, qi in run.chunks():
+        _chunk(run, part, queries, qr, qi, chosen, results, errors)
+    stack, key_on = _stacked(results, rows.numel())
     return QKAttribution(
-        layer=layer, head=head, kv_head=kv, query_senders=list(senders), key_senders=list(senders),
+        layer=layer, head=head, kv_head=kv, query_senders=list(q_senders), key_senders=list(k_senders),
         prompts=rows.clone(), query_pos=q_pos.cpu(), key_pos=stack["keys"], terms=stack["terms"],
         contrast=stack["contrast"], alibi=stack["alibi"], alibi_contrast=stack["alibi_c"], score=stack["score"],
-        contrast_score=stack["cscore"], pattern=stack["pattern"], max_error=err, contrast_max_error=cerr,
-        softcapped=cap is not None, delta=stack["delta"], weight_change=stack["weight"],
-        weight_first_order=stack["first"], weight_true=stack["true"],
-        delta_max_error=derr if corrupted is not None else None, key_on=None if bool(key_on.all()) else key_on)
+        contrast_score=stack["cscore"], pattern=stack["pattern"], max_error=errors["terms"],
+        contrast_max_error=errors["contrast"], softcapped=attn.softcap is not None, delta=stack["delta"],
+        weight_change=stack["weight"], weight_first_order=stack["first"], weight_true=stack["true"],
+        delta_max_error=errors["delta"] if corrupted is not None else None,
+        key_on=None if bool(key_on.all()) else key_on,
+        sae_hook=features.sae.cfg.hook_name if features is not None else None)
