@@ -146,3 +146,15 @@ def scored(**kw) -> dict:
 
     geometry = {k: kw.pop(k) for k in GEOMETRY if k in kw}
     return {**kw, "scoring": Scoring(**geometry)}
+
+
+def rope_by_hand(v: torch.Tensor, p: int, cfg) -> torch.Tensor:
+    """A float64 vector `v` [d_head] rotated to position `p` as rotary models do (halves rotated, NeoX's layout),
+    written out; unchanged on a model without rotary positions."""
+    if cfg.positional != "rotary":
+        return v
+    d = v.shape[-1]
+    inv = 1.0 / (cfg.rotary_base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang = torch.cat([p * inv, p * inv])
+    v1, v2 = v[: d // 2], v[d // 2:]
+    return v * ang.cos() + torch.cat([-v2, v1]) * ang.sin()

@@ -18,7 +18,7 @@ from interp.analyses.store import read_table
 from interp.cli import main as cli
 
 from arch_cases import ARCHITECTURES, builder, native_case
-from core_models import OWN_CONFIGS, build, small
+from core_models import OWN_CONFIGS, build, rope_by_hand, small
 from circuit_tasks import random_task
 
 NATIVE = [t for t in ARCHITECTURES if native_case(t) is not None]
@@ -121,13 +121,7 @@ def test_one_pair_written_out_by_hand(name):
         return x[p] / scale * ln.w.double()
 
     def rope(v, p):
-        if cfg.positional != "rotary":
-            return v
-        d = v.shape[-1]
-        inv = 1.0 / (cfg.rotary_base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-        ang = torch.cat([p * inv, p * inv])
-        v1, v2 = v[: d // 2], v[d // 2:]
-        return v * ang.cos() + torch.cat([-v2, v1]) * ang.sin()
+        return rope_by_hand(v, p, cfg)
 
     kv = h // (cfg.n_heads // cfg.kv_heads)
     q = rope(norm_linear(x_q, i) @ attn.W_Q[h].double(), i)

@@ -21,7 +21,7 @@ from interp.analyses.circuits.qk_features import Features, sender_values, split_
 from interp.models.saes import SAE, SAEConfig
 
 from arch_cases import ARCHITECTURES, builder, native_case
-from core_models import OWN_CONFIGS, build
+from core_models import OWN_CONFIGS, build, rope_by_hand
 from circuit_tasks import random_task
 
 NATIVE = [t for t in ARCHITECTURES if native_case(t) is not None]
@@ -169,13 +169,7 @@ def test_one_feature_pair_written_out_by_hand(name):
         return x / (resid[p].pow(2).mean() + ln.eps).sqrt() * ln.w.double()
 
     def rope(v, p):
-        if cfg.positional != "rotary":
-            return v
-        d = v.shape[-1]
-        inv = 1.0 / (cfg.rotary_base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-        ang = torch.cat([p * inv, p * inv])
-        v1, v2 = v[: d // 2], v[d // 2:]
-        return v * ang.cos() + torch.cat([-v2, v1]) * ang.sin()
+        return rope_by_hand(v, p, cfg)
 
     kv = h // (cfg.n_heads // cfg.kv_heads)
     q = rope(norm_linear(acts[i, f] * W_dec[f], i) @ attn.W_Q[h].double(), i)

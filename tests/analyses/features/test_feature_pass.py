@@ -4,20 +4,10 @@ made), the forward stops after the SAE's block, and the activations it hands on 
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from interp.analyses.features import direct_feature_attribution, max_activating
 from interp.analyses.features.passes import feature_pass
-
-
-class Softmaxes(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += "softmax" in str(func)
-        return func(*args, **(kwargs or {}))
+from spies import Softmaxes
 
 
 def test_attention_stays_fused_and_the_forward_stops_after_the_saes_block(model, make_sae, corpus):

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import interp
 from core_models import build, small, tokens
 from interp.models.saes import SAE, SAEConfig
 from interp.saes import HookedSAETransformer
+from spies import Softmaxes
 from wrapped_cases import build_wrapped_hf
 
 N = 12
@@ -140,22 +140,12 @@ def test_a_wrapped_model_splices_alike():
     assert (spliced - clean).abs().max() > 1e-2
 
 
-class _Softmaxes(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += "softmax" in str(func)
-        return func(*args, **(kwargs or {}))
-
-
 def test_attention_stays_fused_under_a_hook_z_splice(model):
     sae = random_sae("blocks.1.attn.hook_z", widths(model, "hook_z"))
-    with _Softmaxes() as spy, torch.no_grad():
+    with Softmaxes() as spy, torch.no_grad():
         model.run_with_saes(tokens(1, N), saes=[sae])
     assert spy.n == 0
-    with _Softmaxes() as spy, torch.no_grad():  # control: the spy sees a pattern when one is asked for
+    with Softmaxes() as spy, torch.no_grad():  # control: the spy sees a pattern when one is asked for
         model.run_with_hooks(tokens(1, N), fwd_hooks=[("blocks.0.attn.hook_pattern", lambda t, hook: None)])
     assert spy.n >= 1
 

@@ -1,0 +1,18 @@
+"""Spies on what torch runs (a support module): how many softmaxes a forward dispatched, so a test can say that
+attention stayed fused (a pattern is a softmax; the fused kernel dispatches none)."""
+
+from __future__ import annotations
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class Softmaxes(TorchDispatchMode):
+    """`with Softmaxes() as spy: ...`, then `spy.n`: the softmax ops dispatched inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += "softmax" in str(func)
+        return func(*args, **(kwargs or {}))
