@@ -21,6 +21,7 @@ EPILOG = """examples:
   interp circuit attn-only-2l --task induction --qk 1.0 --out out/ind      # and why L1H0 attends where it does
   interp circuit smollm2-135m --task ioi --positions classes --out out/ioi  # edges per S1, S2, IO, END, other
   interp circuit smollm2-135m --task passkey --length 4096 --out out/pk     # a 4k-token circuit, block by block
+  interp circuit attn-only-2l --task induction --sae attn-only-2l/blocks.1.attn.hook_z --out out/f   # SAE features
 
 The graph: senders (embed, each head's output, each MLP's), receivers (each head's q, k and v inputs,
 each MLP's input, the logits), an edge where a sender writes before a receiver reads. Scores are
@@ -31,8 +32,11 @@ faithfulness.csv, settings.json and a report that draws the circuit, its faithfu
 heads' patterns on the task. A task file's lines may give token ids ("clean_ids", "corrupted_ids",
 "answer_ids", "wrong_ids") and answers at several positions ("answers": [{"position": -2, ...}, ...]);
 the metric is a mean over every answer position (docs/circuits.md has the format).
+--sae PATH[,PATH]: SAE features (and each SAE's error) as nodes in place of the heads or MLP they read
+(L1F3: feature 3 of layer 1's attention SAE; MLP2F7; L1.sae_error); nodes.parquet gains feature and hook.
 --qk L.H[,L.H]: also each head's score from the answer position split into
-(query-side sender, key-side sender) terms (DIR/qk.parquet, a report section per head).
+(query-side sender, key-side sender) terms (DIR/qk.parquet, a report section per head); with a residual SAE
+in --sae (blocks.L.hook_resid_pre) the terms are of its features (F12, b_dec, error) for layer L's heads.
 """
 
 
@@ -72,6 +76,12 @@ def add_arguments(p) -> None:
                         "join other); scored by --method, with a faithfulness curve beside the plain one "
                         "(position_edges.parquet, position_faithfulness.csv). Default none")
     m.add_argument("--batch-size", type=int, default=16, help="prompts per forward (default 16)")
+    f = p.add_argument_group("SAE features as nodes")
+    f.add_argument("--sae", default=None, metavar="PATH[,PATH]",
+                   help="SAEs (folders, zoo or Hub names: interp.load_sae's) on attn.hook_z, hook_attn_out or "
+                        "hook_mlp_out: their features and errors replace those components' senders in the graph "
+                        "(Marks et al.'s feature circuits); features that fire on none of the prompts are left out. "
+                        "A residual SAE (blocks.L.hook_resid_pre) serves --qk: layer L's heads split in its features")
     q = p.add_argument_group("why a head attends where it does")
     q.add_argument("--qk", default=None, metavar="L.H[,L.H]",
                    help="heads (1.0 or L1H0, comma-separated) whose scores from the answer position are split into "
@@ -91,7 +101,7 @@ def run(args) -> int:
                                ig=args.ig, ig_points=args.ig_points, metric=args.metric, prompts=args.prompts, seed=args.seed,
                                batch_size=args.batch_size, select=args.select, size=args.size, oracle=args.oracle,
                                qk=args.qk, qk_keys=args.qk_keys, positions=args.positions, length=args.length,
-                               rope_scaling=args.rope_scaling)
+                               rope_scaling=args.rope_scaling, sae=args.sae)
 
     return checks.run_command(CircuitStudy(), args, settings)
 

@@ -31,9 +31,15 @@ is a mean over prompts and answer positions (`Task`). A node's score is its send
 it patched at once (exact), or the sum of its edges' scores (EAP, EAP-IG: the same first-order
 estimate).
 
+SAE features (`features`): an SAE on a component's output (attention's hook_z, hook_attn_out, hook_mlp_out) replaces
+that component's senders by its features (`L{l}F{i}`, `MLP{l}F{i}`) and its error node; the graph's invariant (a
+receiver's input is the sum of its senders' values plus the biases) still holds to round-off. QK attribution in a
+residual SAE's features: `qk_features`.
+
 The room: `graph` (the graph, the task, choosing circuits), `runner` (patching, EAP, EAP-IG,
 faithfulness), `positions` (edges resolved by token position or named position class), `tasks` (induction,
-IOI, greater-than, JSON lines), `study` (`interp circuit`), `choices` (the settings' choices, torch-free).
+IOI, greater-than, JSON lines), `features` (SAE features as nodes), `qk` and `qk_features` (why a head attends),
+`study` (`interp circuit`) and `report` (its report), `choices` (the settings' choices, torch-free).
 """
 
 from __future__ import annotations

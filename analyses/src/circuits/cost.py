@@ -110,7 +110,7 @@ def _block_receivers(graph: Graph) -> int:
 
 def stage_bytes(cfg, n_prompts: int, positions: int, batch_size: int = 16, *, method: str = "eap-ig",
                 ig: str = "inputs", element_size: int = 4, layered: bool | None = None, hold: int | None = None,
-                patterns: bool = True) -> dict[str, int]:
+                patterns: bool = True, graph: Graph | None = None) -> dict[str, int]:
     """Peak bytes beyond the weights and `FIXED_BYTES` of each stage `interp circuit` runs with these settings, in
     its order: "runs" (the clean and corrupted runs), `method`'s ("eap", "eap-ig"; "patching" has none of its
     own), "patched runs" (the faithfulness curve, exact patching), and with `patterns` the report's "roles" (the
@@ -118,8 +118,10 @@ def stage_bytes(cfg, n_prompts: int, positions: int, batch_size: int = 16, *, me
     the runs held, the stage's own working set, and the two largest working sets of the stages before it: the
     allocator keeps what those freed for reuse (glibc keeps freed blocks under 32 MB), and reuses it only in
     part, so the resident memory does not fall back between stages (measured: a stage's peak sits on what the
-    ones before it left)."""
-    graph = Graph(cfg)
+    ones before it left). `graph`: the graph the runs make (default the model's head graph; with SAEs' features,
+    each feature's value is a sender's: the runs grow with them, and a pass that makes an SAE's values holds them
+    all at once, [F + 1] rows)."""
+    graph = Graph(cfg) if graph is None else graph
     batch = min(batch_size, n_prompts)
     if layered is None:
         layered = goes_by_layer(graph, cfg.d_model, batch, positions)
@@ -135,9 +137,10 @@ def stage_bytes(cfg, n_prompts: int, positions: int, batch_size: int = 16, *, me
     autograd = forward + 2 * (cfg.n_heads + 2 * cfg.kv_heads + 1) * row
     S, R, L = len(graph.senders), len(graph.receivers), graph.n_layers
     block = _block_receivers(graph)
+    sae_rows = max((len(n.features) + 1 for n in graph.saes), default=0)  # one SAE's values, made at once
     if ig == "activations" and method == "eap-ig":  # every receiver's input in both runs, held with each chunk
         runs += held * 2 * R * row
-    work = {"runs": forward}  # each stage's own, beyond the runs held
+    work = {"runs": forward + sae_rows * row}  # each stage's own, beyond the runs held
     if method in ("eap", "eap-ig"):
         if layered:
             work[method] = (2 * autograd + 3 * block * row + min(SENDER_CHUNK, S) * row * (element_size != 4)
@@ -145,9 +148,9 @@ def stage_bytes(cfg, n_prompts: int, positions: int, batch_size: int = 16, *, me
         else:
             work[method] = (L + 1) * autograd + 3 * R * row + S * row
     if layered:
-        work["patched runs"] = 2 * forward + (2 * max(1, (S - 1) // max(1, L)) + block + 2) * row
+        work["patched runs"] = 2 * forward + (2 * max(1, (S - 1) // max(1, L)) + block + 2 + 2 * sae_rows) * row
     else:
-        work["patched runs"] = forward + (S + block + 2) * row
+        work["patched runs"] = forward + (S + block + 2 + sae_rows) * row
     if patterns:
         tokens = 8 * 101  # `study._roles`: induction scores on 8 sequences of 2 x 50 random tokens and a BOS
         work["roles"] = 3 * tokens * cfg.d_vocab * 4 + tokens * per_token_bytes(cfg)  # logits, log-softmax
@@ -193,9 +196,10 @@ def pass_flops(cfg, positions: int) -> float:
 
 def stage_seconds(cfg, n_prompts: int, positions: int, batch_size: int = 16, *, method: str = "eap-ig",
                   steps: int = 5, oracle: str = "none", flops: float, layered: bool | None = None,
-                  element_size: int = 4) -> tuple[dict[str, float], dict[str, str], float]:
-    """Seconds of each stage at `flops` per second (`machine_flops`), its notes, and one pass's seconds."""
-    graph = Graph(cfg)
+                  element_size: int = 4, graph: Graph | None = None) -> tuple[dict[str, float], dict[str, str], float]:
+    """Seconds of each stage at `flops` per second (`machine_flops`), its notes, and one pass's seconds (`graph`:
+    as `stage_bytes`)."""
+    graph = Graph(cfg) if graph is None else graph
     if layered is None:
         layered = goes_by_layer(graph, cfg.d_model, min(batch_size, n_prompts), positions)
     per_chunk, held = chunking(cfg, graph, n_prompts, positions, batch_size, layered, element_size)
@@ -223,13 +227,15 @@ def stage_seconds(cfg, n_prompts: int, positions: int, batch_size: int = 16, *, 
 
 def estimate(cfg, n_prompts: int, positions: int, batch_size: int = 16, *, method: str = "eap-ig",
              steps: int = 5, ig: str = "inputs", oracle: str = "none", element_size: int = 4, flops: float,
-             patterns: bool = True) -> CircuitCost:
-    """The `CircuitCost` of `interp circuit` with these settings on a model of config `cfg`."""
-    graph = Graph(cfg)
+             graph: Graph | None = None) -> CircuitCost:
+    """The `CircuitCost` of `interp circuit` with these settings on a model of config `cfg` (`graph`: the graph the
+    runs make, default its head graph), the report's stages included."""
+    graph = Graph(cfg) if graph is None else graph
     layered = goes_by_layer(graph, cfg.d_model, min(batch_size, n_prompts), positions)
     per_chunk, held = chunking(cfg, graph, n_prompts, positions, batch_size, layered, element_size)
     stages = stage_bytes(cfg, n_prompts, positions, batch_size, method=method, ig=ig, element_size=element_size,
-                         layered=layered, patterns=patterns)
+                         layered=layered, graph=graph)
     seconds, notes, one = stage_seconds(cfg, n_prompts, positions, batch_size, method=method, steps=steps,
-                                        oracle=oracle, flops=flops, layered=layered, element_size=element_size)
+                                        oracle=oracle, flops=flops, layered=layered, element_size=element_size,
+                                        graph=graph)
     return CircuitCost(stages, seconds, per_chunk, held, -(-n_prompts // per_chunk), layered, one, notes)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import pandas as pd
@@ -16,6 +16,7 @@ from torch import Tensor
 from interp.models.placement.device import to_numpy
 
 from .choices import IG_ON, METHODS, SELECTIONS
+from .features import check_saes, feature_nodes
 
 # MIB's circuit sizes: fractions of the graph's edges
 FRACTIONS = (0.0, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
@@ -36,22 +37,23 @@ class Graph:
 
     Order of computation: `embed` is stage 0; layer l's attention reads at stage 2l + 1 and its heads
     write there; its MLP reads and writes at stage 2l + 2 (a parallel block's MLP reads at 2l + 1, beside
-    attention); `logits` read at 2 n_layers + 1. An edge s -> r exists when s writes before r reads."""
+    attention); `logits` read at 2 n_layers + 1. An edge s -> r exists when s writes before r reads.
 
-    def __init__(self, cfg) -> None:
+    `saes`: SAEs on components' outputs whose features and error replace those components' senders
+    (`features.FeatureNodes`, or SAEs: every feature a node; `features` has the conventions). Per sender:
+    `sender_kind` ("embed", "head", "mlp", "feature", "error"), `sender_feature` (the feature's index in its
+    SAE, else -1), `sender_sae` (its SAE's index in `saes`, else -1), `writes_at` (the hook point where its
+    value joins the stream)."""
+
+    def __init__(self, cfg, saes: Sequence = ()) -> None:
         L, H, KV = cfg.n_layers, cfg.n_heads, cfg.kv_heads
         self.n_layers, self.n_heads, self.n_kv = L, H, KV
         self.has_mlp = cfg.d_mlp is not None
+        self.saes = tuple(feature_nodes(cfg, s) for s in saes)
+        check_saes(cfg, [n.sae.cfg for n in self.saes])
+        self.sae_at = {(n.layer, n.component): n for n in self.saes}
         parallel = bool(cfg.parallel_attn_mlp) and self.has_mlp
-        senders, s_stage, s_layer = ["embed"], [0], [-1]
-        for l in range(L):
-            senders += [f"L{l}H{h}" for h in range(H)]
-            s_stage += [2 * l + 1] * H
-            s_layer += [l] * H
-            if self.has_mlp:
-                senders.append(f"MLP{l}")
-                s_stage.append(2 * l + 2)
-                s_layer.append(l)
+        s_stage = self._senders()
         kv_name = (lambda l, g: f"L{l}H{g}") if KV == H else (lambda l, g: f"L{l}KV{g}")
         receivers, r_input, r_reads, r_layer = [], [], [], []
         for l in range(L):
@@ -69,32 +71,71 @@ class Graph:
         r_input.append("-")
         r_reads.append(2 * L + 1)
         r_layer.append(L)
-        self.senders, self.receivers, self.inputs = senders, receivers, r_input
-        self.sender_layer, self.receiver_layer = s_layer, r_layer
+        self.receivers, self.inputs, self.receiver_layer = receivers, r_input, r_layer
         self.allowed = torch.tensor(s_stage)[:, None] < torch.tensor(r_reads)[None, :]  # [S, R]
         # receivers of one hook point: (layer, kind) -> receiver indices
         self.groups: dict[tuple[int, str], list[int]] = {}
         for r, (l, kind) in enumerate(zip(r_layer, r_input)):
             key = (l, "mlp" if receivers[r].startswith("MLP") else "logits" if l == L else kind)
             self.groups.setdefault(key, []).append(r)
-        # a receiving node: which sender it is (the query heads a KV receiver feeds, for GQA)
-        index = {s: i for i, s in enumerate(senders)}
-        group = H // KV
-        self.receiver_senders: list[list[int]] = []
-        for r, name in enumerate(receivers):
-            l, kind = r_layer[r], r_input[r]
-            if name == "logits":
-                self.receiver_senders.append([])
-            elif kind in ("k", "v"):
-                g = int(name.rsplit("KV" if KV != H else "H", 1)[1])
-                self.receiver_senders.append([index[f"L{l}H{h}"] for h in range(g * group, (g + 1) * group)])
-            else:
-                self.receiver_senders.append([index[name]])
+        self.receiver_senders = self._owners()
         # the other way round: a sender node -> the receivers that are its inputs (its q, its group's k and v, ...)
-        self.inputs_of: list[list[int]] = [[] for _ in senders]
+        self.inputs_of: list[list[int]] = [[] for _ in self.senders]
         for r, owners in enumerate(self.receiver_senders):
             for s in owners:
                 self.inputs_of[s].append(r)
+
+    def _senders(self) -> list[int]:
+        """The senders in the order of computation, each's layer, kind, feature, SAE and where it writes; their
+        stages (returned)."""
+        self.senders, self.sender_layer, self.sender_kind = ["embed"], [-1], ["embed"]
+        self.sender_feature, self.sender_sae = [-1], [-1]
+        self.writes_at, stages = ["blocks.0.hook_resid_pre"], [0]
+
+        def add(names, layer, kind, stage, writes, sae=-1, features=()):
+            self.senders += names
+            self.sender_layer += [layer] * len(names)
+            self.sender_kind += kind if isinstance(kind, list) else [kind] * len(names)
+            self.sender_feature += list(features) + [-1] * (len(names) - len(features))
+            self.sender_sae += [sae] * len(names)
+            self.writes_at += [writes] * len(names)
+            stages.extend([stage] * len(names))
+
+        for l in range(self.n_layers):
+            for component, stage in (("attn", 2 * l + 1), ("mlp", 2 * l + 2)):
+                if component == "mlp" and not self.has_mlp:
+                    continue
+                nodes = self.sae_at.get((l, component))
+                if nodes is not None:
+                    kinds = ["feature"] * len(nodes.features) + ["error"]
+                    add(nodes.names(), l, kinds, stage, nodes.writes_at, self.saes.index(nodes), nodes.features)
+                elif component == "attn":
+                    add([f"L{l}H{h}" for h in range(self.n_heads)], l, "head", stage, f"blocks.{l}.hook_attn_out")
+                else:
+                    add([f"MLP{l}"], l, "mlp", stage, f"blocks.{l}.hook_mlp_out")
+        return stages
+
+    def _owners(self) -> list[list[int]]:
+        """Each receiver's node: the sender(s) whose input it is (the query heads a KV receiver feeds, for GQA;
+        every sender of an SAE that replaces the component: each of its features reads every head's output)."""
+        index = {s: i for i, s in enumerate(self.senders)}
+        H, KV = self.n_heads, self.n_kv
+        group = H // KV
+        out: list[list[int]] = []
+        for r, name in enumerate(self.receivers):
+            l, kind = self.receiver_layer[r], self.inputs[r]
+            nodes = self.sae_at.get((l, "mlp" if name.startswith("MLP") else "attn"))
+            if name == "logits":
+                out.append([])
+            elif nodes is not None:
+                mine = self.saes.index(nodes)
+                out.append([i for i, sae in enumerate(self.sender_sae) if sae == mine])
+            elif kind in ("k", "v"):
+                g = int(name.rsplit("KV" if KV != H else "H", 1)[1])
+                out.append([index[f"L{l}H{h}"] for h in range(g * group, (g + 1) * group)])
+            else:
+                out.append([index[name]])
+        return out
 
     @property
     def n_edges(self) -> int:
@@ -219,16 +260,28 @@ def prune_dangling(graph: Graph, circuit: Tensor) -> Tensor:
     edges = circuit & graph.allowed
     reached = torch.zeros(S, dtype=torch.bool)
     reached[0] = True  # embed
-    for s in range(1, S):  # senders in the order of computation
+    runs = _runs(graph)  # consecutive senders with the same inputs (an SAE's nodes), which feed none of each other
+    for s, e in runs[1:]:  # senders in the order of computation
         rs = graph.inputs_of[s]
-        reached[s] = bool(rs) and bool((edges[:, rs] & reached[:, None]).any())
+        reached[s:e] = bool(rs) and bool((edges[:, rs] & reached[:, None]).any())
     edges = edges & reached[:, None]
     useful = torch.zeros(R, dtype=torch.bool)  # receivers with a path on to the logits
     useful[R - 1] = True
-    for s in range(S - 1, -1, -1):  # a node's receivers are decided before the senders that feed them
-        if bool((edges[s] & useful).any()):
+    for s, e in reversed(runs):  # a node's receivers are decided before the senders that feed them
+        if bool((edges[s:e] & useful).any()):
             useful[graph.inputs_of[s]] = True
     return edges & useful[None, :]
+
+
+def _runs(graph: Graph) -> list[tuple[int, int]]:
+    """(first, end) of each run of consecutive senders whose inputs are the same receivers; embed alone first."""
+    out = [(0, 1)]
+    for s in range(1, len(graph.senders)):
+        if len(out) > 1 and graph.inputs_of[s] and graph.inputs_of[s] == graph.inputs_of[out[-1][0]]:
+            out[-1] = (out[-1][0], s + 1)
+        else:
+            out.append((s, s + 1))
+    return out
 
 
 def select(graph: Graph, scores: Tensor, n: int, how: str = "top") -> Tensor:

@@ -46,17 +46,21 @@ class _Pass:
     from a cached stream) are given."""
 
     def __init__(self, model, graph: Graph, receive=None, given: list[Tensor] | None = None, start: int = 0,
-                 embed=None, store: int | None = None) -> None:
+                 embed=None, store: int | None = None, features: bool = True) -> None:
         """`store`: the number of senders, to write their values into one tensor as they come (`Stacked`:
-        `values.stacked` [S, b, p, d]) rather than keep them apart and stack them after (twice the memory)."""
+        `values.stacked` [S, b, p, d]) rather than keep them apart and stack them after (twice the memory).
+        `features`: SAE features' values made (`features.FeatureWriter`; a run that reads no sender's value, the
+        attribution's forward, passes False: the features' [F, b, p, d] values are never made there)."""
         self.model, self.graph, self.receive, self.embed = model, graph, receive, embed
+        self.features = features
         below = 0 if start == 0 else sum(1 for l in graph.sender_layer if l < start)  # embed's is -1
-        self.values: list[Tensor] | Stacked = list(given[:below]) if given is not None else []
+        self.values: Values | Stacked = Values(given[:below] if given is not None else ())
         if store is not None:
             self.values = Stacked(store)
         self.start = start
         self._results: dict[int, Tensor] = {}
         self._scale: dict[int, Tensor] = {}
+        self._stacked: set[int] = set()  # layers whose `_results` are an SAE's stacked values, not heads' results
 
     def hooks(self) -> list:
         model, g = self.model, self.graph
@@ -67,13 +71,19 @@ class _Pass:
         for l in range(self.start, g.n_layers):
             for kind in ("q", "k", "v"):
                 out.append((f"blocks.{l}.hook_{kind}_input", self._receiver(l, kind)))
-            out.append((f"blocks.{l}.attn.hook_result", self._heads(l, sandwich)))
-            if sandwich:
-                out.append((f"blocks.{l}.ln1_post.hook_scale", self._keep_scale(l)))
-                out.append((f"blocks.{l}.hook_attn_out", self._shares(l)))
+            nodes = g.sae_at.get((l, "attn"))
+            if nodes is None or nodes.site == "z":
+                out.append((f"blocks.{l}.attn.hook_result" if nodes is None else f"blocks.{l}.attn.hook_z",
+                            self._heads(l, sandwich) if nodes is None else self._features(nodes, sandwich)))
+                if sandwich:
+                    out.append((f"blocks.{l}.ln1_post.hook_scale", self._keep_scale(l)))
+                    out.append((f"blocks.{l}.hook_attn_out", self._shares(l)))
+            else:  # hook_attn_out: what enters the stream, after a sandwich norm
+                out.append((f"blocks.{l}.hook_attn_out", self._features(nodes, False)))
             if g.has_mlp:
                 out.append((f"blocks.{l}.hook_mlp_in", self._receiver(l, "mlp")))
-                out.append((f"blocks.{l}.hook_mlp_out", self._mlp))
+                nodes = g.sae_at.get((l, "mlp"))
+                out.append((f"blocks.{l}.hook_mlp_out", self._mlp if nodes is None else self._features(nodes, False)))
         out.append((f"blocks.{g.n_layers - 1}.hook_resid_post", self._receiver(g.n_layers, "logits")))
         return out
 
@@ -107,9 +117,39 @@ class _Pass:
 
         def hook(x, hook):
             # RMSNorm: out = w * (attn_out / scale), attn_out = sum_h result_h + b_O: head h's share
-            # is w * result_h / scale (computed as the norm does, in float32, then cast back)
-            r, scale = self._results.pop(l), self._scale.pop(l)
-            self.values.extend((norm.w * (r.float() / scale[:, :, None]).to(x.dtype)).unbind(2))
+            # is w * result_h / scale (computed as the norm does, in float32, then cast back); an SAE's
+            # senders' values come stacked [F + 1, b, p, d] (`_features`), each shared alike
+            r, scale = self._results.pop(l, None), self._scale.pop(l)
+            if r is None:  # the SAE's values were not made (`features` off)
+                return x
+            if l in self._stacked:
+                self._stacked.discard(l)
+                self.values.extend_block((norm.w * (r.float() / scale[None]).to(x.dtype)))
+            else:
+                self.values.extend((norm.w * (r.float() / scale[:, :, None]).to(x.dtype)).unbind(2))
+            return x
+        return hook
+
+    def _features(self, nodes, sandwich: bool):
+        """An SAE's hook point: its features' and error's values (`features.FeatureWriter`), appended in order, or
+        under sandwich norms kept until the norm's scale is known (`_shares`)."""
+        writer = nodes.writer(self.model) if self.features else None
+        count = len(nodes.features) + 1
+        needs = getattr(self.receive, "needs", None)
+
+        def hook(x, hook):
+            if writer is None:
+                return x
+            first = len(self.values)
+            if needs is not None and not needs(first, first + count):  # a patching that reads none of them
+                self.values.extend([None] * count)
+                return x
+            values = writer(x)  # [F + 1, b, p, d_model]
+            if sandwich:
+                self._results[nodes.layer] = values
+                self._stacked.add(nodes.layer)
+            else:
+                self.values.extend_block(values)
             return x
         return hook
 
@@ -117,6 +157,20 @@ class _Pass:
         def hook(x, hook):
             return x if self.receive is None else self.receive((l, kind), x, self.values)
         return hook
+
+
+class Values(list):
+    """Senders' values, a list; `blocks`: those made at once, first index -> [k, b, p, d] (an SAE's features and
+    error, `extend_block`), whose k values the list holds as views: read at once where many are (`_Patching._fill`:
+    one subtraction for an SAE's hundreds of features, not one each)."""
+
+    def __init__(self, items=()) -> None:
+        super().__init__(items)
+        self.blocks: dict[int, Tensor] = {}
+
+    def extend_block(self, stacked: Tensor) -> None:
+        self.blocks[len(self)] = stacked
+        self.extend(stacked.unbind(0))
 
 
 class Stacked:
@@ -140,6 +194,17 @@ class Stacked:
     def extend(self, xs) -> None:
         for x in xs:
             self.append(x)
+
+    def extend_block(self, stacked: Tensor) -> None:
+        """`extend` by the k values stacked [k, b, p, d], written at once."""
+        if self._buffer is None or stacked.shape[0] == 0:
+            return self.extend(stacked.unbind(0))
+        at = self._buffer[self.count:self.count + stacked.shape[0]]
+        if self.minus:
+            torch.sub(stacked, at, out=at)
+        else:
+            at.copy_(stacked)
+        self.count += stacked.shape[0]
 
     def __len__(self) -> int:
         return self.count
@@ -189,6 +254,12 @@ class _Patching:
         self.diff: Tensor | None = None
         self.total: Tensor | None = None  # sum of the differences written so far
         self.filled = 0
+
+    def needs(self, start: int, end: int) -> bool:
+        """Whether any receiver reads a change of senders start..end (`_Pass` makes no value it would not read: an
+        SAE's features patched nowhere; `_fill` takes their difference as 0, in the running sum and in the kept
+        senders' alike, so it cancels)."""
+        return bool(self.mask[start:end].any())
 
     def __call__(self, group, x, values):
         rs = self.g.groups[group]
@@ -244,16 +315,32 @@ class _Patching:
             shape = (x.shape[0], x.shape[1], x.shape[-1])  # every receiver reads the stream [b, p, d_model]
             self.diff = self.source.buffer(len(self.g.senders), shape, x.dtype, x.device)
             self.total = torch.zeros(shape, dtype=x.dtype, device=x.device)
-        for s in range(self.filled, len(values)):
-            if s < self.below:  # held as corrupted - clean: the difference is its negation
-                self.total -= self.diff[s]
-            else:
-                self.source.difference(s, values, x.dtype, out=self.diff[s])
-                self.total += self.diff[s]
-            if self.source.lean:  # read from the buffer from now on: the value is not held twice
-                values[s] = None
-                self.source.release(s)
+        blocks = getattr(values, "blocks", {})
+        s = self.filled
+        while s < len(values):
+            block = blocks.get(s)
+            if block is not None and not self.source.lean and s + block.shape[0] <= len(values):
+                e = s + block.shape[0]  # an SAE's values, made at once: one subtraction and one sum
+                self.source.difference_block(s, block, x.dtype, out=self.diff[s:e])
+                self.total += self.diff[s:e].sum(0)
+                s = e
+                continue
+            self._fill_one(s, values, x.dtype)
+            s += 1
         self.filled = len(values)
+
+    def _fill_one(self, s: int, values, dtype) -> None:
+        """Sender s's difference into the buffer and the running sum."""
+        if s < self.below:  # held as corrupted - clean: the difference is its negation
+            self.total -= self.diff[s]
+        elif values[s] is None:  # a value no receiver reads the change of (`needs`): 0 in every sum
+            self.diff[s].zero_()
+        else:
+            self.source.difference(s, values, dtype, out=self.diff[s])
+            self.total += self.diff[s]
+        if self.source.lean:  # read from the buffer from now on: the value is not held twice
+            values[s] = None
+            self.source.release(s)
 
     @staticmethod
     def _product(w: Tensor, diff: Tensor, x: Tensor) -> Tensor:
@@ -279,6 +366,10 @@ class Corrupted:
 
     def difference(self, s: int, values, dtype, out: Tensor | None = None) -> Tensor:
         return torch.sub(values[s], self.corrupted[s].to(dtype), out=out)
+
+    def difference_block(self, s: int, block: Tensor, dtype, out: Tensor) -> Tensor:
+        """Senders s .. s + k's differences at once, their values now `block` [k, b, p, d]."""
+        return torch.sub(block, self.corrupted[s:s + block.shape[0]].to(dtype), out=out)
 
 
 class LeanDifferences:

@@ -20,9 +20,11 @@ import torch
 from torch import Tensor
 
 from interp.models.placement.device import to_host, to_numpy
+from interp.models.saes.formats import as_sae
 
 from .._common import frozen_params, progress
 from .choices import IG_ON, IG_POINTS
+from .features import FeatureNodes, check_saes, feature_nodes, fired
 from .graph import FRACTIONS, Graph, Task, select
 from .layered import layered_attribution
 from .passes import Corrupted, LeanDifferences, Stacked, _Pass, _Patching, graph_mode
@@ -54,6 +56,28 @@ def _final(model, resid: Tensor, task: Task, answers: Tensor, start: int) -> Ten
     x = resid[rows.to(resid.device), pos.to(resid.device)][:, None]
     logits = model(x, "logits", start_at_layer=model.cfg.n_layers)[:, 0]
     return task.metric(logits.float(), answers)
+
+
+def _feature_nodes(model, task: Task, saes: Sequence, batch_size: int, all_features: bool) -> list:
+    """The graph's `features.FeatureNodes` of `saes`: checked together (one line each), then each SAE's features
+    that fire on the task's clean or corrupted prompts (`features.fired`; `all_features`: every one)."""
+    if not saes:
+        return []
+    if getattr(model, "acts_to_saes", None):
+        raise ValueError(f"the model has SAEs spliced in ({', '.join(model.acts_to_saes)}): the circuit's graph reads "
+                         "the model as it is; take them out (model.reset_saes()) and give them as saes=")
+    given = [s if isinstance(s, FeatureNodes) else as_sae(s) for s in saes]
+    check_saes(model.cfg, [s.sae.cfg if isinstance(s, FeatureNodes) else s.cfg for s in given])
+    for s in given:
+        sae = s.sae if isinstance(s, FeatureNodes) else s
+        if torch.device(sae.device) != torch.device(model.device):
+            raise ValueError(f"the SAE at {sae.cfg.hook_name} is on {sae.device} and the model on {model.device}: "
+                             "put it on the model's device (sae.to(model.device))")
+    loose = [s for s in given if not isinstance(s, FeatureNodes)]
+    found = iter(fired(model, task, loose, batch_size) if loose and not all_features else [])
+    return [s if isinstance(s, FeatureNodes) else
+            feature_nodes(model.cfg, s, None if all_features else next(found).nonzero().flatten().tolist())
+            for s in given]
 
 
 def goes_by_layer(graph: Graph, d_model: int, batch: int, positions: int) -> bool:
@@ -96,16 +120,21 @@ class Runner:
     """Clean and corrupted runs of a task on a model, cached per chunk of prompts, and the scores."""
 
     def __init__(self, model, task: Task, *, batch_size: int = 16, show_progress: bool | None = None,
-                 layered: bool | None = None, hold: int | None = None) -> None:
+                 layered: bool | None = None, hold: int | None = None, saes: Sequence = (),
+                 all_features: bool = False) -> None:
         """`layered`: EAP and EAP-IG one block at a time (`layered`: memory that grows with positions x d_model,
         not with the receivers' gradients); None: so when the whole graph's gradients would pass `LAYERED_ABOVE`
         bytes (prompts of ~500 tokens on SmolLM2). `hold`: the chunks whose runs are kept at once (None: every
-        chunk's; block by block, as many as fit in `HELD_BYTES`, and a chunk is as many prompts as fit in it)."""
+        chunk's; block by block, as many as fit in `HELD_BYTES`, and a chunk is as many prompts as fit in it).
+        `saes`: SAEs on components' outputs whose features and errors replace those components' senders
+        (`features`; on the model's device); only the features that fire on the task's prompts are nodes, unless
+        `all_features` (or given as `features.FeatureNodes`, taken as they are)."""
         if not getattr(model, "native", True):
             raise NotImplementedError("circuits need interp's own transformer (per-head inputs and outputs); this "
                                       "model is wrapped (run by transformers): load a natively supported family")
         _check_sandwich(model)
-        self.model, self.task, self.graph = model, task, Graph(model.cfg)
+        self.model, self.task = model, task
+        self.graph = Graph(model.cfg, _feature_nodes(model, task, saes, batch_size, all_features))
         self.batch_size, self.show_progress = batch_size, show_progress
         n, positions = task.clean.shape
         if layered is None:
@@ -300,11 +329,12 @@ class Runner:
         return x
 
     # -- why a head attends where it does --
-    def qk_attribution(self, head, key_pos=None, top_keys: int = 3, corrupted: bool = True):
+    def qk_attribution(self, head, key_pos=None, top_keys: int = 3, corrupted: bool = True, sae=None):
         """Head `head` ("L1H0", "1.0" or (layer, head))'s scores from each answer position of the clean
         prompts (the query) to `key_pos` (None: the `top_keys` keys it attends to most), decomposed into
         (query-side sender, key-side sender) terms; with `corrupted`, each pair's change of term in the
-        corrupted run and its first-order share of the attention weight's change (`qk.qk_attribution`)."""
+        corrupted run and its first-order share of the attention weight's change (`qk.qk_attribution`). `sae`: a
+        residual SAE at the stream the head's layer reads, whose features become the senders (`qk_features`)."""
         layer, h = parse_head(head, self.model.cfg)
         t = self.task
 
@@ -312,9 +342,12 @@ class Runner:
             values, resid, _ = self._chunk(part.start // self.chunk_size)[which]
             return values, resid[layer]
 
+        # a lean cache keeps no sender's value; a graph of SAE features keeps the features', not the heads' the
+        # head-level split reads: both run the forward to the head's layer again
+        reuse = not self.lean and not self.graph.saes
         return qk_attribution(self.model, t.clean, layer, h, t.positions, key_pos=key_pos, top_keys=top_keys,
                               corrupted=t.corrupted if corrupted else None, batch_size=self.chunk_size, rows=t.rows,
-                              given=None if self.lean else given)  # a lean cache keeps no sender's value
+                              given=given if reuse else None, sae=sae)
 
     # -- scores --
     def eap(self, positions=None) -> Tensor:
@@ -348,6 +381,7 @@ class Runner:
         extra = () if positions is None else (positions.n_classes,)
         scores = torch.zeros(len(g.senders), len(g.receivers), *extra, dtype=torch.float64)
         jobs = ((i, k) for i in self._order() for k in range(n_points))
+        held: tuple = (None, None)  # (chunk, its senders' differences): formed once for all of its points
         with frozen_params(model), graph_mode(model):
             for i, k in progress(jobs, total=len(self.chunks) * n_points, desc="attribution",
                                  enabled=self.show_progress):
@@ -356,10 +390,13 @@ class Runner:
                     layered_attribution(self, i, point(k), scores, 1 / n_points, positions)
                     continue
                 grads = self._gradients(i, part, answers, point(k))
+                if held[0] != i:
+                    held = (None, None)  # the last chunk's differences freed before this one's are formed
+                    held = (i, self._differences(i))
                 if positions is not None:  # [S, b, p, d] . [R, b, p, d] summed per class: [S, R, C]
-                    part_scores = positions.contract(part, self._differences(i), grads)
+                    part_scores = positions.contract(part, held[1], grads)
                 else:
-                    diff = self._differences(i).flatten(1).float()  # [S, b*p*d]
+                    diff = held[1].flatten(1).float()  # [S, b*p*d]
                     part_scores = diff @ grads.flatten(1).float().T
                 scores += to_host(part_scores).double() / n_points
         return (scores * g.allowed.reshape(g.allowed.shape + (1,) * len(extra))).float()
@@ -393,7 +430,7 @@ class Runner:
             inputs[group] = x
             return x
 
-        p = _Pass(model, g, receive, embed=embed)
+        p = _Pass(model, g, receive, embed=embed, features=False)  # reads no sender's value
         with model.hooks(p.hooks()):
             final = model(self.task.clean[part].to(model.device), stop_at_layer=g.n_layers)
             metric = _final(model, final, self.task, answers, part.start).sum() / self.task.n_answers
@@ -422,7 +459,8 @@ class Runner:
 
             part = self.chunks[i][0]
             tokens = (self.task.clean if which == "clean" else self.task.corrupted)[part]
-            with torch.no_grad(), graph_mode(self.model), self.model.hooks(_Pass(self.model, self.graph, receive).hooks()):
+            p = _Pass(self.model, self.graph, receive, features=False)
+            with torch.no_grad(), graph_mode(self.model), self.model.hooks(p.hooks()):
                 self.model(tokens.to(self.model.device), stop_at_layer=self.graph.n_layers)
             c[key] = inputs
         return c[key]
@@ -463,14 +501,10 @@ class Runner:
         with torch.no_grad():
             for i, j in progress(steps, desc="patching nodes", enabled=self.show_progress):
                 s, (part, answers) = todo[j], self.chunks[i]
-                name, layer = g.senders[s], g.sender_layer[s]
                 change = self._differences(i, s, s + 1)[0]
                 resid = self._chunk(i)["clean"][1]
                 add = lambda x, hook: x + change.to(x.dtype)  # noqa: E731
-                if name == "embed":
-                    start, point = 0, "blocks.0.hook_resid_pre"
-                else:
-                    start, point = layer, f"blocks.{layer}.hook_{'mlp' if name.startswith('MLP') else 'attn'}_out"
+                start, point = max(0, g.sender_layer[s]), g.writes_at[s]  # where its value joins the stream
                 with model.hooks([(point, add)]):
                     final = model(resid[start], start_at_layer=start, stop_at_layer=L)
                 sums[j][i] = float(_final(model, final, self.task, answers, part.start).double().sum())

@@ -15,7 +15,6 @@ head's score from the answer position, `qk.qk_attribution`) and a report section
 
 from __future__ import annotations
 
-import html
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -27,27 +26,28 @@ from interp.models.placement.device import to_numpy
 from interp.models.placement.memory import FIXED_BYTES, GiB, available_bytes, held_weight_bytes
 from interp.models.readouts.head_statistics import attention_rows, for_each_layer_qk, layer_scoring
 from interp.models.rope.choice import choose as choose_rope
+from interp.models.saes.formats import load_sae
 from interp.errors import as_user_errors
 
 from .._common import spearman
 from .graph import IG_ON, METHODS, SELECTIONS, Graph, Task, areas, curve_fractions, select
 from .positions import check_mode as check_positions, measure as measure_positions, positions_for
-from .positions import record as position_record, section as position_section
+from .positions import record as position_record
 from .qk import check_model, parse_head, parse_heads
 from .cost import PATTERN_MAX, duration, estimate, machine_flops
+from .features import check_saes, sae_config
 from .runner import IG_POINTS, Runner, faithfulness_curve, steps_refused
 from .passkey import passkey_task
+from .report import GOOD, _top, sections as report_sections
 from .tasks import METRICS, TASKS, build_task, context, read_task_file
-from ..document import Html, Section, number, png
+from ..document import Section
 from ..heads import induction_scores
 from ..study import Measured, Study, StudySettings, Table
-from ..plots import text_colour
 
 ALL_TASKS = TASKS + ("passkey",)
 DEFAULT_PASSKEY, MIN_PASSKEY = 1024, 128  # the passkey task's prompt length in tokens: default, shortest
 # exact edge patching is one forward per edge: past this many edges it is refused (with the way round)
 MAX_PATCHED_EDGES = 20_000
-GOOD = 0.8  # the faithfulness a circuit drawn by default reaches, where one of MIB's sizes does
 PATTERN_KEYS, PATTERN_TAIL = 8, 16  # a long prompt's pattern view (past cost.PATTERN_MAX positions): `_patterns`
 ROLE_TOP = 3  # the atlas's heads of a role: the top 3 by its score (as the KV precision study names them)
 
@@ -74,7 +74,12 @@ class CircuitSettings(StudySettings):
              block by block past ~500 tokens (`layered`), in memory that grows with the length, not its square; at
              most the model's context, or what the RoPE scaling it runs with gives (`tasks.context`)
     rope_scaling the command's --rope-scaling (any spelling of `interp.models.rope.choice`), which the model is
-             loaded with: `check` reads the passkey length against the context it gives (None: the model's own)"""
+             loaded with: `check` reads the passkey length against the context it gives (None: the model's own)
+    sae      None, or SAEs by path or name (`interp.load_sae`'s; "a,b" or a tuple, the form `check` returns) on
+             components' outputs (attn.hook_z, hook_attn_out, hook_mlp_out): their features and errors replace those
+             components' senders (`features`); the features that fire on none of the prompts are left out. A
+             residual-stream SAE (blocks.L.hook_resid_pre, or blocks.L-1.hook_resid_post) serves `qk` instead: layer L's
+             heads' scores are split in its features (`qk_features`)"""
 
     task: str = "ioi"
     method: str = "eap-ig"
@@ -93,6 +98,7 @@ class CircuitSettings(StudySettings):
     positions: str = "none"
     length: int | None = None
     rope_scaling: str | dict | None = None
+    sae: str | tuple[str, ...] | None = None
 
 
 def _heads(qk, cfg) -> list[tuple[int, int]]:
@@ -163,12 +169,14 @@ def _task(model, s: CircuitSettings) -> Task:
 
 
 def check_memory(model, task: Task, batch_size: int, available: int | None = None, *, method: str = "eap-ig",
-                 steps: int = 5, ig: str = "inputs", oracle: str = "none") -> str:
+                 steps: int = 5, ig: str = "inputs", oracle: str = "none", graph: Graph | None = None) -> str:
     """Before any run: refuse, in one line, EAP-IG steps past `runner.MAX_STEPS`, and a task whose stages' peak
     memory (`cost.estimate`: the runs held, and each stage's working set) would not fit beside the model on its
     device, naming the most prompts that fit (the whole graph) or the longest prompts (block by block, where a
-    prompt's runs are held at a time); else the estimate's line: memory and time (`cost.CircuitCost.line`)."""
+    prompt's runs are held at a time); else the estimate's line: memory and time (`cost.CircuitCost.line`).
+    `graph`: the graph the runs make (default the model's head graph; with SAEs, every feature a node)."""
     cfg = model.cfg
+    graph = Graph(cfg) if graph is None else graph
     n, positions = int(task.clean.shape[0]), int(task.clean.shape[1])
     element = next(model.parameters()).element_size()
     fixed = FIXED_BYTES + held_weight_bytes(cfg, element, getattr(model.offload, "kind", None))
@@ -176,7 +184,7 @@ def check_memory(model, task: Task, batch_size: int, available: int | None = Non
 
     def cost(n: int, positions: int):
         return estimate(cfg, n, positions, batch_size, method=method, steps=steps, ig=ig, oracle=oracle,
-                        element_size=element, flops=flops)
+                        element_size=element, flops=flops, graph=graph)
 
     found = cost(n, positions)
     if method == "eap-ig" and (refused := steps_refused(steps)) is not None:
@@ -191,11 +199,11 @@ def check_memory(model, task: Task, batch_size: int, available: int | None = Non
         low = _most(positions, lambda p: fits(cost(n, p)))  # the longest prompts that fit
         raise ValueError(f"prompts of {positions} tokens: about {needed / GiB:.1f} GiB needed (its peak in "
                          f"{found.peak_stage}, {found.held * found.per_chunk} prompt(s)' runs held at a time: "
-                         f"{len(Graph(cfg).senders)} senders at every position), more than {where} "
+                         f"{len(graph.senders)} senders at every position), more than {where} "
                          f"{available / GiB:.1f} GiB free; prompts of at most about {low:,} tokens fit")
     low = _most(n, lambda k: fits(cost(k, positions)))  # the most prompts that fit
     raise ValueError(f"--prompts {n}: about {needed / GiB:.1f} GiB needed for {n} prompts of {positions} tokens (its "
-                     f"peak in {found.peak_stage}: the clean and corrupted runs, {len(Graph(cfg).senders)} senders "
+                     f"peak in {found.peak_stage}: the clean and corrupted runs, {len(graph.senders)} senders "
                      f"cached at every position), more than {where} {available / GiB:.1f} GiB free; at most about "
                      f"{low:,} prompts fit (--prompts)")
 
@@ -207,6 +215,84 @@ def _most(high: int, fits) -> int:
         mid = (low + high + 1) // 2
         low, high = (mid, high) if fits(mid) else (low, mid - 1)
     return low
+
+
+def _check_saes(cfg, s: CircuitSettings) -> CircuitSettings:
+    """--sae: each SAE's config read (no weight) and checked against the model's and each other's (one line each,
+    `features.check_saes`); the names as a tuple. A residual-stream SAE serves --qk: the heads of the layer that
+    reads that stream are split in its features (`qk_features`); the graph takes SAEs on attention or MLP outputs."""
+    names = _sae_names(s.sae)
+    if not names:
+        return replace(s, sae=None)
+    configs = [(n, sae_config(n)) for n in names]
+    stream = [(n, c) for n, c in configs if _stream_layer(c.hook_name, cfg) is not None]
+    qk_layers = {l for l, _ in _heads(s.qk, cfg)}
+    served: dict[int, str] = {}
+    for n, c in stream:
+        layer = _stream_layer(c.hook_name, cfg)
+        if layer not in qk_layers:
+            asked = f"--qk names heads of layer(s) {sorted(qk_layers)}" if qk_layers else "no --qk heads are asked for"
+            raise ValueError(f"--sae {n}: a residual-stream SAE ({c.hook_name}) serves QK attribution of layer "
+                             f"{layer}'s heads (--qk L{layer}H...), and {asked}; the circuit graph takes SAEs on "
+                             "attention or MLP outputs (hook_z, hook_attn_out, hook_mlp_out): one on the residual "
+                             "stream would cut the residual stream, which the graph does not do")
+        if layer in served:
+            raise ValueError(f"--sae {served[layer]} and {n} are both at the stream layer {layer}'s heads read: give one")
+        if c.d_in != cfg.d_model:
+            raise ValueError(f"the SAE at {c.hook_name} reads d_in={c.d_in}, but the residual stream has width "
+                             f"d_model={cfg.d_model}: it was trained on another model")
+        served[layer] = n
+    check_saes(cfg, [c for n, c in configs if _stream_layer(c.hook_name, cfg) is None])
+    return replace(s, sae=names)
+
+
+def _stream_layer(hook: str, cfg) -> int | None:
+    """The layer whose heads read the residual stream at `hook` (blocks.L.hook_resid_pre: L; blocks.L.hook_resid_post:
+    L + 1, where there is one); None for any other hook."""
+    parts = (hook or "").split(".")
+    if len(parts) != 3 or parts[0] != "blocks" or not parts[1].isdigit():
+        return None
+    layer = int(parts[1]) + (parts[2] == "hook_resid_post")
+    return layer if parts[2] in ("hook_resid_pre", "hook_resid_post") and layer < cfg.n_layers else None
+
+
+def _sae_names(sae) -> tuple[str, ...]:
+    if sae is None:
+        return ()
+    return tuple(n.strip() for n in (sae.split(",") if isinstance(sae, str) else sae) if n.strip())
+
+
+def _setup(model, s: CircuitSettings, stage) -> tuple:
+    """(task, position classes or None, runner, QK attributions): the task built, the SAEs read, the memory and
+    the exact patching's edges checked, the clean and corrupted runs made."""
+    with as_user_errors(ValueError, NotImplementedError):
+        heads = _heads(s.qk, model.cfg)
+        if heads:
+            check_model(model)
+        task = stage("task", lambda: _task(model, s))
+        pos = positions_for(task, s.positions)
+        loaded = [load_sae(n, device=model.device) for n in _sae_names(s.sae)]
+        by_layer = {_stream_layer(sae.cfg.hook_name, model.cfg): sae for sae in loaded}  # --qk's, by the layer it serves
+        saes = [sae for sae in loaded if _stream_layer(sae.cfg.hook_name, model.cfg) is None]
+        if saes:
+            check_saes(model.cfg, [sae.cfg for sae in saes])
+        every = Graph(model.cfg, saes)  # every feature a node: the most the runs can hold
+        classes = pos.n_classes if pos is not None and s.method == "patching" else 1
+        if pos is not None and s.method == "patching" and every.n_edges * classes > MAX_PATCHED_EDGES and not saes:
+            raise ValueError(_edge_cost_line(every.n_edges * classes))
+        print("circuit: " + check_memory(model, task, s.batch_size, method=s.method, steps=s.steps, ig=s.ig,
+                                         oracle=s.oracle, graph=every))
+        runner = stage("clean and corrupted", lambda: Runner(model, task, batch_size=s.batch_size,
+                                                             show_progress=s.progress, saes=saes))
+        patched = runner.graph.n_edges * classes  # with SAEs, known once the features that fire are
+        if saes and (s.method == "patching" or s.oracle == "edges") and patched > MAX_PATCHED_EDGES:
+            raise ValueError(_edge_cost_line(patched) + " (with the SAEs' features that fire on the prompts)")
+        qk = [stage(f"qk L{l}H{h}", lambda l=l, h=h: runner.qk_attribution((l, h), top_keys=s.qk_keys,
+                                                                           sae=by_layer.get(l)))
+              for l, h in heads]
+    if (note := _qk_keys_note(qk, s.qk_keys)) is not None:
+        print(note)
+    return task, pos, runner, qk
 
 
 class CircuitStudy(Study):
@@ -257,29 +343,14 @@ class CircuitStudy(Study):
         check_positions(s.task, s.positions)
         if s.size is not None and not 0 < s.size <= 1:
             raise ValueError(f"--size is a fraction of the edges in (0, 1], got {s.size}")
-        n_edges = Graph(cfg).n_edges
+        s = _check_saes(cfg, s)
+        n_edges = Graph(cfg).n_edges  # with SAEs, counted again once the features that fire are known (`_setup`)
         if (s.method == "patching" or s.oracle == "edges") and n_edges > MAX_PATCHED_EDGES:
             raise ValueError(_edge_cost_line(n_edges))
         return s, []
 
     def measure(self, model, s: CircuitSettings, stage):
-        with as_user_errors(ValueError, NotImplementedError):
-            heads = _heads(s.qk, model.cfg)
-            if heads:
-                check_model(model)
-            task = stage("task", lambda: _task(model, s))
-            pos = positions_for(task, s.positions)
-            n_patched = Graph(model.cfg).n_edges * (pos.n_classes if pos is not None else 0)
-            if s.method == "patching" and n_patched > MAX_PATCHED_EDGES:
-                raise ValueError(_edge_cost_line(n_patched))
-            print("circuit: " + check_memory(model, task, s.batch_size, method=s.method, steps=s.steps, ig=s.ig,
-                                             oracle=s.oracle))
-            runner = stage("clean and corrupted", lambda: Runner(model, task, batch_size=s.batch_size,
-                                                                 show_progress=s.progress))
-            qk = [stage(f"qk L{l}H{h}", lambda l=l, h=h: runner.qk_attribution((l, h), top_keys=s.qk_keys))
-                  for l, h in heads]
-        if (note := _qk_keys_note(qk, s.qk_keys)) is not None:
-            print(note)
+        task, pos, runner, qk = _setup(model, s, stage)
         g = runner.graph
         if s.method == "patching":
             scores = stage("patching", runner.patch_edges)
@@ -322,7 +393,9 @@ class CircuitStudy(Study):
         runner.release()  # the last stage that patches is done: the report's forwards run without the held runs
         roles = stage("roles", lambda: _roles(model))
         movers = stage("movers", lambda: _movers(model, task, edges))
-        patterns = stage("patterns", lambda: _patterns(model, task, nodes[nodes.in_circuit & (nodes.kind == "head")]))
+        shown = pd.concat([nodes[nodes.in_circuit & (nodes.kind == "head")], _read_heads(g, edges, circuit)],
+                          ignore_index=True)
+        patterns = stage("patterns", lambda: _patterns(model, task, shown))
         if qk:
             tables["qk"] = pd.concat([r.pairs().assign(head=r.name) for r in qk], ignore_index=True)[
                 ["head", *qk[0].pairs().columns]]
@@ -335,6 +408,8 @@ class CircuitStudy(Study):
         task, runner, curve = m.task, m.runner, m["faithfulness"]
         circuit = m.circuit
         heads = m["nodes"][m["nodes"].in_circuit & (m["nodes"].kind == "head")]["node"].tolist()
+        features = m["nodes"][m["nodes"].in_circuit & m["nodes"].kind.isin(("feature", "error"))]["node"].tolist()
+        read = _read_heads(runner.graph, m["edges"], circuit)["node"].tolist()
         return {"task": s.task, "task_description": task.description, "metric": task.metric_name,
                 "method": s.method, "steps": s.steps if s.method == "eap-ig" else None,
                 "ig": s.ig if s.method == "eap-ig" else None,
@@ -343,15 +418,17 @@ class CircuitStudy(Study):
                 "clean_metric": runner.clean_metric, "corrupted_metric": runner.corrupted_metric,
                 "n_edges": runner.graph.n_edges, **areas(curve),
                 "circuit": {"fraction": m.size, "chosen": s.size is None, "edges": int(circuit.sum()),
-                            "faithfulness": m.drawn, "heads": heads},
+                            "faithfulness": m.drawn, "heads": heads,
+                            **({"features": features, "read_heads": read} if runner.graph.saes else {})},
                 "roles": {k: v for k, v in m.roles.items()},
                 "movers": None if m.movers is None else m.movers.to_dict("records"),
                 "agreement_spearman": m.agreement,
                 "qk": [_qk_record(r, s.qk_keys) for r in m.qk] if m.qk else None,
+                "saes": [_sae_record(n) for n in runner.graph.saes] or None,
                 "positions": position_record(m.positions[0], s.positions, m.positions[1]) if m.positions else None}
 
     def sections(self, s: CircuitSettings, m: CircuitMeasured, record) -> list[Section]:
-        return _sections(s, m, record)
+        return report_sections(s, m, record)
 
     written: tuple[str, ...] | None = None  # the tables the last `measure` made (set there)
 
@@ -373,11 +450,43 @@ def _node_frame(g: Graph, scores, method: str, circuit) -> pd.DataFrame:
             in_circuit[g.receiver_senders[r]] = True
     rows = []
     for i, name in enumerate(g.senders):
-        kind = "embed" if name == "embed" else "mlp" if name.startswith("MLP") else "head"
+        kind = g.sender_kind[i]
         head = int(name.split("H")[1]) if kind == "head" else -1
-        rows.append({"node": name, "layer": g.sender_layer[i], "head": head, "kind": kind,
-                     "score": float(scores[i]), "method": method, "in_circuit": bool(in_circuit[i])})
+        row = {"node": name, "layer": g.sender_layer[i], "head": head, "kind": kind,
+               "score": float(scores[i]), "method": method, "in_circuit": bool(in_circuit[i])}
+        if g.saes:  # which SAE and feature (-1: not a feature; the error's hook is its SAE's)
+            sae = g.sender_sae[i]
+            row.update(feature=g.sender_feature[i], hook=g.saes[sae].hook_name if sae >= 0 else "")
+        rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _read_heads(g: Graph, edges: pd.DataFrame, circuit) -> pd.DataFrame:
+    """The heads of layers whose attention an SAE's features replace (no sender of their own) whose inputs the
+    circuit feeds: node, layer, head, and score (the sum of |score| of the circuit's edges into them)."""
+    if not any(n.component == "attn" for n in g.saes):
+        return pd.DataFrame(columns=["node", "layer", "head", "score"])
+    s_idx, r_idx = g.edges()
+    into = edges[to_numpy(circuit[s_idx, r_idx])]
+    replaced = {n.layer for n in g.saes if n.component == "attn"}
+    rows = {}
+    for r in into.itertuples():
+        l = g.receiver_layer[g.receivers.index(r.receiver)]
+        if l in replaced and r.receiver.startswith("L"):
+            group = g.n_heads // g.n_kv if "KV" in r.receiver else 1  # a KV receiver feeds its group's heads
+            first = int(r.receiver.rsplit("KV" if "KV" in r.receiver else "H", 1)[1]) * group
+            for h in range(first, first + group):
+                rows[(l, h)] = rows.get((l, h), 0.0) + abs(float(r.score))
+    return pd.DataFrame([{"node": f"L{l}H{h}", "layer": l, "head": h, "score": v}
+                         for (l, h), v in sorted(rows.items())], columns=["node", "layer", "head", "score"])
+
+
+def _sae_record(nodes) -> dict:
+    """An SAE spliced into the graph, for settings.json: where, what, and how many of its features are nodes."""
+    c = nodes.sae.cfg
+    return {"hook": c.hook_name, "source": c.source, "architecture": c.architecture, "d_in": c.d_in,
+            "d_sae": c.d_sae, "k": c.k, "features": len(nodes.features), "left_out": c.d_sae - len(nodes.features),
+            "error_node": nodes.names()[-1]}
 
 
 def _roles(model) -> dict:
@@ -464,167 +573,13 @@ def _patterns(model, task, heads: pd.DataFrame, limit: int = 24):
     return list(heads.node), to_numpy(stack, np.float32), strings
 
 
-# ---- the report ------------------------------------------------------------------------------------------
-def _sections(s: CircuitSettings, m: CircuitMeasured, record) -> list[Section]:
-    task, runner, curve, g = m.task, m.runner, m["faithfulness"], m.graph
-    edges, nodes, circuit = m["edges"], m["nodes"], m.circuit
-    c = record["circuit"]
-    at = lambda f: curve.loc[(curve.fraction - f).abs().idxmin()]  # noqa: E731
-    heads = c["heads"]
-    summary = Section("summary", "Summary").add(
-        f"Task: {task.description}. Metric: {task.metric_name}, the mean over {task.n_answers:,} answers of "
-        f"{record['prompts']} prompts: {runner.clean_metric:.4g} on the clean prompts, {runner.corrupted_metric:.4g} "
-        "on the corrupted ones.",
-        f"Scores: {edges['method'].iloc[0]} over {g.n_edges:,} edges ({len(g.senders)} senders, {len(g.receivers)} "
-        "receivers). Faithfulness is (metric of the circuit - corrupted) / (clean - corrupted), every edge outside "
-        "the circuit patched from the corrupted run: 1 is the model's behaviour, 0 none of it.",
-        f"Faithfulness at 1% of the edges: {at(0.01).faithfulness:.3f} ({int(at(0.01).edges)} edges after pruning); "
-        f"at 5%: {at(0.05).faithfulness:.3f} ({int(at(0.05).edges)} edges). CPR (area under the curve) "
-        f"{record['cpr']:.3f}, CMD (area under |1 - faithfulness|) {record['cmd']:.3f}.",
-        f"The circuit drawn ({s.select} selection, {c['fraction']:.1%} of the edges"
-        + (f": the smallest of the sizes above with faithfulness >= {GOOD}" if c["chosen"] and c["faithfulness"] >= GOOD
-           else f": none of the sizes reaches faithfulness {GOOD}, so 5%" if c["chosen"] else "")
-        + f", {c['edges']} after pruning, "
-        f"faithfulness {c['faithfulness']:.3f}) holds {len(heads)} heads: {', '.join(heads[:30]) or 'none'}"
-        + (" ..." if len(heads) > 30 else "") + ".",
-        _roles_line(record["roles"], set(heads)),
-        _agreement_line(record["agreement_spearman"]))
-    sections = [summary,
-                Section("circuit", "The circuit").add(Html(_svg(g, edges, circuit), "(drawing: open report.html)")),
-                _curve_section(curve, runner.layered, int(task.clean.shape[1])),
-                Section("edges", "Top edges").add(_top(edges, 25)),
-                *([Section("movers", "The heads that write the answer").add(
-                    "The heads whose edges into the logits score most, and their mean attention from the answer "
-                    "position to the positions holding the answer's token and the wrong answer's (on the clean "
-                    "prompts).", m.movers)] if m.movers is not None else []),
-                Section("nodes", "Top nodes").add(_top(nodes.drop(columns=["method"]), 25))]
-    if m.patterns is not None:
-        from interp.models.readouts.attention_view import pattern_view
-
-        names, stack, strings = m.patterns
-        view = pattern_view(strings, stack, head_names=names, title="the circuit's heads on the first clean prompt")
-        sections.append(Section("patterns", "The circuit's heads: patterns").add(
-            "Each head of the circuit on the first clean prompt (click a thumbnail; hover a token).",
-            Html(view.fragment, "(interactive: open report.html)")))
-    if m.positions:
-        sections.append(position_section(curve, m.positions[1], record["positions"]))
-    for r, rec in zip(m.qk, record.get("qk") or []):
-        sections.append(_qk_section(r, rec, task, m.runner.model))
-    return sections
-
-
-def _roles_line(roles: dict, heads: set) -> str:
-    parts = []
-    for label, top in roles.items():
-        named = [f"{r['head']} ({r['score']:.2f}{', in' if r['head'] in heads else ', not in'})" for r in top]
-        parts.append(f"{label}: {', '.join(named)}")
-    return "The atlas's top heads by role (Olsson et al.'s scores on repeated random tokens) and the circuit: " + \
-        "; ".join(parts) + "."
-
-
-def _agreement_line(agreement: dict) -> str | None:
-    if not agreement:
-        return None
-    return "Agreement with exact patching (Spearman of |score| ranks): " + ", ".join(
-        f"{k} {v:.3f}" for k, v in agreement.items()) + "."
-
-
-def _top(frame: pd.DataFrame, n: int) -> pd.DataFrame:
-    return frame.reindex(frame.score.abs().sort_values(ascending=False).index).head(n)
-
-
-def _curve_section(curve: pd.DataFrame, layered: bool = False, positions: int = 0) -> Section:
-    import matplotlib  # start-up time: the command's --help and checks run without it
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6, 3.6))
-    ax = fig.subplots()
-    x = curve.fraction.clip(lower=1e-4)
-    ax.plot(x, curve.faithfulness, marker="o")
-    ax.set_xscale("log")
-    ax.axhline(1, color="gray", linewidth=0.8, linestyle=":")
-    ax.set_xlabel("fraction of edges kept (0 drawn at 1e-4)")
-    ax.set_ylabel("faithfulness")
-    fig.tight_layout()
-    sizes = ", ".join(f"{f:.0%}" for f in curve.fraction if 0 < f < 1)
-    long = (f"At {positions:,} tokens the runner goes block by block, and each size is a patched run of every block "
-            f"for every prompt: the curve is measured at {sizes} of the edges only (MIB's 10 sizes at short prompts), "
-            "and 0 edges is the corrupted run by definition (faithfulness 0, not run); CPR and CMD are the areas "
-            "under these points. --size draws a circuit of any other size." if layered else None)
-    return Section("faithfulness", "Faithfulness over circuit sizes").add(
-        long, png(fig, "faithfulness.png", "faithfulness of the circuit against its share of the edges"), curve)
-
-
-def _svg(g: Graph, edges: pd.DataFrame, circuit, max_edges: int = 80) -> str:
-    """The circuit as an SVG: layers bottom to top (embed below, logits above), heads left to right, the MLP
-    at the right end of its layer; an edge's width is its |score|, blue positive, red negative; q edges
-    solid, k dashed, v dotted. A node links to its pattern below."""
-    H = g.n_heads
-    s_idx, r_idx = g.edges()
-    keep = to_numpy(circuit[s_idx, r_idx])
-    chosen = edges[keep].copy()
-    chosen = chosen.reindex(chosen.score.abs().sort_values(ascending=False).index).head(max_edges)
-    if chosen.empty:
-        return "<p>The circuit at this size holds no edge.</p>"
-    dx, dy, pad = 56, 46, 30
-    width = pad * 2 + dx * (H + 1)
-    height = pad * 2 + dy * (g.n_layers + 1)
-
-    def where(name: str) -> tuple[float, float]:
-        if name == "embed":
-            return width / 2, height - pad
-        if name == "logits":
-            return width / 2, pad
-        if name.startswith("MLP"):
-            layer, col = int(name[3:]), H
-        elif "KV" in name:
-            layer, kv = name[1:].split("KV")
-            layer, col = int(layer), int(kv) * (H // g.n_kv) + (H // g.n_kv - 1) / 2
-        else:
-            layer, head = name[1:].split("H")
-            layer, col = int(layer), int(head)
-        return pad + dx * col + dx / 2, height - pad - dy * (layer + 1)
-
-    top = float(chosen.score.abs().max()) or 1.0
-    lines, used = [], set()
-    dash = {"q": "", "k": ' stroke-dasharray="6,3"', "v": ' stroke-dasharray="2,3"', "-": ""}
-    for r in chosen.itertuples():
-        (x1, y1), (x2, y2) = where(r.sender), where(r.receiver)
-        x2 += {"q": -7, "k": 0, "v": 7}.get(r.input, 0)  # a head's three inputs side by side
-        used.update((r.sender, r.receiver))
-        color = "#2166ac" if r.score > 0 else "#b2182b"
-        w = 0.6 + 4.4 * abs(r.score) / top
-        tip = html.escape(f"{r.sender} -> {r.receiver} ({r.input}): {number(r.score)}")
-        lines.append(f'<line x1="{x1:.0f}" y1="{y1:.0f}" x2="{x2:.0f}" y2="{y2:.0f}" stroke="{color}" '
-                     f'stroke-width="{w:.2f}" stroke-opacity="0.7"{dash.get(r.input, "")}><title>{tip}</title></line>')
-    dots = []
-    for name in sorted(used):
-        x, y = where(name)
-        label = html.escape(name)
-        shape = (f'<rect x="{x - 18:.0f}" y="{y - 9:.0f}" width="36" height="18" rx="3" fill="#fff" stroke="#555"/>'
-                 if not name.startswith("L") else f'<circle cx="{x:.0f}" cy="{y:.0f}" r="14" fill="#fff" stroke="#555"/>')
-        text = f'<text x="{x:.0f}" y="{y + 3:.0f}" font-size="8" text-anchor="middle">{label}</text>'
-        link = "#patterns" if name.startswith("L") and "KV" not in name else None
-        node = f"{shape}{text}<title>{label}</title>"
-        dots.append(f'<a href="{link}">{node}</a>' if link else node)
-    rows = "".join(f'<text x="4" y="{height - pad - dy * (l + 1) + 3:.0f}" font-size="9" fill="#777">{l}</text>'
-                   for l in range(g.n_layers))
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-            f'viewBox="0 0 {width} {height}" role="img" aria-label="circuit">{rows}{"".join(lines)}{"".join(dots)}</svg>'
-            f"<p>The circuit's {len(chosen)} strongest edges (of {int(keep.sum())}); layer numbers at the left. "
-            "Width: |score|; red: corrupting the edge lowers the metric (the edge carries the behaviour), blue: "
-            "raises it. Into a head: q solid, k dashed, v dotted.</p>")
-
-
 # ---- QK attribution (--qk) -----------------------------------------------------------------------------------
 def _qk_record(r, keys_asked: int) -> dict:
     fewest, most = r.keys_seen()
     at_keys = lambda t: [float(x) for x in r.mean_at_keys(t)]  # noqa: E731  (over the queries that have a k-th key)
     out = {"head": r.name, "kv_head": r.kv_head, "queries": int(r.terms.shape[0]), "keys_per_query": most,
            "fewest_keys_per_query": fewest, "keys_asked": keys_asked,
-           "softcapped": r.softcapped, "max_abs_error": r.max_error, "contrast_max_abs_error": r.contrast_max_error,
+           "sae_hook": r.sae_hook, "softcapped": r.softcapped, "max_abs_error": r.max_error, "contrast_max_abs_error": r.contrast_max_error,
            "mean_weight_at_keys": at_keys(r.pattern), "mean_score_at_keys": at_keys(r.score)}
     if r.delta is not None:
         out.update(delta_max_abs_error=r.delta_max_error,
@@ -643,69 +598,3 @@ def _qk_keys_note(qk: list, asked: int) -> str | None:
     return (f"note: --qk-keys {asked} is more keys than some queries see ({seen} keys visible from the answer "
             "positions): each of those is split at every key it sees, once each (settings.json: qk keys_per_query, "
             "fewest_keys_per_query)")
-
-
-def _qk_section(r, rec: dict, task, model, top: int = 6) -> Section:
-    """A head's QK attribution: its top query senders x top key senders (mean term and mean contrast term at the
-    keys it attends to most), beside its pattern on the first clean prompt; the top pairs; the check."""
-    import matplotlib  # start-up time: the command's --help and checks run without it
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-
-    mats = [(r.matrix(top, "term"), "mean term"), (r.matrix(top, "contrast"), "mean contrast term")]
-    first = r.prompts == int(r.prompts.min())
-    pos = int(r.query_pos[first].max())
-    tokens = task.clean[int(r.prompts.min()), :pos + 1]
-    with torch.no_grad():
-        _, cache = model.run_with_cache(tokens[None].to(model.device),
-                                        names_filter=lambda n: n == f"blocks.{r.layer}.attn.hook_pattern")
-    pattern = to_numpy(cache[f"blocks.{r.layer}.attn.hook_pattern"][0, r.head], np.float32)
-    fig = Figure(figsize=(14, 4.4))
-    axes = fig.subplots(1, 3)
-    for ax, (mat, label) in zip(axes, mats):
-        arr = mat.to_numpy()
-        bound = float(np.abs(arr).max()) or 1.0
-        im = ax.imshow(arr, cmap="RdBu_r", vmin=-bound, vmax=bound, aspect="auto")
-        ax.set_xticks(range(arr.shape[1]), list(mat.columns), rotation=45, ha="right", fontsize=8)
-        ax.set_yticks(range(arr.shape[0]), list(mat.index), fontsize=8)
-        ax.set_xlabel("key-side sender")
-        ax.set_ylabel("query-side sender")
-        ax.set_title(f"{r.name}: {label}")
-        for i in range(arr.shape[0]):
-            for j in range(arr.shape[1]):
-                ax.text(j, i, f"{arr[i, j]:.2f}", ha="center", va="center", fontsize=7,
-                        color=text_colour(im.cmap(im.norm(arr[i, j]))))
-        fig.colorbar(im, ax=ax, shrink=0.8)
-    ax = axes[2]
-    ax.imshow(pattern, cmap="viridis", vmin=0, vmax=max(float(pattern.max()), 1e-6), aspect="auto")
-    ax.set_title(f"{r.name}: pattern, prompt {int(r.prompts.min())}")
-    ax.set_xlabel("key position")
-    ax.set_ylabel("query position")
-    fig.tight_layout()
-    weights = ", ".join(f"{w:.3f}" for w in rec["mean_weight_at_keys"][:8]) + (
-        ", ..." if len(rec["mean_weight_at_keys"]) > 8 else "")
-    fewer = rec["fewest_keys_per_query"] < rec["keys_asked"]
-    keys = (f"the {rec['keys_per_query']} keys it attends to most" if not fewer else
-            f"the keys it attends to most, at most {rec['keys_asked']} (--qk-keys) and never more than a query sees: "
-            f"{rec['fewest_keys_per_query']}" + (f" to {rec['keys_per_query']}" if rec['keys_per_query'] !=
-                                                 rec['fewest_keys_per_query'] else "") + " keys, each once")
-    lines = [f"Why {r.name} attends where it does: its pre-softmax score from each answer position (the query, "
-             f"{rec['queries']} of them) to {keys} (mean weights {weights}), "
-             "split into (query-side sender, key-side sender) terms, every norm's scale frozen at the clean run; `bias` "
-             "is the norms' and projections' constants plus what the senders leave out of the stream. The contrast "
-             "term is the term at the key less its mean over every key the query sees: what sets this key apart.",
-             f"Check: the terms add up to the model's score within {rec['max_abs_error']:.2g} (the contrast within "
-             f"{rec['contrast_max_abs_error']:.2g})."
-             + (" The scores are soft-capped: the raw score, before the cap, is decomposed." if r.softcapped else "")
-             + (f" Under grouped-query attention its keys are KV head {r.kv_head}'s." if r.kv_head != r.head else "")]
-    if r.delta is not None:
-        lines.append("Corrupted prompts: each pair's change of term (delta) and its first-order share of the attention "
-                     "weight's change (weight change); their sum, "
-                     + ", ".join(f"{a:+.3f}" for a in rec["mean_weight_change_first_order"])
-                     + " at the keys, against the true change "
-                     + ", ".join(f"{a:+.3f}" for a in rec["mean_weight_change_true"]) + ".")
-    return Section(f"qk-{r.name}", f"QK attribution: {r.name}").add(
-        *lines, png(fig, f"qk_{r.name}.png", f"{r.name}: mean term and contrast term by sender pair; its pattern"),
-        r.pairs().head(12))

@@ -9,7 +9,6 @@ place or width."""
 
 from __future__ import annotations
 
-import inspect
 
 import pytest
 import torch
@@ -279,8 +278,6 @@ def test_the_runs_given_by_a_cache_give_what_a_fresh_run_gives():
         torch.testing.assert_close(getattr(cached, field), getattr(fresh, field), atol=5e-5, rtol=1e-4)
 
 
-@pytest.mark.skipif("sae" not in inspect.signature(Runner.qk_attribution).parameters,
-                    reason="Runner.qk_attribution does not pass an SAE on yet")
 def test_the_runner_passes_its_sae_on():
     model = build(OWN_CONFIGS["learned-layernorm"])
     task = random_task(model, n=3, p=8)
@@ -322,3 +319,50 @@ def test_an_offloaded_model_gives_what_the_whole_model_gives(tmp_path):
     assert a.query_senders == b.query_senders and a.key_senders == b.key_senders
     for field in ("terms", "contrast", "score", "weight_change"):
         torch.testing.assert_close(getattr(a, field), getattr(b, field))
+
+
+def _residual_sae_folder(folder, hook: str, d_in: int, seed: int = 0) -> str:
+    random_sae(hook, d_in, 64, seed=seed).save_model(folder)
+    return str(folder)
+
+
+def test_the_command_splits_qk_in_the_features_of_a_residual_sae(tmp_path):
+    """`interp circuit --qk L1H0 --sae RESIDUAL`: the qk table's senders are the SAE's (F{index}, b_dec, error), the
+    terms still add up to the score, and settings.json names the SAE's hook; the circuit graph stays the heads'."""
+    from interp.analyses.store import read_table
+    from interp.cli import main as cli
+
+    sae = _residual_sae_folder(tmp_path / "sae", "blocks.0.hook_resid_post", 128)  # attn-only-2l: d_model 128
+    out = tmp_path / "out"
+    assert cli(["circuit", "attn-only-2l", "--task", "induction", "--prompts", "2", "--method", "eap", "--qk", "L1H0",
+                "--sae", sae, "--no-progress", "--out", str(out)]) == 0
+    qk = read_table(out, "qk")
+    senders = set(qk.query_sender) | set(qk.key_sender)
+    assert {"b_dec", "error"} <= senders and any(s.startswith("F") and s[1:].isdigit() for s in senders)
+    assert not any(s.startswith("L0H") for s in senders)  # the heads' outputs are inside the features and error
+    record = __import__("json").loads((out / "settings.json").read_text())
+    assert record["qk"][0]["sae_hook"] == "blocks.0.hook_resid_post" and record["qk"][0]["max_abs_error"] < 1e-3
+    assert record["saes"] is None  # the graph took no SAE: the residual one served --qk alone
+    assert "the features of the SAE at blocks.0.hook_resid_post" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--sae", "{sae}"], "a residual-stream SAE (blocks.0.hook_resid_post) serves QK attribution of layer 1's heads "
+     "(--qk L1H...), and no --qk heads are asked for"),
+    (["--qk", "L0H1", "--sae", "{sae}"], "and --qk names heads of layer(s) [0]"),
+    (["--qk", "L1H0", "--sae", "{sae},{sae2}"], "are both at the stream layer 1's heads read: give one"),
+    (["--qk", "L1H0", "--sae", "{narrow}"], "reads d_in=64, but the residual stream has width d_model=128"),
+])
+def test_a_residual_sae_the_qk_heads_do_not_read_is_refused_before_loading(tmp_path, capsys, monkeypatch, argv,
+                                                                          says):
+    from interp.cli import main as cli
+
+    sae = _residual_sae_folder(tmp_path / "sae", "blocks.0.hook_resid_post", 128)
+    sae2 = _residual_sae_folder(tmp_path / "sae2", "blocks.1.hook_resid_pre", 128, seed=1)
+    narrow = _residual_sae_folder(tmp_path / "narrow", "blocks.1.hook_resid_pre", 64, seed=2)
+    monkeypatch.setattr(interp, "load", lambda *a, **k: pytest.fail("loaded"))
+    argv = [a.format(sae=sae, sae2=sae2, narrow=narrow) for a in argv]
+    assert cli(["circuit", "attn-only-2l", "--task", "induction", *argv, "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and says in err and "\n" not in err
+    assert not (tmp_path / "x").exists()
