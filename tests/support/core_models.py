@@ -158,3 +158,12 @@ def rope_by_hand(v: torch.Tensor, p: int, cfg) -> torch.Tensor:
     ang = torch.cat([p * inv, p * inv])
     v1, v2 = v[: d // 2], v[d // 2:]
     return v * ang.cos() + torch.cat([-v2, v1]) * ang.sin()
+
+
+def whole_and_offloaded(folder: Path, name: str = "rotary-rms-swiglu-gqa"):
+    """(the model loaded whole, the same checkpoint offloaded to the CPU, 2 x 8 tokens): one of our configs saved
+    into `folder` and read back both ways, for tests that an offloaded model gives the whole model's numbers."""
+    build(OWN_CONFIGS[name]).save(folder)
+    whole, offloaded = interp.load(folder), interp.load(folder, offload="cpu")
+    assert offloaded.offload is not None
+    return whole, offloaded, torch.randint(whole.cfg.d_vocab, (2, 8), generator=torch.Generator().manual_seed(0))

@@ -18,7 +18,7 @@ from interp.analyses.store import read_table
 from interp.cli import main as cli
 
 from arch_cases import ARCHITECTURES, builder, native_case
-from core_models import OWN_CONFIGS, build, rope_by_hand, small
+from core_models import OWN_CONFIGS, build, rope_by_hand, small, whole_and_offloaded
 from circuit_tasks import random_task
 
 NATIVE = [t for t in ARCHITECTURES if native_case(t) is not None]
@@ -225,11 +225,7 @@ def test_the_runner_reads_its_cached_runs_and_gets_what_a_fresh_run_gets(name):
 
 
 def test_an_offloaded_model_gives_what_the_whole_model_gives(tmp_path):
-    model = build(OWN_CONFIGS["rotary-rms-swiglu-gqa"])
-    model.save(tmp_path / "m")
-    whole, offloaded = interp.load(tmp_path / "m"), interp.load(tmp_path / "m", offload="cpu")
-    assert offloaded.offload is not None
-    tokens = torch.randint(model.cfg.d_vocab, (2, 8), generator=torch.Generator().manual_seed(0))
+    whole, offloaded, tokens = whole_and_offloaded(tmp_path / "m")
     a = qk_attribution(whole, tokens, 1, 2, 7, corrupted=tokens.flip(1))
     b = qk_attribution(offloaded, tokens, 1, 2, 7, corrupted=tokens.flip(1))
     for field in ("terms", "contrast", "score", "weight_change"):

@@ -20,7 +20,7 @@ from interp.analyses.circuits.qk_features import Features, sender_values, split_
 from interp.models.saes import SAE, SAEConfig
 
 from arch_cases import ARCHITECTURES, builder, native_case
-from core_models import OWN_CONFIGS, build, rope_by_hand
+from core_models import OWN_CONFIGS, build, rope_by_hand, whole_and_offloaded
 from circuit_tasks import random_task
 
 NATIVE = [t for t in ARCHITECTURES if native_case(t) is not None]
@@ -308,12 +308,8 @@ def test_an_sae_at_the_wrong_place_or_width_is_refused_in_one_line_before_any_ru
 
 
 def test_an_offloaded_model_gives_what_the_whole_model_gives(tmp_path):
-    model = build(OWN_CONFIGS["rotary-rms-swiglu-gqa"])
-    model.save(tmp_path / "m")
-    whole, offloaded = interp.load(tmp_path / "m"), interp.load(tmp_path / "m", offload="cpu")
-    assert offloaded.offload is not None
-    tokens = torch.randint(model.cfg.d_vocab, (2, 8), generator=torch.Generator().manual_seed(0))
-    sae = random_sae("blocks.0.hook_resid_post", model.cfg.d_model, 64, like=stream(whole, tokens, 1))
+    whole, offloaded, tokens = whole_and_offloaded(tmp_path / "m")
+    sae = random_sae("blocks.0.hook_resid_post", whole.cfg.d_model, 64, like=stream(whole, tokens, 1))
     a = qk_attribution(whole, tokens, 1, 2, 7, corrupted=tokens.flip(1), sae=sae)
     b = qk_attribution(offloaded, tokens, 1, 2, 7, corrupted=tokens.flip(1), sae=sae)
     assert a.query_senders == b.query_senders and a.key_senders == b.key_senders
