@@ -177,7 +177,7 @@ OTHER_WRITERS = {
 # the commands that write no file at all (checked in an empty working folder)
 WRITES_NOTHING = {("demo",): ["demo", "--seq", "16"], ("info",): ["info", "attn-only-2l"], ("zoo",): ["zoo"],
                   ("generate",): ["generate", "attn-only-2l", "def f", "--max-new-tokens", "2"],
-                  ("doctor",): ["doctor"]}
+                  ("doctor",): ["doctor"], ("kv", "static"): ["kv", "static", "rope-gqa-4l", "--top", "3"]}
 
 
 def _walked(argv) -> tuple[str, ...]:
@@ -342,7 +342,7 @@ def options(parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
 def test_each_kv_subcommand_takes_at_most_12_options_of_its_own():
     kv = build_parser()._subparsers._group_actions[0].choices["kv"]
     subs = kv._subparsers._group_actions[0].choices
-    assert sorted(subs) == ["passkey", "precision", "select"]
+    assert sorted(subs) == ["passkey", "precision", "select", "static"]
     counts = {name: options(p) for name, p in subs.items()}
     for name, (own, every) in counts.items():
         assert len(own) <= 12, (name, own)

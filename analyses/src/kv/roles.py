@@ -16,6 +16,9 @@ Scores
                the window changes) of real text; one batched forward per layer from the cached
                residual stream (batch block g streams KV head g), as the KV study's loss ranking.
     gate       DuoAttention's trained gates (`analyses/src/kv/gates.py`), when given.
+    static     from the weights alone, no forward pass (`static_scores.static_retrieval_scores`): the head's
+               share of query-key kernel energy on RoPE's low frequencies times how concentrated its kernel is
+               (effective rank); on the roles study's head table beside the measured retrieval score.
 
 Per KV head (GQA): the max over the query heads that share it (`<score>` columns), and the mean
 (`<score>_mean`); selections rank by the max.
@@ -43,7 +46,7 @@ from ..heads import induction_scores
 from .policies import PolicyRun
 from .tasks import RetrievalPrompt
 
-RANKINGS = ("retrieval", "razor", "loss", "gates", "random")
+RANKINGS = ("retrieval", "razor", "loss", "gates", "static", "random")
 
 
 def _kv_of(model) -> torch.Tensor:
@@ -178,7 +181,7 @@ def kv_roles(query_scores: pd.DataFrame, loss: pd.DataFrame | None = None,
              gates: pd.DataFrame | None = None) -> pd.DataFrame:
     """One row per (layer, kv_head): max and mean over its query heads of every query-head score, plus
     the KV-head scores (loss, gate) when given: the table rankings are read from."""
-    cols = [c for c in ("retrieval", "echo", "induction", "razor") if c in query_scores.columns]
+    cols = [c for c in ("retrieval", "echo", "induction", "razor", "static") if c in query_scores.columns]
     out = per_kv_head(query_scores, cols)
     for extra in (loss, gates):
         if extra is not None:
@@ -187,7 +190,7 @@ def kv_roles(query_scores: pd.DataFrame, loss: pd.DataFrame | None = None,
 
 
 def ranking(roles: pd.DataFrame, name: str) -> pd.Series:
-    """Scores indexed by (layer, kv_head), higher = keep full. name: retrieval, razor, loss, gates."""
+    """Scores indexed by (layer, kv_head), higher = keep full. name: retrieval, razor, loss, gates, static."""
     column = {"gates": "gate"}.get(name, name)
     if column not in roles.columns:
         raise BadValue(f"no {name} scores in the head table (columns: {', '.join(roles.columns)})")

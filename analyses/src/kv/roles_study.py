@@ -2,13 +2,15 @@
 cache policies, side by side at equal shares of the KV heads kept full (`RolesStudy`).
 
 Stages (each with a progress bar): score the heads (`roles`: retrieval on scoring prompts drawn
-from another seed than the evaluation's, RazorAttention's echo and induction, the streaming loss of
-each KV head, DuoAttention's gates); build the selections (top-k KV heads full, the rest
-streaming(sinks, window), k at each fraction of the KV heads, against random draws and SnapKV at the
-same bytes); measure every selection's passkey accuracy, perplexity and bytes per token
-(`policies`). Writes kv_policies.parquet, kv_head_roles.parquet (one row per query head, the KV
-head's scores beside it), kv_passkey_answers.parquet, kv_gates_curve.parquet (when gates are
-trained), settings.json, report.html / report.md and figures/.
+from another seed than the evaluation's, the static score from the weights alone beside it
+(`static_scores`: no forward pass; NaN without RoPE), RazorAttention's echo and induction, the
+streaming loss of each KV head, DuoAttention's gates); build the selections (top-k KV heads full,
+the rest streaming(sinks, window), k at each fraction of the KV heads, against random draws and
+SnapKV at the same bytes); measure every selection's passkey accuracy, perplexity and bytes per
+token (`policies`). Writes kv_policies.parquet, kv_head_roles.parquet (one row per query head, the
+KV head's scores beside it; static, low_freq_share and effective_rank from the weights),
+kv_passkey_answers.parquet, kv_gates_curve.parquet (when gates are trained), settings.json,
+report.html / report.md and figures/.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from .._common import stages
 from ..document import Section, head_name, png
 from ..study import Measured, Study, Table
 from .gates import gate_table, train_gates
+from .static_scores import STATIC_COLUMNS, agreement, check_rotary, static_columns, static_retrieval_scores
 from .roles import (
     check_selection,
     equal_bytes_budget,
@@ -91,6 +94,53 @@ def scoring_prompts(model, eval_prompts: Sequence[RetrievalPrompt], n: int, seed
     return out[:n] if len(out) >= n else out
 
 
+def measured_retrieval(model, length: int, *, n_scoring: int = 6, depths: Sequence[float] = (0.1, 0.3, 0.5, 0.7),
+                       prompts: int = 2, seed: int = 0, progress_bar: bool | None = None):
+    """Wu et al.'s retrieval score of every query head (`roles.retrieval_scores`) as `interp kv select` measures it
+    at one prompt length: `n_scoring` scoring prompts (`scoring_prompts`) beside an evaluation set of `prompts` per
+    depth from `seed`. Its defaults are the study's; notebook 10's recipe is length 256, n_scoring 4, depths
+    (0.2, 0.6)."""
+    evaluation = retrieval_prompts(model, [length], depths, prompts, seed)
+    return retrieval_scores(model, scoring_prompts(model, evaluation, n_scoring, seed), progress_bar=progress_bar)
+
+
+def static_report(model, *, cut: int | None = None, top: int = 20, compare: int | None = None,
+                  n_scoring: int = 6) -> str:
+    """What `interp kv static` prints: the static score of every head (`static_scores`), its time, the `top` heads
+    (0: all); with `compare` (a prompt length), the retrieval score measured as `measured_retrieval` does, Spearman's
+    rho and the top-10 overlap (`static_scores.agreement`)."""
+    import time
+
+    start = time.perf_counter()
+    frame = static_retrieval_scores(model, cut=cut)
+    seconds = time.perf_counter() - start
+    cfg = model.cfg
+    planes = ", ".join(f"{n // cfg.n_heads} layers {p} of {cfg.rot_dim // 2}" for p, n in
+                       frame["low_planes"].value_counts(sort=False).sort_index().items())
+    lines = [f"Static retrieval score of {len(frame)} query heads from the weights alone: {seconds:.2f} s, no forward "
+             f"pass. Low-frequency rotary planes (wavelength > {int(frame['cut'].iloc[0]):,} tokens): {planes}. "
+             "score = low_freq_share x (1 - (effective_rank - 1) / (min(d_head, d_model) - 1)); the definitions: "
+             "interp.analyses.kv.static_scores (its source's formulas were not available: ours, from its abstract)."]
+    shown = frame.sort_values("score", ascending=False, kind="stable")
+    shown = shown.head(top) if top else shown
+    shown.insert(0, "name", [head_name(l, h) for l, h in zip(shown["layer"], shown["head"])])
+    lines.append(shown[["name", "kv_head", "score", "low_freq_share", "effective_rank"]].round(4)
+                 .to_string(index=False))
+    if compare is not None:
+        start = time.perf_counter()
+        q = measured_retrieval(model, compare, n_scoring=n_scoring).merge(
+            frame.rename(columns={"score": "static"}), on=["layer", "head", "kv_head"])
+        a = agreement(q)
+        tops = {k: ", ".join(head_name(l, h) for l, h in v) for k, v in a["top"].items()}
+        lines.append(f"Against Wu et al.'s retrieval score ({n_scoring} passkey prompts of {compare:,} tokens, as `interp "
+                     f"kv select`; {int(q['copied'].iloc[0])} needle tokens copied, {int((q['retrieval'] > 0).sum())} "
+                     f"heads score at all; {time.perf_counter() - start:.0f} s): Spearman's rho {a['spearman']:.3f} over "
+                     f"{a['heads']} heads; {a['overlap']} of the {len(a['top']['retrieval'])} strongest retrieval heads "
+                     f"are among the {a['k']} highest static scores.\n  retrieval: {tops['retrieval']}\n  static:    "
+                     f"{tops['static']}")
+    return "\n\n".join(lines)
+
+
 def score_heads(model, prompts: Sequence[RetrievalPrompt], text: torch.Tensor, s: RolesSettings,
                 stage: Callable | None = None):
     """(query-head table, KV-head table, gate curve or None): the rankings `s.selections` asks for, with its
@@ -101,6 +151,7 @@ def score_heads(model, prompts: Sequence[RetrievalPrompt], text: torch.Tensor, s
 
     scoring = scoring_prompts(model, prompts, s.n_scoring, seed)
     query = stage("retrieval scores", lambda: retrieval_scores(model, scoring, progress_bar=progress_bar))
+    query = query.merge(stage("static scores (weights alone)", lambda: static_columns(model)), on=["layer", "head"])
     razor = stage("echo and induction scores", lambda: razor_scores(model, seed=seed))
     query = query.merge(razor, on=["layer", "head", "kv_head"])
     sinks_frame = stage("sink scores", lambda: attention_sinks(model, text[:, :512], n_sink=1))
@@ -163,7 +214,8 @@ class RolesStudy(Study):
     name = "kv-roles"
     title = "Head roles and KV-cache policies"
     tables = (Table("kv_policies", (*COLUMNS, "selection_seed", "full_heads")),
-              Table("kv_head_roles", ("layer", "head", "kv_head", "retrieval", "echo", "induction", "razor", "sink")),
+              Table("kv_head_roles", ("layer", "head", "kv_head", "retrieval", "echo", "induction", "razor", "sink",
+                                      *STATIC_COLUMNS)),
               Table("kv_passkey_answers", ANSWER_COLUMNS),
               Table("kv_gates_curve", ("step", "total", "distill", "l1", "mean_gate", "seconds"), optional=True))
 
@@ -179,6 +231,8 @@ class RolesStudy(Study):
             check_real("--gate-seconds", s.gate_seconds, minimum=0.0, strict=True)
         s, notes = check_retrieval(cfg, s, SELECT_LENGTHS)
         check_selection(s.selections, s.fractions, cfg.n_layers * cfg.kv_heads)
+        if "static" in s.selections:
+            check_rotary(cfg, "--rankings static (the static retrieval score)")
         stream = PolicyRun("streaming", Streaming(s.sinks, s.window))
         for max_len in (min(s.lengths) + s.max_new_tokens, s.data.length):
             stream.grid_for(cfg, max_len)
@@ -213,7 +267,7 @@ class RolesStudy(Study):
         answers, cells, summary = measure_runs(model, runs, prompts, text, max_new_tokens=s.max_new_tokens,
                                                chunk=s.chunk, progress_bar=s.progress, stage=stage)
         head_table = query.merge(roles.drop(columns=[c for c in roles.columns if c.endswith("_mean")] +
-                                            [c for c in ("retrieval", "echo", "induction", "razor") if c in roles.columns]),
+                                            [c for c in QUERY_SCORES if c in roles.columns]),
                                  on=["layer", "kv_head"], how="left")
         tables = {"kv_policies": cells, "kv_head_roles": head_table, "kv_passkey_answers": answers}
         return RolesMeasured(tables=tables if curve is None else {**tables, "kv_gates_curve": curve}, query=query,
@@ -296,7 +350,8 @@ def roles_headline(name, cells, roles, query, sinks, window) -> list[str]:
     return lines
 
 
-RANKED = ("retrieval", "razor", "loss", "gates")
+RANKED = ("retrieval", "razor", "loss", "gates", "static")
+QUERY_SCORES = ("retrieval", "echo", "induction", "razor", "static")  # per query head; per KV head, the max
 
 
 def _stream_count(table, length) -> str:
@@ -314,10 +369,28 @@ def gate_cut(curve: pd.DataFrame | None, gate_steps: int | None, gate_seconds: f
             "cap for gates that are the same on any machine.")
 
 
+def static_sentence(query: pd.DataFrame, roles: pd.DataFrame) -> str | None:
+    """The report's word on the static score beside the measured retrieval score: Spearman's rho over the query
+    heads and over the KV heads, and the top-10 overlap; a model without RoPE has none (one sentence); None when
+    the head table has no static column."""
+    if "static" not in query.columns:
+        return None
+    if query["static"].isna().all():
+        return "No static retrieval score: it reads RoPE's frequencies, and this model has no rotary positions."
+    a = agreement(query)
+    kv = agreement(roles.rename(columns={"kv_head": "head"}))
+    names = ", ".join(head_name(l, h) for l, h in a["top"]["static"][:5])
+    return (f"The static retrieval score (from the weights alone: low-frequency share of the query-key kernel times "
+            f"its concentration, `interp kv static`) against the measured one: Spearman's rho {a['spearman']:.2f} over "
+            f"{a['heads']} query heads ({kv['spearman']:.2f} over {kv['heads']} KV heads); {a['overlap']} of the "
+            f"{len(a['top']['retrieval'])} strongest retrieval heads are among its {a['k']} highest ({names}, ...).")
+
+
 def roles_sections(name, cells, summary, query, roles, curve, sinks, window, *, gate_steps=None,
                    gate_seconds=None) -> list[Section]:
     cut = gate_cut(curve, gate_steps, gate_seconds)
-    s = Section("summary", "Summary").add(*roles_headline(name, cells, roles, query, sinks, window), cut)
+    static = static_sentence(query, roles)
+    s = Section("summary", "Summary").add(*roles_headline(name, cells, roles, query, sinks, window), static, cut)
     sel = selection_table(cells)
     sel = sel.assign(passkey=[accuracy_label(c, n) for c, n in zip(sel["correct"], sel["n"])],
                      bytes_per_token=sel["bytes_per_token"].round(0).astype(int))
@@ -327,14 +400,15 @@ def roles_sections(name, cells, summary, query, roles, curve, sinks, window, *, 
         "budget of the same bytes per token. Accuracy as k of n.",
         sel[["selection", "full_fraction", "length", "passkey", "best_run", "worst_run", "n_per_run", "bytes_per_token"]],
         png(plots.selection_curves(sel), "kv_selections.png"))
-    cols = [c for c in ("retrieval", "echo", "induction", "razor", "sink") if c in query.columns]
+    cols = [c for c in ("retrieval", "echo", "induction", "razor", "sink", "static") if c in query.columns]
     top = query.nlargest(10, "retrieval")[["layer", "head", "kv_head", *cols]]
     top.insert(0, "name", [head_name(l, h) for l, h in zip(top["layer"], top["head"])])
     heads = Section("heads", "Head roles").add(
         "The 10 query heads with the highest retrieval scores, beside their echo, induction (RazorAttention, on "
-        "repeated random tokens) and sink (attention to the first token) scores. KV heads rank by the max over "
-        "their query heads.", top.round(4))
-    kv_cols = [c for c in ("retrieval", "razor", "loss", "gate") if c in roles.columns]
+        "repeated random tokens), sink (attention to the first token) and static (from the weights alone: "
+        "`interp kv static`) scores. KV heads rank by the max over their query heads.", top.round(4))
+    kv_cols = [c for c in ("retrieval", "razor", "loss", "gate", "static")
+               if c in roles.columns and roles[c].notna().any()]
     kv_top = {c: ", ".join(f"L{int(r.layer)}KV{int(r.kv_head)}" for r in roles.nlargest(9, c).itertuples())
               for c in kv_cols}
     heads.add("Top 9 KV heads by each ranking: " + "; ".join(f"{c}: {v}" for c, v in kv_top.items()) + ".")
