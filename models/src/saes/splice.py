@@ -45,8 +45,8 @@ class SAEMixin:
 
     @property
     def acts_to_saes(self) -> "dict[str, SAE]":
-        """{hook name: the SAE spliced there}."""
-        return self.__dict__.setdefault("_acts_to_saes", {})
+        """{hook name: the SAE spliced there}, read from the hook points, which hold them (`HookPoint.sae`)."""
+        return {name: hp.sae for name, hp in self.hook_dict.items() if hp.sae is not None}
 
     def add_sae(self, sae, use_error_term: bool | None = None) -> "SAE":
         """Splice `sae` (ours, or SAELens's, read into ours with the same weights) at its hook point, replacing
@@ -57,12 +57,11 @@ class SAEMixin:
         sae = as_sae(sae)
         name = self._check_name(sae.cfg.hook_name)
         _check_width(self, name, sae)
-        if name in self.acts_to_saes:
+        if self.hook_dict[name].sae is not None:
             self._unsplice(name)
         if use_error_term is not None:
             sae.__dict__.setdefault("_original_use_error_term", sae.use_error_term)
             sae.use_error_term = use_error_term
-        self.acts_to_saes[name] = sae
         self.hook_dict[name].set_sae(sae)
         self.setup_hooks()
         return sae
@@ -75,7 +74,7 @@ class SAEMixin:
         if len(prev) != len(names):
             raise ValueError(f"reset_saes: {len(names)} hook names and {len(prev)} previous SAEs: give one each")
         names = [self._check_name(n) for n in names]
-        missing = [n for n in names if n not in self.acts_to_saes]
+        missing = [n for n in names if self.hook_dict[n].sae is None]
         if missing:
             raise KeyError(f"no SAE is spliced at {missing[0]!r}: the SAEs in are at {sorted(self.acts_to_saes)}")
         self._restore(names, prev)
@@ -83,15 +82,14 @@ class SAEMixin:
     def _restore(self, names: list[str], before: list) -> None:
         """Take out the SAEs at `names` (where one is in) and put `before` back (where not None)."""
         for name, sae in zip(names, before):
-            if name in self.acts_to_saes:
+            if self.hook_dict[name].sae is not None:
                 self._unsplice(name)
             if sae is not None:
-                self.acts_to_saes[name] = sae
                 self.hook_dict[name].set_sae(sae)
         self.setup_hooks()
 
     def _unsplice(self, name: str) -> None:
-        sae = self.acts_to_saes.pop(name)
+        sae = self.hook_dict[name].sae
         self.hook_dict[name].set_sae(None)
         if "_original_use_error_term" in sae.__dict__:
             sae.use_error_term = sae.__dict__.pop("_original_use_error_term")
@@ -110,7 +108,7 @@ class SAEMixin:
                 name = self._check_name(sae.cfg.hook_name)
                 if name not in names:  # two SAEs at one name: what was there before the first comes back
                     names.append(name)
-                    before.append(self.acts_to_saes.get(name))
+                    before.append(self.hook_dict[name].sae)
                 self.add_sae(sae, use_error_term=use_error_term)
             yield self
         finally:
@@ -147,17 +145,15 @@ class SAEMixin:
     def _index_saes(self) -> None:
         """After `setup_hooks` indexed the model's own hook points: each spliced SAE's hook points under
         `{hook name}.{its name}`, right after the hook point it sits at (so a cache keeps the forward's order)."""
-        if not self.acts_to_saes:
+        if not any(hp.sae is not None for hp in self.hook_dict.values()):
             return
-        own = dict(self.hook_dict)
         ordered: dict = {}
-        for name, hp in own.items():
+        for name, hp in dict(self.hook_dict).items():
             ordered[name] = hp
-            sae = self.acts_to_saes.get(name)
-            if sae is None:
+            if hp.sae is None:
                 continue
             for local in SAE_HOOKS:
-                point = getattr(sae, local)
+                point = getattr(hp.sae, local)
                 point.name = f"{name}.{local}"
                 ordered[point.name] = point
                 self._names_of[point.name] = [point.name]
