@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 import torch
 
 from . import (ablation, atlas, caching, forward, generation, gpu, head_scan, kv_cache, kv_policies, long_context, patching,
-               real_model, scale, stats_kernel, window_bands, wrapped)
+               real_model, saes, scale, stats_kernel, window_bands, wrapped)
 from interp.analyses.store import atomic_write_text
 from interp.errors import UserError, check_threads
 
@@ -45,6 +45,7 @@ SECTIONS: dict[str, Callable[[Options], Section]] = {
     "stats_kernel": stats_kernel.section,
     "wrapped": wrapped.section,
     "atlas": atlas.section,
+    "saes": saes.section,
 }
 ALL = (*SECTIONS, "gpu")
 

@@ -20,6 +20,7 @@ EPILOG = """sections (in page order):
   kv_cache      quantized KV caches (int8, fp8, int4): bytes per token vs theory, decode time vs fp32
   kv_policies   per-head cache policies (KIVI, streaming, H2O, SnapKV) at 2k / 4k: decode time vs full, bytes
   stats_kernel  head statistics of one layer (SmolLM2's, Gemma 3's local and global) vs its fused forward
+  saes          one SAE spliced into SmolLM2 (hook_z, resid): run_with_saes vs the clean forward vs a hand-written hook
   gpu           the same on CUDA, plus the head statistics vs SDPA flash, the model, exactness (skipped without CUDA)
 
 examples:

@@ -18,7 +18,7 @@ DATA_N_SEQS, DATA_SEQ_LEN, DATA_SEED = 16, 256, 0  # interp.analyses.data.DataSp
 EXECUTOR_KINDS = ("local", "ray")  # interp.analyses.atlas.executors.EXECUTOR_KINDS
 BENCH_SECTIONS = ("forward", "cache", "long_context", "ablation", "generation", "patching", "real_model",
                   "gemma3", "scale", "head_scan", "kv_cache", "kv_policies", "window_bands", "stats_kernel", "wrapped",
-                  "atlas", "gpu")  # interp.benchmarks.suite.ALL
+                  "atlas", "saes", "gpu")  # interp.benchmarks.suite.ALL
 KV_PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8", "int4")  # interp.kernels.kv_quant.PRECISIONS
 KV_POLICIES = "full,kivi4,kivi2,streaming(4,128),h2o(132),snapkv(132),knorm(132),tova(132)"  # interp.analyses.kv.policies.DEFAULT_POLICIES
 KV_POLICY_FORMS = ("full", "fp32", "fp16", "bf16", "int8", "fp8", "int4", "kivi4", "kivi2", "streaming(sinks,window)",

@@ -105,6 +105,9 @@ def test_quick_run_numbers_agree(page):
     gen = found[TITLES["generation"]]
     assert set(column(gen, "HF same tokens")) == {"yes"}
     assert all(x == "yes" or x.endswith("%") for x in column(gen, "TL same tokens"))  # reported, not ours to fix
+    sae = found["An SAE spliced in: run_with_saes against the clean forward and a hand-written hook"]
+    checks = [float(line.rsplit(" ", 1)[1]) for line in sae.splitlines() if "max |spliced - hand hook| logits" in line]
+    assert checks and max(checks) < 1e-4 and table_rows(sae)  # the splice is the hand hook's SAE, on the same model
 
 
 def test_forward_module_cli_still_works(capsys):

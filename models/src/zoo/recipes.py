@@ -98,15 +98,20 @@ SINKS_GATED_4L = _sink_twin("sinks-gated-4l", "a sigmoid gate on each head's out
 SINK_TWINS = (SINKS_SOFTMAX_4L, SINKS_LEARNED_4L, SINKS_GATED_4L)
 
 # attn-only-2l grows a sink head with its induction head (~step 1350: the induction head parks on <bos> where the
-# text repeats nothing); its twins differ only in attention, as above. Not shipped: ~9 minutes each on an idle core.
+# text repeats nothing); its twins differ only in attention, as above, or (no-prenorm) only in the norm before
+# attention: removed, so each head reads the raw residual stream (the final norm stays; Sun et al. 2026 ask whether
+# sinks and massive activations decouple without pre-norm). Not shipped: ~9 minutes each on an idle core.
 ATTN_ONLY_2L_TWINS = tuple(
     dataclasses.replace(
-        ATTN_ONLY_2L, name=f"attn-only-2l-{kind}", model=dataclasses.replace(ATTN_ONLY_2L.model, **{option: True}),
+        ATTN_ONLY_2L, name=f"attn-only-2l-{kind}", model=dataclasses.replace(ATTN_ONLY_2L.model, **change),
         init_like=ATTN_ONLY_2L.model,
         description=f"attn-only-2l's twin with {what}: the same data, seed and step-0 weights for every shared parameter.",
     )
-    for kind, option, what in (("learned", "learned_sinks", "a learned sink logit per head (gpt-oss style)"),
-                               ("gated", "attn_output_gate", "a sigmoid gate on each head's output (Qiu et al. 2025)"))
+    for kind, change, what in (
+        ("learned", {"learned_sinks": True}, "a learned sink logit per head (gpt-oss style)"),
+        ("gated", {"attn_output_gate": True}, "a sigmoid gate on each head's output (Qiu et al. 2025)"),
+        ("no-prenorm", {"pre_norms": False}, "no norm before attention (the final norm kept; Sun et al. 2026)"),
+    )
 )
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (ATTN_ONLY_2L, ROPE_GQA_4L, ALIBI_GQA_4L, *SINK_TWINS, *ATTN_ONLY_2L_TWINS)}

@@ -31,7 +31,8 @@ def tokens(seed=0, batch=3, n=17) -> torch.Tensor:
 def test_twin_recipes_differ_only_in_attention(base, twins):
     for twin in twins:
         mine = dataclasses.replace(twin, name=base.name, description=base.description, init_like=None,
-                                   model=dataclasses.replace(twin.model, learned_sinks=False, attn_output_gate=False))
+                                   model=dataclasses.replace(twin.model, learned_sinks=False, attn_output_gate=False,
+                                                             pre_norms=True))
         assert mine == base, twin.name  # recipe (steps, lr, data, seed, checkpoints) and model otherwise equal
         assert twin.init_like == base.model
 
