@@ -27,9 +27,16 @@ out as nodes (`Runner(saes=..., all_features=False)`, the default; `fired` finds
 output less the kept features' values and b_dec, so what a left-out feature writes joins it and the sum stays
 exact whichever are kept (on the task's own prompts they write nothing; only a patched run can make one fire).
 
-Not taken (one line each, `check_saes`): an SAE on the residual stream (hook_resid_pre / mid / post: it would cut
-the stream, Marks et al.'s other case, not built here), at any other hook point, two SAEs at one hook point or
-two replacing one layer's heads (hook_z and hook_attn_out), a width that is not the activation's, and an SAE that
+- `blocks.l.hook_resid_pre` / `hook_resid_mid` / `hook_resid_post`: a cut of the residual stream (Marks et al.'s
+  other case; `cut` has its conventions). The SAE rewrites the stream there as sum_f acts_f W_dec[f] + b_dec +
+  error; its kept features and its error are receivers of every earlier sender (each reads the stream at the cut)
+  and the only senders the later receivers read of what came before (b_dec a bias). Named for the stream: `R{l}F{i}`
+  and `R{l}.sae_error` at the stream block l reads (hook_resid_pre of block l, or hook_resid_post of block l - 1;
+  `R{n_layers}` is the stream the unembedding reads), `R{l}midF{i}` at hook_resid_mid of block l.
+
+Not taken (one line each, `check_saes`): an SAE at any other hook point, two SAEs at one hook point, two replacing
+one layer's heads (hook_z and hook_attn_out), two on the residual stream (one cut), hook_resid_mid where the block
+has none (no MLP, or attention and MLP in parallel), a width that is not the activation's, and an SAE that
 normalises its input (constant_norm_rescale, layer_norm: the reconstruction is then no sum of fixed rows).
 """
 
@@ -45,24 +52,28 @@ from interp.models.saes.splice import activation_width
 
 # the SAE's hook name after `blocks.l.` -> (the component whose senders it replaces, the site)
 SITES = {"attn.hook_z": ("attn", "z"), "hook_attn_out": ("attn", "attn_out"), "hook_mlp_out": ("mlp", "mlp_out")}
-RESIDUAL = ("hook_resid_pre", "hook_resid_mid", "hook_resid_post")
+RESIDUAL = {"hook_resid_pre": "resid_pre", "hook_resid_mid": "resid_mid", "hook_resid_post": "resid_post"}
 # SAELens's normalisations that are the identity at inference (`interp.models.saes.sae.NORMALIZATIONS`)
 LINEAR_NORMS = ("none", "expected_average_only_in", "covariance_whitening")
-TAKEN = "the circuit graph takes SAEs on attn.hook_z, hook_attn_out or hook_mlp_out of a block"
+TAKEN = ("the circuit graph takes SAEs on attn.hook_z, hook_attn_out or hook_mlp_out of a block, or on its residual "
+         "stream (hook_resid_pre, hook_resid_mid, hook_resid_post)")
 
 
 def site_of(hook_name: str | None, cfg) -> tuple[int, str]:
-    """(layer, site) of an SAE's hook name: "z", "attn_out" or "mlp_out"; one line (ValueError) for a hook
-    point the graph has no place for."""
+    """(layer, site) of an SAE's hook name: "z", "attn_out", "mlp_out", "resid_pre", "resid_mid" or "resid_post";
+    one line (ValueError) for a hook point the graph has no place for."""
     parts = (hook_name or "").split(".")
     if len(parts) < 3 or parts[0] != "blocks" or not parts[1].isdigit():
         raise ValueError(f"an SAE at {hook_name!r}: {TAKEN} (blocks.L.attn.hook_z, ...)")
     layer, rest = int(parts[1]), ".".join(parts[2:])
     if layer >= cfg.n_layers:
         raise ValueError(f"an SAE at {hook_name}: this model has {cfg.n_layers} layers (0 .. {cfg.n_layers - 1})")
+    if rest == "hook_resid_mid" and (cfg.d_mlp is None or cfg.parallel_attn_mlp):
+        why = "have no MLP" if cfg.d_mlp is None else "run attention and the MLP in parallel"
+        raise ValueError(f"an SAE at {hook_name}: this model's blocks {why}, so they have no hook_resid_mid; put it "
+                         f"at blocks.{layer}.hook_resid_pre or hook_resid_post")
     if rest in RESIDUAL:
-        raise ValueError(f"an SAE at {hook_name} would cut the residual stream (its features receivers of every "
-                         f"earlier sender and senders to every later receiver): not built here; {TAKEN}")
+        return layer, RESIDUAL[rest]
     if rest not in SITES:
         raise ValueError(f"an SAE at {hook_name}: {TAKEN}, whose outputs are the graph's senders")
     if rest == "hook_mlp_out" and cfg.d_mlp is None:
@@ -74,7 +85,7 @@ def check_saes(cfg, configs: Sequence) -> None:
     """One line (ValueError) for SAEs the graph cannot take together (see the module); `configs`: each SAE's
     config (`SAE.cfg`: hook_name, d_in, normalize_activations), read before any weight."""
     hooks: set[str] = set()
-    components: dict[tuple[int, str], str] = {}
+    components: dict = {}  # (layer, "attn" / "mlp") or "resid" -> the hook name of the SAE there
     for c in configs:
         layer, site = site_of(c.hook_name, cfg)
         width = activation_width(cfg, c.hook_name)
@@ -87,6 +98,13 @@ def check_saes(cfg, configs: Sequence) -> None:
                              "reconstruction is not a sum of fixed decoder rows, so its features are no senders")
         if c.hook_name in hooks:
             raise ValueError(f"two SAEs at {c.hook_name}: give one SAE per hook point")
+        if site.startswith("resid"):
+            if "resid" in components:
+                raise ValueError(f"SAEs at {components['resid']} and {c.hook_name} would both cut the residual stream: "
+                                 "the graph takes one residual-stream SAE (one cut); give one of them")
+            hooks.add(c.hook_name)
+            components["resid"] = c.hook_name
+            continue
         key = (layer, SITES[c.hook_name.split(".", 2)[2]][0])
         if key in components:
             raise ValueError(f"SAEs at {components[key]} and {c.hook_name} would both replace layer {layer}'s "
@@ -129,7 +147,8 @@ class FeatureNodes:
 
     @property
     def component(self) -> str:
-        return "mlp" if self.site == "mlp_out" else "attn"
+        """"attn" (its heads replaced), "mlp" (its MLP replaced) or "resid" (the stream cut: `cut`)."""
+        return "resid" if self.site.startswith("resid") else "mlp" if self.site == "mlp_out" else "attn"
 
     @property
     def hook_name(self) -> str:
@@ -141,7 +160,15 @@ class FeatureNodes:
 
     @property
     def prefix(self) -> str:
+        if self.component == "resid":  # named for the stream: R{l} is what block l reads
+            return f"R{self.layer}mid" if self.site == "resid_mid" else f"R{self.layer + (self.site == 'resid_post')}"
         return f"MLP{self.layer}" if self.component == "mlp" else f"L{self.layer}"
+
+    @property
+    def stage(self) -> float:
+        """Where a cut sits in the graph's order of computation (`graph.Graph`: layer l's attention at 2l + 1, its
+        MLP at 2l + 2): its receivers read and its senders write there, between the two stages around it."""
+        return 2 * self.layer + {"resid_pre": 0.5, "resid_mid": 1.5, "resid_post": 2.5}[self.site]
 
     def names(self) -> list[str]:
         """The senders, in the graph's order: each kept feature, then the error."""
@@ -150,6 +177,8 @@ class FeatureNodes:
     @property
     def writes_at(self) -> str:
         """The hook point where its senders' values join the stream (node patching adds a change there)."""
+        if self.component == "resid":
+            return self.hook_name
         return f"blocks.{self.layer}.hook_{'mlp' if self.component == 'mlp' else 'attn'}_out"
 
     def writer(self, model) -> "FeatureWriter":

@@ -43,7 +43,11 @@ class Graph:
     (`features.FeatureNodes`, or SAEs: every feature a node; `features` has the conventions). Per sender:
     `sender_kind` ("embed", "head", "mlp", "feature", "error"), `sender_feature` (the feature's index in its
     SAE, else -1), `sender_sae` (its SAE's index in `saes`, else -1), `writes_at` (the hook point where its
-    value joins the stream)."""
+    value joins the stream).
+
+    A residual-stream SAE cuts the stream (`cut`): its kept features and its error are receivers of every sender
+    before the cut (group (layer, "cut")) and senders to every receiver after it, which reads no earlier sender.
+    `cut`: its `features.FeatureNodes`, or None."""
 
     def __init__(self, cfg, saes: Sequence = ()) -> None:
         L, H, KV = cfg.n_layers, cfg.n_heads, cfg.kv_heads
@@ -51,32 +55,52 @@ class Graph:
         self.has_mlp = cfg.d_mlp is not None
         self.saes = tuple(feature_nodes(cfg, s) for s in saes)
         check_saes(cfg, [n.sae.cfg for n in self.saes])
-        self.sae_at = {(n.layer, n.component): n for n in self.saes}
+        self.sae_at = {(n.layer, n.component): n for n in self.saes if n.component != "resid"}
+        self.cut = next((n for n in self.saes if n.component == "resid"), None)
         parallel = bool(cfg.parallel_attn_mlp) and self.has_mlp
         s_stage = self._senders()
+        cut = self.cut.names() if self.cut is not None else []
         kv_name = (lambda l, g: f"L{l}H{g}") if KV == H else (lambda l, g: f"L{l}KV{g}")
         receivers, r_input, r_reads, r_layer = [], [], [], []
         for l in range(L):
+            if cut and self.cut.stage < 2 * l + 1:  # the cut's receivers, where they read
+                receivers, r_input, r_reads, r_layer = (receivers + cut, r_input + ["-"] * len(cut),
+                                                         r_reads + [self.cut.stage] * len(cut),
+                                                         r_layer + [self.cut.layer] * len(cut))
+                cut = []
             for kind, n, name in (("q", H, lambda l, h: f"L{l}H{h}"), ("k", KV, kv_name), ("v", KV, kv_name)):
                 receivers += [name(l, i) for i in range(n)]
                 r_input += [kind] * n
                 r_reads += [2 * l + 1] * n
                 r_layer += [l] * n
+            if cut and self.cut.stage < 2 * l + 2 and not parallel:  # hook_resid_mid
+                receivers, r_input, r_reads, r_layer = (receivers + cut, r_input + ["-"] * len(cut),
+                                                         r_reads + [self.cut.stage] * len(cut),
+                                                         r_layer + [self.cut.layer] * len(cut))
+                cut = []
             if self.has_mlp:
                 receivers.append(f"MLP{l}")
                 r_input.append("-")
                 r_reads.append(2 * l + 1 if parallel else 2 * l + 2)
                 r_layer.append(l)
+        if cut:  # the last block's hook_resid_post
+            receivers, r_input, r_reads, r_layer = (receivers + cut, r_input + ["-"] * len(cut),
+                                                     r_reads + [self.cut.stage] * len(cut),
+                                                     r_layer + [self.cut.layer] * len(cut))
         receivers.append("logits")
         r_input.append("-")
         r_reads.append(2 * L + 1)
         r_layer.append(L)
         self.receivers, self.inputs, self.receiver_layer = receivers, r_input, r_layer
-        self.allowed = torch.tensor(s_stage)[:, None] < torch.tensor(r_reads)[None, :]  # [S, R]
+        sent, read = torch.tensor(s_stage, dtype=torch.float64), torch.tensor(r_reads, dtype=torch.float64)
+        self.allowed = sent[:, None] < read[None, :]  # [S, R]
+        at_cut = read == (self.cut.stage if self.cut is not None else -1.0)
+        if self.cut is not None:  # no edge across the cut: what comes after reads its senders, not the earlier ones
+            self.allowed &= ~((sent < self.cut.stage)[:, None] & (read > self.cut.stage)[None, :])
         # receivers of one hook point: (layer, kind) -> receiver indices
         self.groups: dict[tuple[int, str], list[int]] = {}
         for r, (l, kind) in enumerate(zip(r_layer, r_input)):
-            key = (l, "mlp" if receivers[r].startswith("MLP") else "logits" if l == L else kind)
+            key = (l, "cut" if at_cut[r] else "mlp" if receivers[r].startswith("MLP") else "logits" if l == L else kind)
             self.groups.setdefault(key, []).append(r)
         self.receiver_senders = self._owners()
         # the other way round: a sender node -> the receivers that are its inputs (its q, its group's k and v, ...)
@@ -101,8 +125,13 @@ class Graph:
             self.writes_at += [writes] * len(names)
             stages.extend([stage] * len(names))
 
+        cut = self.cut
         for l in range(self.n_layers):
             for component, stage in (("attn", 2 * l + 1), ("mlp", 2 * l + 2)):
+                if cut is not None and cut.stage < stage:  # the cut's senders, where they write
+                    add(cut.names(), cut.layer, ["feature"] * len(cut.features) + ["error"], cut.stage,
+                        cut.writes_at, self.saes.index(cut), cut.features)
+                    cut = None
                 if component == "mlp" and not self.has_mlp:
                     continue
                 nodes = self.sae_at.get((l, component))
@@ -113,6 +142,9 @@ class Graph:
                     add([f"L{l}H{h}" for h in range(self.n_heads)], l, "head", stage, f"blocks.{l}.hook_attn_out")
                 else:
                     add([f"MLP{l}"], l, "mlp", stage, f"blocks.{l}.hook_mlp_out")
+        if cut is not None:  # the last block's hook_resid_post
+            add(cut.names(), cut.layer, ["feature"] * len(cut.features) + ["error"], cut.stage, cut.writes_at,
+                self.saes.index(cut), cut.features)
         return stages
 
     def _owners(self) -> list[list[int]]:
@@ -122,10 +154,13 @@ class Graph:
         H, KV = self.n_heads, self.n_kv
         group = H // KV
         out: list[list[int]] = []
+        cut = set(self.cut.names()) if self.cut is not None else set()
         for r, name in enumerate(self.receivers):
             l, kind = self.receiver_layer[r], self.inputs[r]
             nodes = self.sae_at.get((l, "mlp" if name.startswith("MLP") else "attn"))
-            if name == "logits":
+            if name in cut:  # a cut's feature or error: the sender of the same name
+                out.append([index[name]])
+            elif name == "logits":
                 out.append([])
             elif nodes is not None:
                 mine = self.saes.index(nodes)

@@ -12,6 +12,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from .cut import cut_hook
 from .graph import Graph
 
 
@@ -68,6 +69,8 @@ class _Pass:
         out = []
         if self.start == 0:
             out.append(("blocks.0.hook_resid_pre", self._embed))
+        if g.cut is not None and g.cut.layer >= self.start:  # a residual SAE's cut (after the embeddings' hook, before
+            out.append((g.cut.hook_name, cut_hook(self, g.cut)))  # the logits' at the last block's resid_post)
         for l in range(self.start, g.n_layers):
             for kind in ("q", "k", "v"):
                 out.append((f"blocks.{l}.hook_{kind}_input", self._receiver(l, kind)))

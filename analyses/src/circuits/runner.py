@@ -140,6 +140,10 @@ class Runner:
         if layered is None:
             layered = goes_by_layer(self.graph, model.cfg.d_model, min(batch_size, n), positions)
         self.layered = bool(layered)
+        if self.layered and self.graph.cut is not None:
+            raise ValueError(f"the SAE at {self.graph.cut.hook_name} cuts the residual stream, which block-by-block "
+                             "attribution (long prompts) does not take: use shorter prompts, or an SAE on hook_z, "
+                             "hook_attn_out or hook_mlp_out")
         # Block by block, the cache is lean: each sender's corrupted - clean value (all that attribution reads)
         # rather than both runs' values, half the bytes (3 GB per 4,096-token prompt on SmolLM2); a patched run
         # forms the corrupted values again, block by block, from the corrupted stream (`_lean_patched`).

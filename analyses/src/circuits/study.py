@@ -36,7 +36,7 @@ from .positions import record as position_record
 from .qk import check_model, parse_head, parse_heads
 from .cost import PATTERN_MAX, duration, estimate, machine_flops
 from .features import check_saes, sae_config
-from .runner import IG_POINTS, Runner, faithfulness_curve, steps_refused
+from .runner import IG_POINTS, LAYERED_ABOVE, Runner, faithfulness_curve, steps_refused
 from .passkey import passkey_task
 from .report import GOOD, _top, sections as report_sections
 from .tasks import METRICS, TASKS, build_task, context, read_task_file
@@ -77,9 +77,11 @@ class CircuitSettings(StudySettings):
              loaded with: `check` reads the passkey length against the context it gives (None: the model's own)
     sae      None, or SAEs by path or name (`interp.load_sae`'s; "a,b" or a tuple, the form `check` returns) on
              components' outputs (attn.hook_z, hook_attn_out, hook_mlp_out): their features and errors replace those
-             components' senders (`features`); the features that fire on none of the prompts are left out. A
-             residual-stream SAE (blocks.L.hook_resid_pre, or blocks.L-1.hook_resid_post) serves `qk` instead: layer L's
-             heads' scores are split in its features (`qk_features`)"""
+             components' senders (`features`); on the residual stream (hook_resid_pre / mid / post, one at most): its
+             features and error cut the stream (`cut`); the features that fire on none of the prompts are left out. A
+             residual-stream SAE at the stream a `qk` head's layer L reads (blocks.L.hook_resid_pre, or
+             blocks.L-1.hook_resid_post) serves `qk` instead: layer L's heads' scores are split in its features
+             (`qk_features`), and it is no node of the graph"""
 
     task: str = "ioi"
     method: str = "eap-ig"
@@ -219,31 +221,39 @@ def _most(high: int, fits) -> int:
 
 def _check_saes(cfg, s: CircuitSettings) -> CircuitSettings:
     """--sae: each SAE's config read (no weight) and checked against the model's and each other's (one line each,
-    `features.check_saes`); the names as a tuple. A residual-stream SAE serves --qk: the heads of the layer that
-    reads that stream are split in its features (`qk_features`); the graph takes SAEs on attention or MLP outputs."""
+    `features.check_saes`); the names as a tuple. A residual-stream SAE at the stream a --qk head's layer reads
+    serves --qk: that layer's heads are split in its features (`qk_features`), the graph is left as it is; any other
+    SAE (a residual one too: a cut of the stream, `cut`) becomes nodes of the graph."""
     names = _sae_names(s.sae)
     if not names:
         return replace(s, sae=None)
     configs = [(n, sae_config(n)) for n in names]
-    stream = [(n, c) for n, c in configs if _stream_layer(c.hook_name, cfg) is not None]
     qk_layers = {l for l, _ in _heads(s.qk, cfg)}
+    stream = [(n, c) for n, c in configs if _serves_qk(c.hook_name, cfg, qk_layers)]
     served: dict[int, str] = {}
     for n, c in stream:
         layer = _stream_layer(c.hook_name, cfg)
-        if layer not in qk_layers:
-            asked = f"--qk names heads of layer(s) {sorted(qk_layers)}" if qk_layers else "no --qk heads are asked for"
-            raise ValueError(f"--sae {n}: a residual-stream SAE ({c.hook_name}) serves QK attribution of layer "
-                             f"{layer}'s heads (--qk L{layer}H...), and {asked}; the circuit graph takes SAEs on "
-                             "attention or MLP outputs (hook_z, hook_attn_out, hook_mlp_out): one on the residual "
-                             "stream would cut the residual stream, which the graph does not do")
         if layer in served:
             raise ValueError(f"--sae {served[layer]} and {n} are both at the stream layer {layer}'s heads read: give one")
         if c.d_in != cfg.d_model:
             raise ValueError(f"the SAE at {c.hook_name} reads d_in={c.d_in}, but the residual stream has width "
                              f"d_model={cfg.d_model}: it was trained on another model")
         served[layer] = n
-    check_saes(cfg, [c for n, c in configs if _stream_layer(c.hook_name, cfg) is None])
+    graph = [c for n, c in configs if not _serves_qk(c.hook_name, cfg, qk_layers)]
+    check_saes(cfg, graph)
+    cut = next((c for c in graph if ".hook_resid_" in c.hook_name), None)
+    if cut is not None and s.task == "passkey":  # long prompts: with every feature a receiver, block by block?
+        receivers, batch = len(Graph(cfg).receivers) + cut.d_sae + 1, min(s.batch_size, s.prompts or 2)
+        if receivers * batch * (s.length or DEFAULT_PASSKEY) * cfg.d_model * 4 > LAYERED_ABOVE:  # `goes_by_layer`'s
+            raise ValueError(f"--sae: the SAE at {cut.hook_name} cuts the residual stream, which the passkey task's "
+                             "long prompts (attributed block by block) do not take: give a shorter --length, or an "
+                             "SAE on hook_z, hook_attn_out or hook_mlp_out")
     return replace(s, sae=names)
+
+
+def _serves_qk(hook: str, cfg, qk_layers) -> bool:
+    """Whether an SAE at `hook` serves --qk: a residual-stream SAE at the stream a --qk head's layer reads."""
+    return _stream_layer(hook, cfg) in qk_layers
 
 
 def _stream_layer(hook: str, cfg) -> int | None:
@@ -272,8 +282,10 @@ def _setup(model, s: CircuitSettings, stage) -> tuple:
         task = stage("task", lambda: _task(model, s))
         pos = positions_for(task, s.positions)
         loaded = [load_sae(n, device=model.device) for n in _sae_names(s.sae)]
-        by_layer = {_stream_layer(sae.cfg.hook_name, model.cfg): sae for sae in loaded}  # --qk's, by the layer it serves
-        saes = [sae for sae in loaded if _stream_layer(sae.cfg.hook_name, model.cfg) is None]
+        qk_layers = {l for l, _ in heads}
+        by_layer = {_stream_layer(sae.cfg.hook_name, model.cfg): sae for sae in loaded  # --qk's, by the layer it serves
+                    if _serves_qk(sae.cfg.hook_name, model.cfg, qk_layers)}
+        saes = [sae for sae in loaded if not _serves_qk(sae.cfg.hook_name, model.cfg, qk_layers)]
         if saes:
             check_saes(model.cfg, [sae.cfg for sae in saes])
         every = Graph(model.cfg, saes)  # every feature a node: the most the runs can hold

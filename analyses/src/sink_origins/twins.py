@@ -6,7 +6,8 @@
 The twins (`interp.models.zoo.recipes.SINK_TWINS`) share recipe, data order, seed and every shared step-0 weight;
 they differ only in attention: (a) softmax; (b) a learned sink logit per head in each softmax denominator
 (gpt-oss style, `learned_sinks`); (c) a sigmoid gate on each head's output before W_O (gated attention,
-Qiu et al. 2025, `attn_output_gate`). Per twin (its last checkpoint), on held-out windows of the zoo's text:
+Qiu et al. 2025, `attn_output_gate`); attn-only-2l also has (d) a softmax twin with no norm before attention
+(`pre_norms=False`, the final norm kept: `attn-only-2l-no-prenorm`). Per twin (its last checkpoint), on held-out windows of the zoo's text:
 
 * `sink_mass_max` / `sink_mass_mean` / `sink_share`: the first token's sink mass alpha_0 per head (max, mean,
   share of heads above epsilon = 0.3); `learned_share`: the learned sink's mean share of each row (twin b);
@@ -84,7 +85,8 @@ def twin_table(runs: Sequence[str], *, n_seqs: int = 8, n_stream: int = 8, windo
         tokens = heldout_windows(n, n_seqs)
         stream = heldout_windows(n, n_stream, seed=2)
         attention = ("learned sink" if model.cfg.learned_sinks else
-                     "gated" if getattr(model.cfg, "attn_output_gate", False) else "softmax")
+                     "gated" if getattr(model.cfg, "attn_output_gate", False) else
+                     "softmax, no pre-norm" if not model.cfg.pre_norms else "softmax")
         rows.append(dict(run=run.name, attention=attention, step=c.step, **twin_row(model, tokens, stream, windows)))
     return pd.DataFrame(rows)
 

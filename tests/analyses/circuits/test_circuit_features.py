@@ -421,7 +421,7 @@ def test_bad_saes_are_one_line_before_loading(tmp_path, capsys, monkeypatch, arg
 
 
 @pytest.mark.parametrize("hook, d_in, says", [
-    ("blocks.0.hook_resid_pre", 128, "would cut the residual stream"),
+    ("blocks.0.hook_resid_mid", 128, "have no MLP, so they have no hook_resid_mid"),  # a cut: test_circuit_resid_features
     ("blocks.1.attn.hook_z", 64, "reads d_in=64, but that activation has width 128"),
     ("blocks.0.attn.hook_q", 128, "takes SAEs on attn.hook_z, hook_attn_out or hook_mlp_out"),
     ("blocks.1.hook_mlp_out", 128, "blocks have no MLP"),

@@ -342,15 +342,13 @@ def test_the_command_splits_qk_in_the_features_of_a_residual_sae(tmp_path):
     assert "the features of the SAE at blocks.0.hook_resid_post" in (out / "report.md").read_text()
 
 
+# (a residual SAE no --qk head reads is no longer refused: it cuts the circuit graph's stream instead,
+# tests/analyses/circuits/test_circuit_resid_features.py)
 @pytest.mark.parametrize("argv, says", [
-    (["--sae", "{sae}"], "a residual-stream SAE (blocks.0.hook_resid_post) serves QK attribution of layer 1's heads "
-     "(--qk L1H...), and no --qk heads are asked for"),
-    (["--qk", "L0H1", "--sae", "{sae}"], "and --qk names heads of layer(s) [0]"),
     (["--qk", "L1H0", "--sae", "{sae},{sae2}"], "are both at the stream layer 1's heads read: give one"),
     (["--qk", "L1H0", "--sae", "{narrow}"], "reads d_in=64, but the residual stream has width d_model=128"),
 ])
-def test_a_residual_sae_the_qk_heads_do_not_read_is_refused_before_loading(tmp_path, capsys, monkeypatch, argv,
-                                                                          says):
+def test_bad_residual_saes_for_qk_are_refused_before_loading(tmp_path, capsys, monkeypatch, argv, says):
     from interp.cli import main as cli
 
     sae = _residual_sae_folder(tmp_path / "sae", "blocks.0.hook_resid_post", 128)
