@@ -8,6 +8,7 @@ from . import checks
 # interp.analyses.sink_origins.interventions.INTERVENTIONS and MLP_LAYERS, here so that --help does not import torch
 INTERVENTIONS = ("massive_dims", "massive_held", "query_bias", "early_mlp", "key_direction")
 MLP_LAYERS = (0, 1, 2)
+LEVEL_SITES = 6  # interp.analyses.sink_origins.levels.MAX_SITES
 SEQ_LEN, N_SEQS = 256, 4
 
 HELP = "attention sinks: where they sit, the massive activations, and which component makes them (interventions)"
@@ -28,8 +29,13 @@ activations: dimension, token, magnitude, ratio to the median |activation|). The
 and the loss beside the unmodified model's: massive_dims zeroes the first token's massive dimensions
 where each appears (massive_held: and after every later layer); query_bias removes the query bias
 (refused for a model without one); early_mlp mean-ablates each MLP of --mlp-layers at the first
-position; key_direction projects the first token's mean key direction out of its key. Writes heads,
-massive, interventions (.parquet and .csv), intervention_layers.parquet, settings.json and a report.
+position; key_direction projects the first token's mean key direction out of its key. Sink levels:
+every position some head of some layer puts >= --epsilon of its attention on (averaged over the
+queries 4+ tokens past it), grouped by the token it holds, with the layer it forms at, its mass by
+layer, and, for the --levels strongest, the attention layer or MLP before that layer whose output,
+zeroed at those positions, removes it. Writes heads, massive, interventions, sink_levels,
+sink_level_ablations (.parquet and .csv), intervention_layers.parquet, sink_level_layers.parquet,
+settings.json and a report.
 """
 
 
@@ -44,6 +50,9 @@ def add_arguments(p) -> None:
                    help="a head is a sink head when its sink mass exceeds this share, in [0, 1] (default 0.3, "
                         "Gu et al.)")
     g.add_argument("--top-k", type=int, default=None, help="massive-activation rows per layer (default 4)")
+    g.add_argument("--levels", type=int, default=None,
+                   help=f"sink levels: trace what makes the N strongest sink sites, one forward per attention layer "
+                        f"and MLP before each one's level (default {LEVEL_SITES}; 0: the sites and masses only)")
     g.add_argument("--over-checkpoints", action="store_true",
                    help="MODEL is a training run (a zoo name or run folder): at every checkpoint, the share of sink "
                         "heads, the largest residual activation over its layer's median and the induction score on "
@@ -72,7 +81,8 @@ def run(args) -> int:
 
     def settings():
         return SinksSettings(**checks.common(args), data=checks.text_data(args, SEQ_LEN), interventions=names,
-                             mlp_layers=layers, epsilon=args.epsilon, top_k=4 if args.top_k is None else args.top_k)
+                             mlp_layers=layers, epsilon=args.epsilon, top_k=4 if args.top_k is None else args.top_k,
+                             levels=LEVEL_SITES if args.levels is None else args.levels)
 
     return checks.run_command(SinksStudy(), args, settings, path=path)
 
@@ -86,7 +96,8 @@ def _over_checkpoints(args) -> int:
 
     with as_user_errors(ValueError, FileNotFoundError, ImportError):
         unused = [flag for flag, value in (("--interventions", args.interventions), ("--mlp-layers", args.mlp_layers),
-                                           ("--top-k", args.top_k)) if value is not None]
+                                           ("--top-k", args.top_k), ("--levels", args.levels))
+                  if value is not None]
         if unused:
             raise ValueError(f"{', '.join(unused)} belong to the interventions of one model, which --over-checkpoints "
                              "does not run: leave them out (the onset reads the sink-head share, the largest "

@@ -5,12 +5,16 @@ the first delimiter and on the largest other key (with gpt-oss's learned sink lo
 share), per layer the residual stream's massive activations (Sun et al. 2024), and the loss. Then one forward
 per intervention (`interventions.py`: the massive dimensions zeroed, the query bias removed, each early MLP
 mean-ablated at the first position, the first token's key direction projected out) gives the sink mass per layer
-and the loss after it, beside the unmodified model's.
+and the loss after it, beside the unmodified model's. The sink levels (`levels.py`): every position that draws a
+sink's mass in some layer, grouped by the token it holds, the layer it forms at, its mass by layer, and which
+attention layer or MLP before that layer makes it (zeroed there, one forward each).
 
 Tables: heads (one row per head: first, delimiter, other and its position, learned, which sink, is_sink),
 massive (the largest activations per layer, one per dimension and token kind), interventions (one row per
-intervention and the unmodified model, "none") and intervention_layers (the same per layer). Figures: sink mass
-by layer and head, the largest activation per layer by token kind, sink mass by layer per intervention.
+intervention and the unmodified model, "none"), intervention_layers (the same per layer), sink_levels (one row per
+sink site), sink_level_layers (its mass by layer) and sink_level_ablations (one row per site and component removed).
+Figures: sink mass by layer and head, the largest activation per layer by token kind, sink mass by layer per
+intervention, sink mass by layer per sink site.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from ..document import Section, png
 from ..plots import plot_head_scores
 from ..study import Measured, Study, StudySettings, Table, fit_default
 from .interventions import Reference, check_interventions, choose_massive, describe, expand, hooks_for, label
+from .levels import ABLATION_COLUMNS, LAYER_COLUMNS, LEVEL_COLUMNS, MAX_SITES, n_levels, sink_levels
 from .measure import KINDS, MASSIVE_MIN, MASSIVE_RATIO, delimiter_ids, is_massive, sink_pass, token_kinds
 
 EPSILON = 0.3  # Gu et al.'s threshold: a head is a sink head when its alpha_0 exceeds it
@@ -47,7 +52,8 @@ class SinksSettings(StudySettings):
     """interventions: names from `interventions.INTERVENTIONS` (None: every one that applies to the model);
     mlp_layers: the early MLPs ablated one at a time (None: 0, 1, 2); epsilon: Gu et al.'s threshold in [0, 1];
     top_k: massive-activation rows per layer; massive_min, massive_ratio: Sun et al.'s criterion; delimiters:
-    the delimiter token ids (None: found from the tokenizer's text of each token); backend: the statistics'."""
+    the delimiter token ids (None: found from the tokenizer's text of each token); backend: the statistics';
+    levels: the sink sites whose makers are traced (`levels.py`; 0: the sites and their masses only)."""
 
     interventions: tuple[str, ...] | None = None
     mlp_layers: tuple[int, ...] | None = None
@@ -57,6 +63,7 @@ class SinksSettings(StudySettings):
     massive_ratio: float = MASSIVE_RATIO
     delimiters: tuple[int, ...] | None = None
     backend: str = "auto"
+    levels: int = MAX_SITES
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -79,11 +86,14 @@ class SinksStudy(Study):
     title = "Where the attention sinks come from"
     tables = (Table("heads", HEAD_COLUMNS, csv=True), Table("massive", MASSIVE_COLUMNS, csv=True),
               Table("interventions", RUN_COLUMNS, csv=True),
-              Table("intervention_layers", ("intervention", "layer", "sink_mass", "delimiter_mass", "sink_rate")))
+              Table("intervention_layers", ("intervention", "layer", "sink_mass", "delimiter_mass", "sink_rate")),
+              Table("sink_levels", LEVEL_COLUMNS, csv=True), Table("sink_level_layers", LAYER_COLUMNS),
+              Table("sink_level_ablations", ABLATION_COLUMNS, csv=True))
 
     def check(self, cfg, s: SinksSettings):
         names, layers, notes = check_interventions(s.interventions, cfg, s.mlp_layers)
         check_int("--top-k", s.top_k, minimum=1)
+        check_int("--levels", s.levels, minimum=0)
         check_real("massive_min", s.massive_min, minimum=0)
         check_real("massive_ratio", s.massive_ratio, minimum=1)
         data, note = check_sink_settings(cfg, s)
@@ -104,7 +114,10 @@ class SinksStudy(Study):
             hooks = hooks_for(model, name, l, ref)
             res = stage(label(name, l), lambda: sink_pass(model, tokens, hooks=hooks, **common))
             runs.append((label(name, l), describe(name, l, ref), res))
-        tables = {"heads": heads_table(base, kinds, s.epsilon),
+        levels = stage("sink levels: every key's mass, then the components before each level", lambda: sink_levels(
+            model, tokens, s.epsilon, delims, max_sites=s.levels, text=lambda i: _token_text(model, i),
+            progress=lambda xs, desc: progress(xs, desc=desc, enabled=s.progress)))
+        tables = {"heads": heads_table(base, kinds, s.epsilon), **levels,
                   "massive": massive_table(model, base, tokens, s.massive_min, s.massive_ratio),
                   **run_tables(runs, s.epsilon)}
         return SinksMeasured(tables=tables, massive=massive, massive_found=found,
@@ -120,6 +133,7 @@ class SinksStudy(Study):
                                         "meets_criterion": m.massive_found},
                 "learned_sinks": m.learned,
                 "sink_mass": {k: round(float(v), 5) for k, v in runs["sink_mass"].items()},
+                "sink_levels": _levels_record(m["sink_levels"]),
                 "loss": {k: round(float(v), 5) for k, v in runs["loss"].items()}}
 
     def sections(self, s: SinksSettings, m: SinksMeasured, record) -> list[Section]:
@@ -221,7 +235,8 @@ def plot_by_layer(frame: pd.DataFrame, value: str, hue: str, ylabel: str, logy: 
 def report_sections(model_name: str, m: SinksMeasured, record: dict) -> list[Section]:
     heads, massive, runs = m["heads"], m["massive"], m["interventions"]
     sections = [_summary(model_name, m, record), _sinks_section(heads, record), _massive_section(massive, m, record),
-                _interventions_section(runs, m["intervention_layers"], m.same_first)]
+                _interventions_section(runs, m["intervention_layers"], m.same_first),
+                _levels_section(m["sink_levels"], m["sink_level_layers"], m["sink_level_ablations"], record)]
     sections.append(Section("settings", "Settings").add("```\n" + json.dumps(record, indent=2) + "\n```"))
     return sections
 
@@ -248,6 +263,7 @@ def _summary(model_name: str, m: SinksMeasured, record: dict) -> Section:
         out.add(f"The largest activation in the residual stream: {top['value']:+.1f} in dimension {top['dim']} at "
                 f"the {top['kind'].replace('_', ' ')} token ({top['token']!r}) after layer {top['layer']}, "
                 f"{top['ratio']:,.0f} x the layer's median |activation|.")
+    out.add(_levels_headline(m["sink_levels"], eps))
     if len(others):
         best = others.iloc[0]
         out.add(f"The intervention that lowers the first-token sink most: {best['intervention']} ({best['description']}"
@@ -300,6 +316,64 @@ def _interventions_section(runs: pd.DataFrame, layers: pd.DataFrame, same_first:
         runs.round(4),
         png(plot_by_layer(layers, "sink_mass", "intervention", "first-token sink mass (mean over heads)"),
             "interventions_by_layer.png"))
+
+
+# ---- the sink levels ---------------------------------------------------------------------------------------------
+def _site_label(row) -> str:
+    if row["site"] == "first":
+        return "first token" + (f" {row['token']!r}" if row["token"] else "")
+    return repr(row["token"])
+
+
+def _maker(row) -> str:
+    if row["component"] == "embedding":
+        return "made by the embedding"
+    verb = "removed by zeroing" if row["removes"] else "lowered most by zeroing"
+    return f"{verb} {row['component']}: {row['mass_without']:.2f}"
+
+
+def _levels_record(levels: pd.DataFrame) -> dict:
+    traced = levels[levels["traced"]]
+    return {"n_sites": len(levels), "n_levels": n_levels(levels),
+            "traced": [dict(site=r["site"], token=r["token"], level=int(r["level"]), component=r["component"],
+                            mass_at_level=round(float(r["mass_at_level"]), 4),
+                            mass_without=None if pd.isna(r["mass_without"]) else round(float(r["mass_without"]), 4))
+                       for _, r in traced.iterrows()]}
+
+
+def _levels_headline(levels: pd.DataFrame, eps: float) -> str:
+    """One line: how many sink levels, and each traced site's token, level and maker."""
+    if not len(levels):
+        return f"Sink levels: none (no position draws {eps:g} of any head's attention past it)."
+    traced = levels[levels["traced"]].sort_values("level")
+    said = "; ".join(f"{_site_label(r)} at layer {r['level']} (mass {r['mass_at_level']:.2f}, " + _maker(r) + ")"
+                     for _, r in traced.iterrows())
+    return (f"Sink levels: {n_levels(levels)} (layers {', '.join(map(str, sorted(levels['level'].unique())))}) over "
+            f"{len(levels)} sink site(s); " + said + ".")
+
+
+def _levels_section(levels: pd.DataFrame, layers: pd.DataFrame, ablations: pd.DataFrame, record: dict) -> Section:
+    out = Section("levels", "Sink levels").add(
+        "Every position that draws a sink's mass in some layer (`analyses/src/sink_origins/levels.py`): key k is a "
+        f"sink at layer l when some head of l puts at least {record['epsilon']:g} of its attention on it, averaged "
+        "over the queries at least 4 tokens past it. Positions are grouped by the token they hold (position 0: the "
+        "first token); a site's mass is the mean over its positions of the largest head's alpha, its level the "
+        "first layer where that mass reaches the threshold. What makes it: each attention layer and MLP before "
+        "the level, its output zeroed at the site's positions only; the one that lowers the mass at the level "
+        "most (removes: below the threshold).")
+    if not len(levels):
+        return out.add("No sink site.")
+    shown = levels.assign(token=levels["token"].map(repr))
+    out.add(shown.drop(columns=["token_id"]).round(3).head(30))
+    traced = levels[levels["traced"]]
+    names = dict(zip(traced["site"], [f"{_site_label(r)} (L{r['level']})" for _, r in traced.iterrows()]))
+    part = layers[layers["site"].isin(names)].assign(site=lambda f: f["site"].map(names))
+    out.add(png(plot_by_layer(part, "mass", "site", "sink mass (mean over positions, largest head)"),
+                "sink_levels_by_layer.png"))
+    if len(ablations):
+        out.add("Each component before a traced site's level, zeroed at its positions: its mass at the level.",
+                ablations.round(4))
+    return out
 
 
 __all__ = ["SinksMeasured", "SinksSettings", "SinksStudy", "heads_table", "massive_table", "run_tables"]
