@@ -4,11 +4,14 @@ for an SAE object SAELens made. The files themselves are read by `files.py` and 
 
     load_sae("path/to/folder")                                          a SAELens, Gemma Scope or sparsify folder
     load_sae("attn-only-2l/blocks.1.attn.hook_z")                       a zoo SAE (models/src/zoo/saes/)
+    load_sae("smollm2-135m/blocks.18.attn.hook_z")                      one trained here, too large to ship
+                                                                        ($INTERP_CACHE/saes/, default ~/.cache/interp)
     load_sae("google/gemma-scope-2b-pt-res/layer_20/width_16k/average_l0_71")   owner/repo, then the folder in it
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -20,9 +23,12 @@ from ..hub import ModelNotFound, hub_download
 from .files import CFG, GEMMA_SCOPE, GEMMA_SCOPE_2, SAE_LENS_WEIGHTS, SPARSIFY_WEIGHTS, SAEFiles, sae_lens_fields
 from .sae import SAE, build, dtype_name, load_from_disk
 
-# The zoo's SAEs, <model run>/<hook name>/: SAELens folders, each with the train.py that made it. A folder of
-# data found by its path: the zoo package is no import of this one (its training builds models, above SAEs).
+# The zoo's SAEs, <model run>/<hook name>/: SAELens folders, with the eval.json of the trainer that made them
+# (models/src/zoo/saes/train.py). A folder of data found by its path: the zoo package is no import of this
+# one (its training builds models, above SAEs).
 ZOO_SAES = Path(__file__).resolve().parents[1] / "zoo" / "saes"
+# The zoo's trainer, which writes an SAE over 5 MB to the cache folder instead (run it in SAELens's venv).
+TRAIN_SAE = "models/src/zoo/saes/train.py"
 _FILES = (CFG, SAE_LENS_WEIGHTS, SPARSIFY_WEIGHTS, GEMMA_SCOPE, GEMMA_SCOPE_2, "config.json")
 
 
@@ -49,9 +55,14 @@ def resolve_sae(path_or_name, *, revision: str | None = None) -> tuple[Path, str
         if revision is not None:
             raise BadValue(f"revision={revision!r} applies to Hugging Face repos, not to the local path {path}")
         return (path.parent if path.is_file() else path), text
-    if revision is None and (ZOO_SAES / text).is_dir() and not text.startswith((".", "/")):
-        return _inside(ZOO_SAES, text, "the zoo's SAEs"), text
+    if revision is None and not text.startswith((".", "/", "~")):
+        for root, what in ((ZOO_SAES, "the zoo's SAEs"), (sae_cache(), "interp's SAE cache")):
+            if (root / text).is_dir():
+                return _inside(root, text, what), text
     parts = text.strip("/").split("/")
+    if revision is None and len(parts) == 2 and "hook_" in parts[1]:  # <model>/<hook name>: one trained here
+        raise ModelNotFound(f"no SAE {text!r} in the zoo nor in {sae_cache()}; train it (SAELens's venv, see "
+                            f"docs/saes.md): python {TRAIN_SAE} {parts[0]} {parts[1]}")
     if len(parts) < 2 or not all(parts) or text.startswith((".", "/", "~")) or ".." in parts:
         raise ModelNotFound(f"no SAE at {text!r}: it is no local folder, no zoo SAE ({', '.join(zoo_saes()) or 'none'}) "
                             "and no Hugging Face name (owner/repo/folder...)")
@@ -73,6 +84,11 @@ def _inside(root: Path, sub: str, what: str) -> Path:
     links out of it): a snapshot or the zoo never makes interp read another folder's files."""
     inside(root, f"{sub.strip('/')}/{CFG}", what)  # checks the folder `sub` itself, not only its parent
     return root / sub.strip("/")
+
+
+def sae_cache() -> Path:
+    """Where the zoo's trainer writes SAEs too large to ship: $INTERP_CACHE/saes (default ~/.cache/interp/saes)."""
+    return Path(os.environ.get("INTERP_CACHE") or Path.home() / ".cache" / "interp") / "saes"
 
 
 def zoo_saes() -> list[str]:
@@ -111,5 +127,5 @@ def as_sae(obj) -> SAE:
     return sae
 
 
-__all__ = ["ZOO_SAES", "as_sae", "load_sae", "resolve_sae", "zoo_saes"]
+__all__ = ["ZOO_SAES", "as_sae", "load_sae", "resolve_sae", "sae_cache", "zoo_saes"]
 
