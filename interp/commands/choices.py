@@ -22,7 +22,7 @@ BENCH_SECTIONS = ("forward", "cache", "long_context", "ablation", "generation", 
 KV_PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8", "int4")  # interp.kernels.kv_quant.PRECISIONS
 KV_POLICIES = "full,kivi4,kivi2,streaming(4,128),h2o(132),snapkv(132),knorm(132),tova(132)"  # interp.analyses.kv.policies.DEFAULT_POLICIES
 KV_POLICY_FORMS = ("full", "fp32", "fp16", "bf16", "int8", "fp8", "int4", "kivi4", "kivi2", "streaming(sinks,window)",
-                   "h2o(budget)", "snapkv(budget)", "knorm(budget)", "tova(budget)")  # interp.models.kv.policies.policy_names()
+                   "h2o(budget)", "snapkv(budget)", "knorm(budget)", "tova(budget)", "random(budget)")  # interp.models.kv.policies.policy_names()
 GATE_STEPS = 32  # interp.analyses.kv.roles_study.GATE_STEPS
 LOSS_TOKENS = 1024  # interp.analyses.kv.roles_study.LOSS_TOKENS
 ROPE_TYPES = ("default", "linear", "dynamic", "ntk", "yarn", "llama3", "longrope")  # interp.models.rope.choice.ROPE_TYPES

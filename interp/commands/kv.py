@@ -26,8 +26,10 @@ EPILOG = """examples:
   interp kv passkey smollm2-135m --out out/kv-passkey
   interp kv passkey smollm2-135m --policies 'full,kivi4,streaming(4,128)' --lengths 1024 --prompts 5 --out DIR
   interp kv passkey smollm2-135m --needle --out out/kv-needle         # the key hidden in real text, not filler
+  interp kv passkey smollm2-135m --policies 'h2o(132),h2o(132)+protect(10%),random(132)+protect(4,9)' --out DIR
   interp kv passkey gemma3-270m --lengths 4096,32760 --policies 'full,window' --prompts 1 --out out/kv-long
   interp kv select smollm2-135m --rankings retrieval,razor,loss,gates,random --out out/kv-roles
+  interp kv select smollm2-135m --equal-bytes 'h2o+protect(10%)' --out DIR  # against a protected policy
   interp kv static gemma3-270m                                        # seconds, no forward pass: the top 20 heads
   interp kv static smollm2-135m --compare 1024                        # and against the measured retrieval score
 
@@ -78,7 +80,10 @@ def add_passkey(p) -> None:
     g.add_argument("--policies", default=KV_POLICIES,
                    help=f"comma-separated, from {', '.join(KV_POLICY_FORMS)} (quote the parentheses in a shell; each "
                         f"policy's class says what it keeps); default {KV_POLICIES}, plus 'window' on a model with "
-                        "sliding-window layers: each layer keeps only its own window")
+                        "sliding-window layers: each layer keeps only its own window. An eviction policy (h2o, snapkv, "
+                        "knorm, tova, random(budget)) takes boundary protection after '+': h2o(132)+protect(4,9) never "
+                        "evicts the first 4 and last 9 tokens, h2o(132)+protect(10%%) splits 10%% of the budget between "
+                        "them (a third first), inside the same budget")
     checks.add_prompt_options(p, "1024,2048")
     checks.add_text_options(p, 2048, "the perplexity text")
 
@@ -102,6 +107,10 @@ def add_select(p) -> None:
     g.add_argument("--gate-seconds", type=float, default=None,
                    help="a time cap on gate training (default none); when it stops training early the report says "
                         "so, and the gates then depend on the machine's speed")
+    g.add_argument("--equal-bytes", default="snapkv", metavar="POLICY",
+                   help="the policy every head runs at each selection's bytes per token, for comparison: snapkv, h2o, "
+                        "knorm, tova or random, with any boundary protection, e.g. 'h2o+protect(10%%)' (default "
+                        "snapkv; 'none': no comparison)")
     g.add_argument("--loss-tokens", type=int, default=LOSS_TOKENS,
                    help=f"the streaming-loss ranking reads the perplexity text's first this many tokens (default "
                         f"{LOSS_TOKENS}; more text, other heads: docs/kv_cache.md, head roles)")
@@ -165,7 +174,8 @@ def run_select(args) -> int:
                              fractions=tuple(checks.numbers(args.fractions, float, "--fractions")),
                              selection_seeds=tuple(range(args.selection_seeds)), sinks=args.sinks, window=args.window,
                              n_scoring=args.scoring_prompts, gate_steps=args.gate_steps, gate_seconds=args.gate_seconds,
-                             loss_tokens=args.loss_tokens)
+                             loss_tokens=args.loss_tokens,
+                             equal_bytes=None if args.equal_bytes.strip().lower() == "none" else args.equal_bytes)
 
     return checks.run_command(RolesStudy(), args, settings)
 

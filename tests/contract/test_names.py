@@ -102,12 +102,13 @@ def test_each_policy_class_carries_its_description():
 
     classes = {c for c in vars(policies).values()
                if isinstance(c, type) and issubclass(c, policies.Policy) and c.__dict__.get("names")}
-    assert {c.__name__ for c in classes} == {"Dense", "Kivi", "Streaming", "H2O", "SnapKV", "KNorm", "TOVA"}
+    assert {c.__name__ for c in classes} == {"Dense", "Kivi", "Streaming", "H2O", "SnapKV", "KNorm", "TOVA", "Random"}
     for cls in classes:
         doc = cls.__dict__.get("__doc__") or ""
         assert "Reads" in doc, f"{cls.__name__}: say which shapes it reads"
         if cls is not policies.Dense:
-            assert re.search(r"\(\w+ et al\. 20\d\d, \"", doc), f"{cls.__name__}: cite the paper"
+            assert re.search(r"\(\w+ et al\. 20\d\d, \"|\"[^\"]+\" \(arXiv \d{4}\.\d{4,5}\)", doc), \
+                f"{cls.__name__}: cite the paper"
     assert not hasattr(policies, "CacheView")  # the old name of Candidates: gone (CHANGELOG.md)
 
 

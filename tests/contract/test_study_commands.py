@@ -348,6 +348,6 @@ def test_each_kv_subcommand_takes_at_most_12_options_of_its_own():
         assert len(own) <= 12, (name, own)
     assert counts["precision"][0] == ["--precisions", "--seeds", "--sensitivity-tokens"]
     assert counts["passkey"][0] == ["--policies"]
-    # select: + --loss-tokens; precision's every option: + --rope-scaling, --offload and --device-map (every study's,
+    # select: + --loss-tokens, --equal-bytes; precision's every option: + --rope-scaling, --offload and --device-map (every study's,
     # in the shared group)
-    assert len(counts["select"][0]) == 9 and len(counts["precision"][1]) == 14
+    assert len(counts["select"][0]) == 10 and len(counts["precision"][1]) == 14

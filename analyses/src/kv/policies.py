@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from interp.errors import BadValue, as_user_errors, check_int
-from interp.models.kv.policies import WINDOW, Policy, PolicyMap, is_window, parse_policies, resolve_policies, split_policies
+from interp.models.kv.policies import (WINDOW, Policy, PolicyMap, SubsetPolicy, is_window, parse_policies,
+                                       parse_policy, resolve_policies, split_policies)
 
 from .. import plots
 from .._common import progress, stages
@@ -108,6 +109,36 @@ def policy_runs(policies: str | Sequence[Policy]) -> list[PolicyRun]:
     if windows:
         runs.insert(names.index(windows[0]), PolicyRun(WINDOW, WINDOW))
     return runs
+
+
+def protected_counts(runs: Sequence[PolicyRun]) -> dict[str, list[int]]:
+    """{label: [first, last]} for every run whose one policy protects its boundaries (`+protect(...)`): the
+    tokens at each end it never evicts, resolved against its budget (what settings.json records)."""
+    out = {}
+    for r in runs:
+        if isinstance(r.policy, (str, Policy)) and not is_window(r.policy):
+            p = parse_policy(r.policy)
+            if isinstance(p, SubsetPolicy) and p.protect is not None:
+                out[r.label] = list(p.protected)
+    return out
+
+
+def protect_sentence(labels: Sequence[str]) -> str | None:
+    """The report's line on boundary protection: which policies hold their first and last tokens, how many."""
+    parts = []
+    for label in dict.fromkeys(labels):
+        try:
+            p = parse_policy(label)
+        except BadValue:  # a selection's label ("razor 9/90"), not a policy name
+            continue
+        if isinstance(p, SubsetPolicy) and p.protect is not None:
+            first, last = p.protected
+            parts.append(f"{label} never evicts its first {first} and last {last} tokens (inside its {p.budget})")
+        elif isinstance(p, SubsetPolicy) and p.protectable:
+            parts.append(f"{label} protects nothing")
+    if not any("never evicts" in x for x in parts):
+        return None
+    return "Boundary protection (arXiv 2605.18053): " + "; ".join(parts) + "."
 
 
 def check_runs(model, runs: Sequence[PolicyRun], max_len: int) -> None:
@@ -391,7 +422,7 @@ class PolicyStudy(Study):
                     prompts_per_cell=max(1, len(prompts) // cells),
                     seeds=sorted({p.seed for p in prompts if p.seed is not None}),
                     variant=sorted({p.variant for p in prompts}), max_new_tokens=s.max_new_tokens,
-                    perplexity_tokens=s.data.length, chunk=s.chunk)
+                    perplexity_tokens=s.data.length, chunk=s.chunk, protected=protected_counts(m.runs))
 
     def sections(self, s: PolicySettings, m: PolicyMeasured, record) -> list[Section]:
         return policy_sections(s.model, m["kv_policies"], m.summary, m["kv_passkey_answers"],
@@ -423,6 +454,7 @@ def headline(name: str, cells: pd.DataFrame, summary: pd.DataFrame) -> list[str]
 
 def policy_sections(name, cells, summary, answers, data) -> list[Section]:
     s = Section("summary", "Summary").add(*headline(name, cells, summary),
+                                         protect_sentence(list(summary["policy"])),
                                          f"Perplexity on {data}." if data else None)
     by_len = (cells.groupby(["policy", "length"], sort=False)[["correct", "n"]].sum().reset_index())
     table = by_len.assign(accuracy=[accuracy_label(c, n) for c, n in zip(by_len["correct"], by_len["n"])]).pivot(

@@ -238,15 +238,23 @@ def equal_bytes_budget(fraction: float, length: int, sinks: int, window: int) ->
     return max(1, round(fraction * length + (1 - fraction) * min(length, sinks + window)))
 
 
+def equal_bytes_name(method: str, budget: int) -> str:
+    """The policy `method` (a budget policy's name: snapkv, h2o, knorm, tova, random, with any '+' setting:
+    "h2o+protect(10%)") at `budget` tokens per head: "h2o(221)+protect(10%)"."""
+    base, plus, setting = method.partition("+")
+    return f"{base.strip()}({budget})" + (f"+{setting.strip()}" if plus else "")
+
+
 def equal_bytes_runs(fractions: Sequence[float], lengths: Sequence[int], *, sinks: int = 4, window: int = 128,
                      method: str = "snapkv") -> list[PolicyRun]:
-    """`method` (snapkv or h2o) on every head with the per-head budget of `equal_bytes_budget`, one run
-    per (fraction, prompt length): evaluated on the prompts of that length only."""
+    """`method` (snapkv, h2o, ..., or one with boundary protection, "h2o+protect(10%)": `equal_bytes_name`) on
+    every head with the per-head budget of `equal_bytes_budget`, one run per (fraction, prompt length):
+    evaluated on the prompts of that length only."""
     runs = []
     for f in fractions:
         for length in lengths:
             b = equal_bytes_budget(f, length, sinks, window)
-            name = f"{method}({b})"
+            name = equal_bytes_name(method, b)
             runs.append(PolicyRun(f"{name} ~{f:g}@{length}", name, selection=method, tokens_per_head=b, full_fraction=f,
                                   lengths=(length,)))
     return runs

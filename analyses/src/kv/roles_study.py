@@ -24,7 +24,7 @@ import pandas as pd
 import torch
 
 from interp.errors import check_int, check_real
-from interp.models.kv.policies import Streaming
+from interp.models.kv.policies import Streaming, parse_policy
 
 from .. import plots
 from .._common import stages
@@ -35,6 +35,7 @@ from .static_scores import STATIC_COLUMNS, agreement, check_rotary, static_colum
 from .roles import (
     check_selection,
     equal_bytes_budget,
+    equal_bytes_name,
     equal_bytes_runs,
     kv_roles,
     loss_scores,
@@ -242,6 +243,9 @@ class RolesStudy(Study):
                       hint=f"the loss ranking scores the tokens past sinks + window = {s.sinks + s.window}")
         if s.equal_bytes:  # SnapKV at the selections' bytes: its budget must fit the perplexity text too
             need = max(equal_bytes_budget(f, n, s.sinks, s.window) for f in s.fractions for n in s.lengths)
+            low = min(equal_bytes_budget(f, n, s.sinks, s.window) for f in s.fractions for n in s.lengths)
+            for budget in {low, need}:  # the method's name and its protect setting, at the budgets it runs at
+                parse_policy(equal_bytes_name(s.equal_bytes, budget))
             if need > s.data.length:
                 raise ValueError(f"--select compares SnapKV at the selections' bytes, {need} tokens per head at the "
                                  f"longest length and largest fraction, more than the {s.data.length}-token perplexity "

@@ -78,10 +78,15 @@ class Policy:
         return cls(*args)
 
     @property
-    def name(self) -> str:
-        """The canonical spelling (parses back to an equal policy)."""
-        args = [getattr(self, f.name) for f in dataclasses.fields(self)]
+    def base_name(self) -> str:
+        """The canonical spelling of the policy itself, without its settings after '+' (`protect`)."""
+        args = [getattr(self, f.name) for f in dataclasses.fields(self) if not f.kw_only]
         return f"{self.names[0]}({','.join(map(str, args))})" if args else self.names[0]
+
+    @property
+    def name(self) -> str:
+        """The canonical spelling (parses back to an equal policy): `base_name`, then any '+' settings."""
+        return self.base_name
 
     @property
     def budget(self) -> int | None:
@@ -118,7 +123,7 @@ class Dense(Policy):
         return cls(name)
 
     @property
-    def name(self) -> str:
+    def base_name(self) -> str:
         return self.precision
 
     @property
@@ -156,7 +161,7 @@ class Kivi(Policy):
         return cls(int(name[-1]), *args)
 
     @property
-    def name(self) -> str:
+    def base_name(self) -> str:
         return f"kivi{self.bits}" if (self.group, self.residual) == (32, 32) else \
             f"kivi{self.bits}({self.group},{self.residual})"
 
@@ -202,6 +207,7 @@ class Candidates:
     state         the policy's own values for these heads, kept across calls (SnapKV's "done")
     entries       per-entry values [b, g, m] kept beside each entry (H2O's scores): gathered with the
                   entries that stay; earlier ones are padded with zeros for the call's new entries
+    layer, heads  the layer and its KV heads [g] these entries belong to (random's seed per head)
     """
 
     keys: Tensor
@@ -215,6 +221,8 @@ class Candidates:
     n_rep: int
     state: dict = field(default_factory=dict)
     entries: dict = field(default_factory=dict)
+    layer: int = 0
+    heads: Tensor | None = None
 
     @property
     def last(self) -> int:
@@ -274,15 +282,112 @@ _INF = float("inf")
 
 
 @dataclass(frozen=True)
+class Protect:
+    """Boundary protection ("Protection is (nearly) all you need", arXiv 2605.18053): the first `first` and the
+    last `last` tokens (by slot = position) are never evicted, or `fraction` of the policy's budget split
+    between them: t = round(fraction x budget) entries (at least 1), the first max(1, t // 3) and the last
+    the rest (h2o(132)+protect(10%): 13 entries, the first 4 and the last 9). Protected entries count inside
+    the budget: the policy holds as many entries (and bytes) as without. Written `+protect(first,last)` or
+    `+protect(10%)` (or `+protect(0.1)`) after an eviction policy: `h2o(132)+protect(4,9)`."""
+
+    first: int | None = None
+    last: int | None = None
+    fraction: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.fraction is not None:
+            if self.first is not None or self.last is not None:
+                raise BadValue("protect takes two counts, protect(first,last), or one fraction, protect(10%): not both")
+            if not 0 < self.fraction < 1:  # nan fails too
+                raise BadValue(f"protect({self.fraction:g}): a fraction of the budget must be between 0 and 1 "
+                               "(exclusive), e.g. protect(10%) or protect(0.1); or give counts, protect(4,9)")
+            return
+        for what, n in (("first", self.first), ("last", self.last)):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise BadValue(f"protect: the count of {what} tokens must be a whole number >= 0, got {n!r}; "
+                               "e.g. protect(4,9) or protect(10%)")
+
+    @property
+    def spelled(self) -> str:
+        if self.fraction is not None:
+            return f"protect({round(self.fraction * 100, 6):g}%)"
+        return f"protect({self.first},{self.last})"
+
+    def counts(self, budget: int) -> tuple[int, int]:
+        """(first, last): the tokens protected at each end for a policy of `budget` entries per head."""
+        if self.fraction is None:
+            return self.first, self.last
+        t = max(1, round(self.fraction * budget))
+        first = max(1, t // 3)
+        return first, t - first
+
+    @classmethod
+    def parse(cls, text: str, spec: str) -> "Protect":
+        """From "protect(4,9)", "protect(10%)" or "protect(0.1)" (`spec`: the whole policy name, for errors)."""
+        m = re.fullmatch(r"\s*protect\s*\(([^()]*)\)\s*", text.lower())
+        if not m:
+            raise BadValue(f"KV-cache policy {spec!r}: after '+' write protect(first,last) or protect(10%), "
+                           "e.g. h2o(132)+protect(4,9)")
+        args = [a.strip() for a in m.group(1).split(",")]
+        usage = (f"KV-cache policy {spec!r}: write protect(first,last) with two whole numbers, or protect(10%) / "
+                 "protect(0.1) with one fraction of the budget")
+        if len(args) == 2:
+            if not all(re.fullmatch(r"[+-]?[0-9]+", a) for a in args):
+                raise BadValue(usage)
+            first, last = (int(a) for a in args)
+            if min(first, last) < 0:
+                raise BadValue(f"KV-cache policy {spec!r}: a protected count cannot be negative; write "
+                               "protect(first,last) with whole numbers >= 0, e.g. protect(4,9)")
+            return cls(first, last)
+        a = args[0] if len(args) == 1 else ""
+        try:
+            fraction = float(a[:-1]) / 100 if a.endswith("%") else float(a)
+        except ValueError:
+            raise BadValue(usage) from None
+        return cls(fraction=fraction)
+
+
+@dataclass(frozen=True)
 class SubsetPolicy(Policy):
     """A policy that holds a chosen subset of the tokens. Subclasses give `priority(view)` (higher is kept,
     +inf always, -inf never; padding is never kept), the field `size` (entries per head) or `budget`, and their
     names; `evict` applies the shared step. Override `evict` to keep everything on some calls (return None) or
-    to choose without scores, and `visibility` to narrow what a query sees (StreamingLLM's window)."""
+    to choose without scores, and `visibility` to narrow what a query sees (StreamingLLM's window).
+
+    Every subset policy takes `protect` (`Protect`, keyword only; `+protect(4,9)` / `+protect(10%)` in its
+    name): the first and last tokens it names are kept above everything else, +inf included, inside the same
+    budget. A policy that keeps only its boundaries already refuses it (`protectable` False, StreamingLLM)."""
+
+    protect: Protect | None = field(default=None, kw_only=True)
+    protectable: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if type(self).priority is SubsetPolicy.priority and type(self).evict is SubsetPolicy.evict:
             raise TypeError(f"{type(self).__name__} must define priority(view) (or evict(view))")
+        if self.protect is not None:
+            self._check_protect()
+
+    def _check_protect(self) -> None:
+        if not isinstance(self.protect, Protect):
+            raise BadValue(f"{self.base_name}: protect is a Protect (e.g. Protect(4, 9) or Protect(fraction=0.1)), "
+                           f"got {self.protect!r}")
+        if not self.protectable:
+            raise BadValue(f"{self.base_name} keeps only its first and last tokens already (it evicts nothing but "
+                           "the middle), so protect adds nothing: widen its sinks or window instead")
+        first, last = self.protect.counts(self.budget)
+        if first + last > self.budget:
+            raise BadValue(f"{self.name}: protects {first} + {last} = {first + last} tokens, more than its budget of "
+                           f"{self.budget} (protected tokens count inside it): protect fewer, e.g. protect(10%), or "
+                           "raise the budget")
+
+    @property
+    def name(self) -> str:
+        return self.base_name if self.protect is None else f"{self.base_name}+{self.protect.spelled}"
+
+    @property
+    def protected(self) -> tuple[int, int]:
+        """(first, last): the tokens at each end never evicted, (0, 0) without `protect`."""
+        return (0, 0) if self.protect is None else self.protect.counts(self.budget)
 
     @property
     def budget(self) -> int:
@@ -298,7 +403,10 @@ class SubsetPolicy(Policy):
         prio = self.priority(view)
         if prio is None:
             return None
-        return keep_top(torch.where(view.valid, prio.float(), float("-inf")), self.budget)
+        prio = torch.where(view.valid, prio.float(), -_INF)
+        if self.protect is not None:
+            prio = protect_boundaries(prio, view, *self.protected)
+        return keep_top(prio, self.budget)
 
     def visibility(self, rel: Tensor, slots: Tensor, window: int | None, own_window: int | None):
         """(window, sink mask or None) for `kernels.visibility.visible`: what a query sees of the held entries.
@@ -313,6 +421,15 @@ class SubsetPolicy(Policy):
         return min(self.budget, length) * per_entry / length
 
 
+def protect_boundaries(prio: Tensor, view: Candidates, first: int, last: int) -> Tensor:
+    """`prio` [b, g, m] with the held entries at slots < `first` and the last `last` slots of the call raised
+    to +inf, and the policy's own +inf lowered to the largest finite float: protected entries are kept before
+    anything the policy itself always keeps (H2O's recent window), so `keep_top` never drops one."""
+    guard = view.valid & ((view.slots < first) | view.recent(last))
+    prio = torch.where(prio == _INF, torch.finfo(prio.dtype).max, prio)
+    return torch.where(guard, _INF, prio)
+
+
 @dataclass(frozen=True)
 class Streaming(SubsetPolicy):
     """StreamingLLM (Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks"): the first
@@ -325,6 +442,7 @@ class Streaming(SubsetPolicy):
     sinks: int = 4
     window: int = 128
     names: ClassVar[tuple[str, ...]] = ("streaming",)
+    protectable: ClassVar[bool] = False  # it keeps only its boundaries already: protect is refused
     form: ClassVar[str] = "streaming(sinks,window)"
     shares_prefill: ClassVar[bool] = False  # its prefill attends through the window
     arity: ClassVar[tuple[int, int]] = (2, 2)
@@ -381,7 +499,7 @@ class H2O(SubsetPolicy):
         return self.size // 2 if self.recent is None else self.recent
 
     @property
-    def name(self) -> str:
+    def base_name(self) -> str:
         return f"h2o({self.size})" if self.recent is None else f"h2o({self.size},{self.recent})"
 
     def check(self, max_len: int, d_head: int) -> None:
@@ -415,7 +533,7 @@ class SnapKV(SubsetPolicy):
     arity: ClassVar[tuple[int, int]] = (1, 3)
 
     @property
-    def name(self) -> str:
+    def base_name(self) -> str:
         return f"snapkv({self.size})" if (self.window, self.kernel) == (32, 7) else \
             f"snapkv({self.size},{self.window},{self.kernel})"
 
@@ -478,6 +596,45 @@ class TOVA(SubsetPolicy):
         return torch.where(view.slots == view.last, _INF, mean.expand_as(weights))
 
 
+@dataclass(frozen=True)
+class Random(SubsetPolicy):
+    """Random eviction, the floor of "Protection is (nearly) all you need" (arXiv 2605.18053): B = `size`
+    uniformly random tokens per head. Each token gets a fixed pseudo-random number from (seed, layer, KV head,
+    slot) and the B highest are held: at every step the held entries are a uniform draw of B of the tokens
+    seen so far, the same on every run and machine, different per layer and head.
+
+    Reads the entries' slots [b, g, m] only. Written random(B), random(B,seed) (seed 0)."""
+
+    size: int = 256
+    seed: int = 0
+    names: ClassVar[tuple[str, ...]] = ("random",)
+    form: ClassVar[str] = "random(budget) or random(budget,seed)"
+    arity: ClassVar[tuple[int, int]] = (1, 2)
+
+    @property
+    def base_name(self) -> str:
+        return f"random({self.size})" if self.seed == 0 else f"random({self.size},{self.seed})"
+
+    def priority(self, view):
+        if view.slots.shape[-1] <= self.size:
+            return None
+        g = view.slots.shape[1]
+        heads = torch.arange(g) if view.heads is None else view.heads.cpu()
+        per_head = _mix(_mix(_mix(torch.tensor(self.seed, dtype=torch.int64)) ^ view.layer) ^ heads.long())  # [g]
+        h = _mix(per_head.to(view.slots.device)[None, :, None] ^ view.slots.long().clamp(min=0))
+        return (h >> 8).float()  # 23 bits: exact in float32
+
+
+def _mix(x: Tensor) -> Tensor:
+    """A 31-bit integer hash of int64 values in [0, 2^31) (three rounds of a multiply, add and xor-shift; the
+    products stay below 2^62, so nothing overflows)."""
+    x = x & 0x7FFFFFFF
+    for _ in range(3):
+        x = (x * 1103515245 + 12345) & 0x7FFFFFFF
+        x = x ^ (x >> 16)
+    return x
+
+
 def once_after_prompt(view: Candidates, size: int) -> bool:
     """For policies that compress the prompt once (SnapKV, KNorm): True (keep everything) on every call after
     the first, and on a first call that already fits; marks the heads done."""
@@ -523,17 +680,40 @@ def policy_table() -> str:
         spelled = ", ".join(f"`{n}`" for n in cls.names) if cls.arity == (0, 0) else f"`{cls.form}`"
         first = " ".join(inspect.cleandoc(cls.__doc__ or "").split("\n\n")[0].split())
         lines.append(f"- {spelled}: {first}")
+    lines.append(f"- `+protect(first,last)` or `+protect(10%)` after an eviction policy: {_protect_line()}")
     return "\n".join(lines) + "\n"
 
 
+def _protect_line() -> str:
+    """`Protect`'s docstring, one line, and which policies refuse it (policy_table)."""
+    text = " ".join(inspect.cleandoc(Protect.__doc__ or "").split())
+    refuse = [c.names[0] for c in dict.fromkeys(_REGISTRY.values()) if c.__module__ == __name__ and
+              (not issubclass(c, SubsetPolicy) or not c.protectable)]
+    return f"{text} Refused by {', '.join(refuse)}: they evict nothing, or only the middle already."
+
+
 def parse_policy(spec: PolicyLike) -> Policy:
-    """A Policy from its name ("kivi4", "streaming(4,128)", "h2o:256"); a Policy is returned as is."""
+    """A Policy from its name ("kivi4", "streaming(4,128)", "h2o:256", "h2o(132)+protect(4,9)",
+    "tova(132)+protect(10%)"); a Policy is returned as is."""
     if isinstance(spec, Policy):
         return spec
     if not isinstance(spec, str):
         raise BadValue(f"a KV-cache policy is a name or a Policy, got {spec!r}")
-    m = _SYNTAX.match(spec.lower())
-    name = m.group(1) if m else spec
+    base, plus, setting = spec.partition("+")
+    policy = _parse_base(base, spec)
+    if not plus:
+        return policy
+    protect = Protect.parse(setting, spec)
+    if not isinstance(policy, SubsetPolicy):
+        evicting = ", ".join(n for n, c in _REGISTRY.items() if issubclass(c, SubsetPolicy) and c.protectable)
+        raise BadValue(f"KV-cache policy {spec!r}: {policy.name} keeps every token and evicts nothing, so there is "
+                       f"nothing to protect; protect applies to eviction policies ({evicting})")
+    return dataclasses.replace(policy, protect=protect)
+
+
+def _parse_base(base: str, spec: str) -> Policy:
+    m = _SYNTAX.match(base.lower())
+    name = m.group(1) if m else base
     if not m or name not in _REGISTRY:
         raise BadValue(f"unknown KV-cache policy {spec!r}; choose from {', '.join(policy_names())}")
     raw = m.group(2) if m.group(2) is not None else (m.group(3) or "").replace(":", ",")

@@ -10,10 +10,11 @@ How it is held. The heads of a layer that share a policy form a group with its o
 - dense precisions and KIVI hold every token, in slot order (slot = the token's index in the cache,
   as `KVCache`), so their queries use the model's own mask and, for `full`, the model's own tensors:
   a cache that is `full` everywhere computes bit for bit what the unmodified model computes.
-- a `SubsetPolicy` (streaming, H2O, SnapKV, KNorm, TOVA, one of your own) holds a subset: keys and
+- a `SubsetPolicy` (streaming, H2O, SnapKV, KNorm, TOVA, random, one of your own) holds a subset: keys and
   values [batch, heads, m, d_head] plus each entry's slot (int32; -1 marks padding, the per-head
   validity mask) and the per-entry values it keeps (`entry_names`: H2O's accumulated attention, float32). A call attends over the held entries and this call's new ones with a mask
-  built from the slots (`kernels.visibility`), then keeps what the policy keeps. Decoding reads only
+  built from the slots (`kernels.visibility`), then keeps what the policy keeps (never a slot its
+  `protect` names: `held_mask` shows it). Decoding reads only
   held entries. Heads of one group hold the same number of entries (padded with slot -1 where a
   batch row has fewer); the cost of that padding is `allocated_nbytes - nbytes`.
 
@@ -114,6 +115,7 @@ class _CacheLayer:
         self.index = torch.tensor(heads, device=device)
         self.q_index = torch.tensor([h * n_rep + r for h in heads for r in range(n_rep)], device=device)
         self.batch, self.max_len, self.d_head, self.dtype, self.device = batch, max_len, d_head, dtype, device
+        self.layer = 0  # set by PolicyKVCache: the layer these heads belong to (a seeded policy's per-head draw)
 
     def mine(self, x: Tensor) -> Tensor:
         """This group's heads of a [batch, kv_head, ...] tensor."""
@@ -289,7 +291,8 @@ class _SubsetLayer(_CacheLayer):
         return ok.repeat_interleave(self.n_rep, dim=1)
 
     def after(self, q, K, V, S, ok, scale, start, n):
-        view = Candidates(K, V, S, q, ok, scale, start, n, self.n_rep, self.state, self.entries)
+        view = Candidates(K, V, S, q, ok, scale, start, n, self.n_rep, self.state, self.entries, layer=self.layer,
+                          heads=self.index)
         chosen = self.policy.evict(view)
         if chosen is None:  # every entry stays
             self.k, self.v, self.slots = K, V, S.to(torch.int32)
@@ -355,12 +358,14 @@ class PolicyKVCache(KVCache):
                                          d_head=d_head)
         n_rep = (self._n_heads or kv) // kv
         self.groups: list[list[_CacheLayer]] = []
-        for row in self.policies:
+        for layer, row in enumerate(self.policies):
             by_policy: dict[Policy, list[int]] = {}
             for head, p in enumerate(row):
                 by_policy.setdefault(p, []).append(head)
             self.groups.append([_STORES[p.layout](p, heads, n_rep, kv, batch, max_len, d_head, dtype, device)
                                 for p, heads in by_policy.items()])
+            for g in self.groups[-1]:
+                g.layer = layer
 
     # ---- attention ------------------------------------------------------------------------------
     def append(self, layer, k, v, q=None):
