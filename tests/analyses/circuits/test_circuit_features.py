@@ -24,27 +24,13 @@ from interp.analyses.store import read_table
 from interp.cli import main as cli
 from interp.models.saes import SAE, SAEConfig
 
-from circuit_tasks import add_to_head, by_hand_metric, random_task
+from circuit_tasks import add_to_head, by_hand_metric, cached, metric_of, metric_of_tensor, random_sae, random_task, spliced
 from core_models import OWN_CONFIGS, build
 
 NAMES = sorted(OWN_CONFIGS)
 ZOO_SAE = "attn-only-2l/blocks.1.attn.hook_z"
 
 
-def random_sae(cfg, hook: str, d_sae: int = 24, seed: int = 0, arch: str = "standard") -> SAE:
-    """An SAE with random weights at `hook` of a model of config `cfg`: enough features fire, some do not, and the
-    reconstruction is poor (the error node carries much)."""
-    z = hook.endswith("hook_z")
-    d_in = cfg.n_heads * cfg.d_head if z else cfg.d_model
-    extra = dict(k=4, rescale_acts_by_decoder_norm=True) if arch == "topk" else {}
-    sae = SAE(SAEConfig(architecture=arch, d_in=d_in, d_sae=d_sae, hook_name=hook,
-                        reshape_activations="hook_z" if z else "none", **extra))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in (sae.W_enc, sae.b_enc, sae.W_dec, sae.b_dec):
-            p.copy_(torch.randn(p.shape, generator=g) * 0.4)
-        sae.b_enc.sub_(0.6)  # some features never fire
-    return sae
 
 
 def saes_for(cfg, sites: str = "z,mlp") -> list[SAE]:
@@ -84,8 +70,6 @@ def biases(model, saes, tokens) -> torch.Tensor:
     return total
 
 
-def metric_of(task, logits) -> float:
-    return float(task.metric(logits[task.rows, task.positions], torch.arange(task.n_answers)).double().mean())
 
 
 # ---- the graph --------------------------------------------------------------------------------------------------
@@ -147,7 +131,7 @@ def test_under_sandwich_norms_a_z_feature_is_its_share_of_the_normalised_output(
 
     def share(tokens):
         _, cache = model.run_with_cache(tokens, names_filter=lambda n: n == "blocks.0.ln1_post.hook_scale")
-        acts = _cached(model, sae, tokens, "hook_sae_acts_post")[..., f]
+        acts = cached(model, sae, tokens, "hook_sae_acts_post")[..., f]
         return norm.w * (acts[..., None] * row) / cache["blocks.0.ln1_post.hook_scale"]
 
     change = share(task.corrupted) - share(task.clean)
@@ -160,16 +144,8 @@ def test_under_sandwich_norms_a_z_feature_is_its_share_of_the_normalised_output(
 
 
 # ---- exact patching against the spliced run -----------------------------------------------------------------
-def _spliced(model, sae, tokens, fwd_hooks=()) -> torch.Tensor:
-    with torch.no_grad(), model.saes([sae], use_error_term=True):
-        return model.run_with_hooks(tokens, fwd_hooks=list(fwd_hooks))
 
 
-def _cached(model, sae, tokens, point: str) -> torch.Tensor:
-    with torch.no_grad():
-        _, cache = model.run_with_cache_with_saes(tokens, saes=[sae], use_error_term=True,
-                                                  names_filter=lambda n: n == f"{sae.cfg.hook_name}.{point}")
-    return cache[f"{sae.cfg.hook_name}.{point}"]
 
 
 def _firing(runner, sae) -> list[int]:
@@ -198,8 +174,8 @@ def test_patching_a_feature_or_the_error_node_is_replacing_it_in_the_spliced_run
     runner = Runner(model, task, saes=[sae])
     g = runner.graph
     error = g.sender_kind.index("error")
-    acts = _cached(model, sae, task.corrupted, "hook_sae_acts_post")
-    err = _cached(model, sae, task.corrupted, "hook_sae_error")
+    acts = cached(model, sae, task.corrupted, "hook_sae_acts_post")
+    err = cached(model, sae, task.corrupted, "hook_sae_error")
     nodes = runner.patch_nodes()
     for s in _firing(runner, sae) + [error]:
         f = g.sender_feature[s]
@@ -212,7 +188,7 @@ def test_patching_a_feature_or_the_error_node_is_replacing_it_in_the_spliced_run
             return x
 
         point = f"{hook}.{'hook_sae_error' if f < 0 else 'hook_sae_acts_post'}"
-        want = metric_of(task, _spliced(model, sae, task.clean, [(point, swap)])) - runner.clean_metric
+        want = metric_of(task, spliced(model, sae, task.clean, [(point, swap)])) - runner.clean_metric
         mask = torch.zeros(g.allowed.shape)
         mask[s] = 1
         assert abs(want) > 1e-4, g.senders[s]  # something to compare
@@ -231,8 +207,8 @@ def test_patching_a_feature_edge_into_one_head_is_the_intervention_written_out_b
     g = runner.graph
     s, r = _firing(runner, sae)[0], g.receivers.index("L1H2")
     f = g.sender_feature[s]
-    change = (_cached(model, sae, task.corrupted, "hook_sae_acts_post")[..., f]
-              - _cached(model, sae, task.clean, "hook_sae_acts_post")[..., f])
+    change = (cached(model, sae, task.corrupted, "hook_sae_acts_post")[..., f]
+              - cached(model, sae, task.clean, "hook_sae_acts_post")[..., f])
     row = sae.W_dec[f] / sae.W_dec[f].norm() @ model.blocks[0].attn.W_O_flat  # SAELens: acts / |W_dec row| decoded
     delta = change[..., None] * row
     want = by_hand_metric(model, task, [("blocks.1.hook_q_input", add_to_head(2, delta))], split_qkv=True)
@@ -254,8 +230,6 @@ def test_patching_a_feature_edge_into_one_head_is_the_intervention_written_out_b
     assert float(runner.eap()[s, r]) == pytest.approx(float((delta.detach() * grad).sum()), rel=1e-4, abs=1e-6)
 
 
-def metric_of_tensor(task, logits) -> torch.Tensor:
-    return task.metric(logits[task.rows, task.positions], torch.arange(task.n_answers)).mean()
 
 
 def test_eap_ig_with_many_steps_reaches_exact_patching():
@@ -307,8 +281,8 @@ def test_features_that_never_fire_are_left_out_and_what_they_write_joins_the_err
     sae = random_sae(model.cfg, "blocks.0.attn.hook_z", d_sae=40)
     with torch.no_grad():
         sae.b_enc[::3] = -100.0  # a third never fire
-    on = (_cached(model, sae, task.clean, "hook_sae_acts_post") != 0).flatten(0, -2).any(0)
-    on |= (_cached(model, sae, task.corrupted, "hook_sae_acts_post") != 0).flatten(0, -2).any(0)
+    on = (cached(model, sae, task.clean, "hook_sae_acts_post") != 0).flatten(0, -2).any(0)
+    on |= (cached(model, sae, task.corrupted, "hook_sae_acts_post") != 0).flatten(0, -2).any(0)
     assert 0 < int(on.sum()) < 40  # some fire, some never
     assert fired(model, task, [sae])[0].tolist() == on.tolist()
     kept, every = Runner(model, task, saes=[sae]), Runner(model, task, saes=[sae], all_features=True)
@@ -355,14 +329,14 @@ def test_the_zoo_saes_feature_into_the_logits_is_replaced_as_in_the_spliced_run(
     exact = runner.patch_edges([(s, logits) for s, k in enumerate(g.sender_kind) if k == "feature"])
     s = int(exact[:, logits].abs().argmax())
     f = g.sender_feature[s]
-    acts = _cached(model, sae, task.corrupted, "hook_sae_acts_post")
+    acts = cached(model, sae, task.corrupted, "hook_sae_acts_post")
 
     def swap(x, hook):
         x = x.clone()
         x[..., f] = acts[..., f]
         return x
 
-    want = metric_of(task, _spliced(model, sae, task.clean, [(f"{ZOO_SAE.split('/')[1]}.hook_sae_acts_post", swap)]))
+    want = metric_of(task, spliced(model, sae, task.clean, [(f"{ZOO_SAE.split('/')[1]}.hook_sae_acts_post", swap)]))
     assert float(exact[s, logits]) == pytest.approx(want - runner.clean_metric, abs=1e-4)
     assert abs(float(exact[s, logits])) > 0.05
     top = exact[:, logits].abs().argsort(descending=True)[:5]

@@ -20,9 +20,9 @@ import interp
 from interp.analyses.circuits import Graph, Runner
 from interp.analyses.store import read_table
 from interp.cli import main as cli
-from interp.models.saes import SAE, SAEConfig
 
-from circuit_tasks import add_to_head, by_hand_metric, head_delta, random_task
+from circuit_tasks import (add_to_head, by_hand_metric, cached, head_delta, metric_of, metric_of_tensor, random_sae,
+                           random_task, spliced)
 from core_models import OWN_CONFIGS, build
 
 ZOO_RESID = Path(interp.__file__).resolve().parents[1] / "models/src/zoo/saes/attn-only-2l/blocks.1.hook_resid_pre"
@@ -34,37 +34,14 @@ PLACES = [("learned-layernorm", "blocks.1.hook_resid_pre"), ("learned-layernorm"
           ("no-positions-attn-only", "blocks.1.hook_resid_pre"), ("rotary-rms-swiglu-gqa", "blocks.0.hook_resid_pre")]
 
 
-def random_sae(cfg, hook: str, d_sae: int = 24, seed: int = 0, arch: str = "standard") -> SAE:
-    """An SAE on the residual stream with random weights (test_circuit_features' recipe): enough features fire, some
-    do not, and the reconstruction is poor (the error node carries much); top-k: k=4, rescaled by the decoder norm."""
-    extra = dict(k=4, rescale_acts_by_decoder_norm=True) if arch == "topk" else {}
-    sae = SAE(SAEConfig(architecture=arch, d_in=cfg.d_model, d_sae=d_sae, hook_name=hook, **extra))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in (sae.W_enc, sae.b_enc, sae.W_dec, sae.b_dec):
-            p.copy_(torch.randn(p.shape, generator=g) * 0.4)
-        sae.b_enc.sub_(0.6)  # some features never fire
-    return sae
 
 
-def metric_of_tensor(task, logits) -> torch.Tensor:
-    return task.metric(logits[task.rows, task.positions], torch.arange(task.n_answers)).mean()
 
 
-def metric_of(task, logits) -> float:
-    return float(task.metric(logits[task.rows, task.positions], torch.arange(task.n_answers)).double().mean())
 
 
-def _spliced(model, sae, tokens, fwd_hooks=()) -> torch.Tensor:
-    with torch.no_grad(), model.saes([sae], use_error_term=True):
-        return model.run_with_hooks(tokens, fwd_hooks=list(fwd_hooks))
 
 
-def _cached(model, sae, tokens, point: str) -> torch.Tensor:
-    with torch.no_grad():
-        _, cache = model.run_with_cache_with_saes(tokens, saes=[sae], use_error_term=True,
-                                                  names_filter=lambda n: n == f"{sae.cfg.hook_name}.{point}")
-    return cache[f"{sae.cfg.hook_name}.{point}"]
 
 
 def biases_after(model, hook: str, sae, tokens) -> torch.Tensor:
@@ -147,7 +124,7 @@ def test_senders_add_up_to_the_stream_and_the_clean_run_is_the_spliced_one(name,
     plain = Runner(model, task)
     assert runner.clean_metric == pytest.approx(plain.clean_metric, abs=1e-6)
     assert runner.corrupted_metric == pytest.approx(plain.corrupted_metric, abs=1e-6)
-    assert runner.clean_metric == pytest.approx(metric_of(task, _spliced(model, sae, task.clean)), abs=1e-5)
+    assert runner.clean_metric == pytest.approx(metric_of(task, spliced(model, sae, task.clean)), abs=1e-5)
     assert runner.patched(g.allowed.float()) == pytest.approx(runner.corrupted_metric, abs=1e-4)
     assert runner.patched(torch.zeros(g.allowed.shape)) == runner.clean_metric
 
@@ -165,8 +142,8 @@ def test_patching_a_feature_or_the_error_node_is_replacing_it_in_the_spliced_run
     runner = Runner(model, task, saes=[sae])
     g = runner.graph
     error = g.sender_kind.index("error")
-    acts = _cached(model, sae, task.corrupted, "hook_sae_acts_post")
-    err = _cached(model, sae, task.corrupted, "hook_sae_error")
+    acts = cached(model, sae, task.corrupted, "hook_sae_acts_post")
+    err = cached(model, sae, task.corrupted, "hook_sae_error")
     nodes = runner.patch_nodes()
     for s in _firing(runner) + [error]:
         f = g.sender_feature[s]
@@ -179,7 +156,7 @@ def test_patching_a_feature_or_the_error_node_is_replacing_it_in_the_spliced_run
             return x
 
         point = f"{hook}.{'hook_sae_error' if f < 0 else 'hook_sae_acts_post'}"
-        want = metric_of(task, _spliced(model, sae, task.clean, [(point, swap)])) - runner.clean_metric
+        want = metric_of(task, spliced(model, sae, task.clean, [(point, swap)])) - runner.clean_metric
         mask = torch.zeros(g.allowed.shape)
         mask[s] = 1
         assert abs(want) > 1e-4, g.senders[s]
@@ -202,7 +179,7 @@ def _edge_into_the_cut(model, sae, hook: str, task, delta: torch.Tensor, f: int)
         return x
 
     point = f"{hook}.{'hook_sae_error' if f < 0 else 'hook_sae_acts_post'}"
-    return metric_of(task, _spliced(model, sae, task.clean, [(point, swap)]))
+    return metric_of(task, spliced(model, sae, task.clean, [(point, swap)]))
 
 
 @pytest.mark.parametrize("name, hook, arch", [("learned-layernorm", "blocks.1.hook_resid_pre", "standard"),
@@ -270,8 +247,8 @@ def test_patching_an_edge_out_of_a_feature_into_one_head_is_the_intervention_wri
     g = runner.graph
     s, r = _firing(runner)[0], g.receivers.index("L1H2")
     f = g.sender_feature[s]
-    change = (_cached(model, sae, task.corrupted, "hook_sae_acts_post")[..., f]
-              - _cached(model, sae, task.clean, "hook_sae_acts_post")[..., f])
+    change = (cached(model, sae, task.corrupted, "hook_sae_acts_post")[..., f]
+              - cached(model, sae, task.clean, "hook_sae_acts_post")[..., f])
     delta = change[..., None] * (sae.W_dec[f] / sae.W_dec[f].norm())
     want = by_hand_metric(model, task, [("blocks.1.hook_q_input", add_to_head(2, delta))], split_qkv=True)
     assert abs(want - runner.clean_metric) > 1e-4
@@ -339,7 +316,7 @@ def test_a_cut_composes_with_saes_on_z_and_the_mlp():
     assert runner.patched(g.allowed.float()) == pytest.approx(runner.corrupted_metric, abs=1e-4)
     s = _firing(runner)[0]
     f = g.sender_feature[s]
-    acts = _cached(model, saes[1], task.corrupted, "hook_sae_acts_post")
+    acts = cached(model, saes[1], task.corrupted, "hook_sae_acts_post")
 
     def swap(x, hook):
         x = x.clone()

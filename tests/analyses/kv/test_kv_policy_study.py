@@ -37,6 +37,8 @@ from interp.analyses.kv.policies import (
 from interp.analyses.kv.tasks import retrieval_prompts
 from interp.cli import main as cli
 
+from spies import refuse_loading
+
 REQUIRED = ["policy", "selection", "tokens_per_head", "full_fraction", "seed", "length", "depth", "correct", "n", "accuracy", "perplexity",
             "bytes_per_token"]
 
@@ -268,7 +270,7 @@ def test_the_cli_writes_the_study(tmp_path, capsys):
     ({"--policies": "full,full"}, "listed twice: full"),
 ])
 def test_bad_settings_are_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch, change, message):
-    _no_loading(monkeypatch)
+    refuse_loading(monkeypatch)
     out = tmp_path / "out"
     settings = {"--lengths": "248", "--depths": "0.5", "--prompts": "1", "--seq-len": "128",
                 "--policies": "full", "--out": str(out), **change}
@@ -280,7 +282,7 @@ def test_bad_settings_are_one_line_before_the_model_loads(tmp_path, capsys, monk
 
 
 def test_a_folder_holding_a_users_file_is_refused_and_the_file_untouched(tmp_path, capsys, monkeypatch):
-    _no_loading(monkeypatch)
+    refuse_loading(monkeypatch)
     out = tmp_path / "mine"
     out.mkdir()
     (out / "notes.txt").write_text("my notes")
@@ -290,18 +292,6 @@ def test_a_folder_holding_a_users_file_is_refused_and_the_file_untouched(tmp_pat
     err = capsys.readouterr().err
     assert "already holds files interp did not write (notes.txt)" in err and err.count("\n") == 1, err
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] and (out / "notes.txt").read_text() == "my notes"
-
-
-def _no_loading(monkeypatch):
-    import interp.loading
-    import interp.models.formats.checkpoint
-
-    def refuse(*a, **k):
-        raise AssertionError("the model was loaded before the settings were checked")
-
-    monkeypatch.setattr(interp, "load", refuse)
-    monkeypatch.setattr(interp.loading, "load_checkpoint", refuse)
-    monkeypatch.setattr(interp.models.formats.checkpoint, "load_checkpoint", refuse)
 
 
 # ---- 6. the headline -------------------------------------------------------------------------------

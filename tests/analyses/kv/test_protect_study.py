@@ -15,17 +15,7 @@ from interp.analyses.kv.roles import equal_bytes_budget, equal_bytes_name, equal
 from interp.cli import main as cli
 from interp.models.kv.policies import parse_policy
 
-
-def _no_loading(monkeypatch):
-    import interp.loading
-    import interp.models.formats.checkpoint
-
-    def refuse(*a, **k):
-        raise AssertionError("the model was loaded before the settings were checked")
-
-    monkeypatch.setattr(interp, "load", refuse)
-    monkeypatch.setattr(interp.loading, "load_checkpoint", refuse)
-    monkeypatch.setattr(interp.models.formats.checkpoint, "load_checkpoint", refuse)
+from spies import refuse_loading
 
 
 def test_runs_carry_the_protection_in_label_budget_and_record():
@@ -78,7 +68,7 @@ def test_the_cli_writes_protection_into_settings_and_report(tmp_path, capsys):
     (["select", "--rankings", "random", "--fractions", "0.5", "--equal-bytes", "full+protect(4,9)"], "takes no arguments"),
 ])
 def test_bad_protection_is_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch, argv, message):
-    _no_loading(monkeypatch)
+    refuse_loading(monkeypatch)
     out = tmp_path / "out"
     cmd, *rest = argv
     common = ["--lengths", "248", "--depths", "0.5", "--prompts", "1", "--seq-len", "256", "--out", str(out),
