@@ -50,6 +50,7 @@ import interp
 from interp.analyses import evaldata
 from interp.errors import BadValue, UserError
 from interp.models.saes.formats import sae_cache
+from interp.models.placement.device import to_numpy
 
 ZOO = Path(__file__).resolve().parent
 SEED, HELD_OUT, ZOO_LIMIT = 42, 0.1, 5_000_000
@@ -149,8 +150,8 @@ def cache_activations(model, hooks: dict[str, int], tokens: torch.Tensor, folder
     for i in range(0, n, batch):
         rows_ = order[i: i + batch]
         _, cache = model.run_with_cache(rows_, names_filter=list(hooks), stop_at_layer=stop)
-        shard = {h: cache[h].reshape(len(rows_), context, d).float().numpy() for h, d in hooks.items()}
-        shards.append(Dataset.from_dict({**shard, "token_ids": rows_.to(torch.int32).numpy()}, features=features))
+        shard = {h: to_numpy(cache[h].reshape(len(rows_), context, d), "float32") for h, d in hooks.items()}
+        shards.append(Dataset.from_dict({**shard, "token_ids": to_numpy(rows_, "int32")}, features=features))
         print(f"cached {min(i + batch, n)}/{n} rows, {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     concatenate_datasets(shards).save_to_disk(str(folder))
     return folder
