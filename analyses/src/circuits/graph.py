@@ -62,31 +62,32 @@ class Graph:
         cut = self.cut.names() if self.cut is not None else []
         kv_name = (lambda l, g: f"L{l}H{g}") if KV == H else (lambda l, g: f"L{l}KV{g}")
         receivers, r_input, r_reads, r_layer = [], [], [], []
+
+        def place_cut(names: list[str]) -> list[str]:
+            """The cut's receivers (`names`; none once placed) join here; returns what is left to place: none."""
+            if names:
+                receivers.extend(names)
+                r_input.extend(["-"] * len(names))
+                r_reads.extend([self.cut.stage] * len(names))
+                r_layer.extend([self.cut.layer] * len(names))
+            return []
+
         for l in range(L):
             if cut and self.cut.stage < 2 * l + 1:  # the cut's receivers, where they read
-                receivers, r_input, r_reads, r_layer = (receivers + cut, r_input + ["-"] * len(cut),
-                                                         r_reads + [self.cut.stage] * len(cut),
-                                                         r_layer + [self.cut.layer] * len(cut))
-                cut = []
+                cut = place_cut(cut)
             for kind, n, name in (("q", H, lambda l, h: f"L{l}H{h}"), ("k", KV, kv_name), ("v", KV, kv_name)):
                 receivers += [name(l, i) for i in range(n)]
                 r_input += [kind] * n
                 r_reads += [2 * l + 1] * n
                 r_layer += [l] * n
             if cut and self.cut.stage < 2 * l + 2 and not parallel:  # hook_resid_mid
-                receivers, r_input, r_reads, r_layer = (receivers + cut, r_input + ["-"] * len(cut),
-                                                         r_reads + [self.cut.stage] * len(cut),
-                                                         r_layer + [self.cut.layer] * len(cut))
-                cut = []
+                cut = place_cut(cut)
             if self.has_mlp:
                 receivers.append(f"MLP{l}")
                 r_input.append("-")
                 r_reads.append(2 * l + 1 if parallel else 2 * l + 2)
                 r_layer.append(l)
-        if cut:  # the last block's hook_resid_post
-            receivers, r_input, r_reads, r_layer = (receivers + cut, r_input + ["-"] * len(cut),
-                                                     r_reads + [self.cut.stage] * len(cut),
-                                                     r_layer + [self.cut.layer] * len(cut))
+        place_cut(cut)  # the last block's hook_resid_post, if not placed yet
         receivers.append("logits")
         r_input.append("-")
         r_reads.append(2 * L + 1)
@@ -126,11 +127,15 @@ class Graph:
             stages.extend([stage] * len(names))
 
         cut = self.cut
+
+        def add_cut() -> None:
+            add(cut.names(), cut.layer, ["feature"] * len(cut.features) + ["error"], cut.stage, cut.writes_at,
+                self.saes.index(cut), cut.features)
+
         for l in range(self.n_layers):
             for component, stage in (("attn", 2 * l + 1), ("mlp", 2 * l + 2)):
                 if cut is not None and cut.stage < stage:  # the cut's senders, where they write
-                    add(cut.names(), cut.layer, ["feature"] * len(cut.features) + ["error"], cut.stage,
-                        cut.writes_at, self.saes.index(cut), cut.features)
+                    add_cut()
                     cut = None
                 if component == "mlp" and not self.has_mlp:
                     continue
@@ -143,8 +148,7 @@ class Graph:
                 else:
                     add([f"MLP{l}"], l, "mlp", stage, f"blocks.{l}.hook_mlp_out")
         if cut is not None:  # the last block's hook_resid_post
-            add(cut.names(), cut.layer, ["feature"] * len(cut.features) + ["error"], cut.stage, cut.writes_at,
-                self.saes.index(cut), cut.features)
+            add_cut()
         return stages
 
     def _owners(self) -> list[list[int]]:

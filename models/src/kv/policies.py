@@ -29,7 +29,7 @@ import dataclasses
 import inspect
 import re
 from dataclasses import dataclass, field
-from typing import ClassVar, Mapping, NamedTuple, Sequence, Union
+from typing import ClassVar, Mapping, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,9 @@ from torch import Tensor
 from interp.kernels.kv_quant import bytes_per_vector
 
 from interp.errors import BadValue
+
+from .candidates import Candidates, Selection, keep_top
+from .protect import Protect, protect_boundaries
 
 _REGISTRY: dict[str, type["Policy"]] = {}
 
@@ -183,168 +186,8 @@ def _divisor(d: int) -> int:
     return max(g for g in (8, 16, 32, 64) if d % g == 0) if d % 8 == 0 else 1
 
 
-# ---- a subset of the tokens --------------------------------------------------------------------------
-class Selection(NamedTuple):
-    """Which entries a head keeps: `index` [b, g, c] into the entries (slot order), and `kept` [b, g, c]
-    (False: the place is padding, its slot becomes -1); None when every chosen entry is kept."""
-
-    index: Tensor
-    kept: Tensor | None = None
-
-
-@dataclass
-class Candidates:
-    """What a subset policy chooses among: one layer's KV heads that share it, after an attention call (the
-    entries held before the call, then the call's own).
-
-    keys, values  [b, g, m, d]  the entries held before the call, then the call's own
-    slots         [b, g, m]     each entry's cache slot (its token's index); -1 for padding
-    queries       [b, g * n_rep, n, d]  the call's queries (None where the policy does not read them)
-    visible       [b, g, n, m]  which entries each of the call's queries saw, or a function (a, b) -> its rows
-                  [b, g, b - a, m] for query rows a..b-1 (a whole prompt absorbed at once: [n, n] would be
-                  8 GiB of positions at 32k tokens, so the rows are made as `attention` reads them)
-    start, n      the call's first slot and its number of tokens
-    state         the policy's own values for these heads, kept across calls (SnapKV's "done")
-    entries       per-entry values [b, g, m] kept beside each entry (H2O's scores): gathered with the
-                  entries that stay; earlier ones are padded with zeros for the call's new entries
-    layer, heads  the layer and its KV heads [g] these entries belong to (random's seed per head)
-    """
-
-    keys: Tensor
-    values: Tensor
-    slots: Tensor
-    queries: Tensor | None
-    visible: "Tensor | Callable[[int, int], Tensor] | None"
-    scale: float
-    start: int
-    n: int
-    n_rep: int
-    state: dict = field(default_factory=dict)
-    entries: dict = field(default_factory=dict)
-    layer: int = 0
-    heads: Tensor | None = None
-
-    @property
-    def last(self) -> int:
-        """The slot of the call's last token."""
-        return self.start + self.n - 1
-
-    @property
-    def valid(self) -> Tensor:
-        return self.slots >= 0
-
-    def recent(self, w: int) -> Tensor:
-        """bool [b, g, m]: real entries among the last `w` slots."""
-        return self.valid & (self.slots > self.last - w)
-
-    def entry(self, name: str) -> Tensor | None:
-        """A per-entry value kept from earlier calls, with zeros for this call's entries ([b, g, m]); None at first."""
-        old = self.entries.get(name)
-        if old is None:
-            return None
-        return torch.cat([old, old.new_zeros(*old.shape[:2], self.slots.shape[-1] - old.shape[-1])], dim=2)
-
-    def attention(self, last: int | None = None) -> Tensor:
-        """float32 [b, g, m]: the attention each entry receives from the call's queries (the `last` ones, or all),
-        softmax over what each saw, summed over those queries and the KV head's query heads."""
-        if self.queries is None:
-            raise BadValue("this policy reads the queries' attention, but the call gave none (a prefill absorbed "
-                           "from a cache made without capture_queries=True)")
-        first = 0 if last is None else max(0, self.queries.shape[2] - last)
-        q = self.queries[:, :, first:]
-        b, hq, nq, _ = q.shape
-        g, m = self.keys.shape[1], self.keys.shape[2]
-        K = self.keys.repeat_interleave(self.n_rep, dim=1)
-        total = torch.zeros(b, g, m, device=q.device)
-        step = max(1, (1 << 22) // max(1, b * hq * m))  # scores of at most 4M floats at a time
-        for a in range(0, nq, step):
-            rows = (self.visible(first + a, first + min(a + step, nq)) if callable(self.visible)
-                    else self.visible[:, :, first + a : first + a + step])
-            hidden = ~rows.repeat_interleave(self.n_rep, dim=1) if rows.shape[1] > 1 else ~rows
-            s = torch.matmul(q[:, :, a : a + step], K.transpose(-1, -2)).float().mul_(self.scale)
-            s.masked_fill_(hidden, float("-inf"))
-            total += torch.softmax(s, dim=-1).sum(2).view(b, g, self.n_rep, m).sum(2)
-        return total
-
-
-
-
-def keep_top(priority: Tensor, cap: int) -> Selection:
-    """The shared keep/evict step: per head, the `cap` entries of highest priority, in slot order; an entry of
-    priority -inf is never kept (where fewer than `cap` are eligible, the rest of the places are padding)."""
-    c = min(cap, priority.shape[-1])
-    index = priority.topk(c, dim=-1).indices.sort(dim=-1).values
-    kept = priority.gather(-1, index) > float("-inf")
-    return Selection(index, None if bool(kept.all()) else kept)
-
-
+# ---- a subset of the tokens: what a policy chooses among (candidates.py), its boundaries (protect.py) ----
 _INF = float("inf")
-
-
-@dataclass(frozen=True)
-class Protect:
-    """Boundary protection ("Protection is (nearly) all you need", arXiv 2605.18053): the first `first` and the
-    last `last` tokens (by slot = position) are never evicted, or `fraction` of the policy's budget split
-    between them: t = round(fraction x budget) entries (at least 1), the first max(1, t // 3) and the last
-    the rest (h2o(132)+protect(10%): 13 entries, the first 4 and the last 9). Protected entries count inside
-    the budget: the policy holds as many entries (and bytes) as without. Written `+protect(first,last)` or
-    `+protect(10%)` (or `+protect(0.1)`) after an eviction policy: `h2o(132)+protect(4,9)`."""
-
-    first: int | None = None
-    last: int | None = None
-    fraction: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.fraction is not None:
-            if self.first is not None or self.last is not None:
-                raise BadValue("protect takes two counts, protect(first,last), or one fraction, protect(10%): not both")
-            if not 0 < self.fraction < 1:  # nan fails too
-                raise BadValue(f"protect({self.fraction:g}): a fraction of the budget must be between 0 and 1 "
-                               "(exclusive), e.g. protect(10%) or protect(0.1); or give counts, protect(4,9)")
-            return
-        for what, n in (("first", self.first), ("last", self.last)):
-            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-                raise BadValue(f"protect: the count of {what} tokens must be a whole number >= 0, got {n!r}; "
-                               "e.g. protect(4,9) or protect(10%)")
-
-    @property
-    def spelled(self) -> str:
-        if self.fraction is not None:
-            return f"protect({round(self.fraction * 100, 6):g}%)"
-        return f"protect({self.first},{self.last})"
-
-    def counts(self, budget: int) -> tuple[int, int]:
-        """(first, last): the tokens protected at each end for a policy of `budget` entries per head."""
-        if self.fraction is None:
-            return self.first, self.last
-        t = max(1, round(self.fraction * budget))
-        first = max(1, t // 3)
-        return first, t - first
-
-    @classmethod
-    def parse(cls, text: str, spec: str) -> "Protect":
-        """From "protect(4,9)", "protect(10%)" or "protect(0.1)" (`spec`: the whole policy name, for errors)."""
-        m = re.fullmatch(r"\s*protect\s*\(([^()]*)\)\s*", text.lower())
-        if not m:
-            raise BadValue(f"KV-cache policy {spec!r}: after '+' write protect(first,last) or protect(10%), "
-                           "e.g. h2o(132)+protect(4,9)")
-        args = [a.strip() for a in m.group(1).split(",")]
-        usage = (f"KV-cache policy {spec!r}: write protect(first,last) with two whole numbers, or protect(10%) / "
-                 "protect(0.1) with one fraction of the budget")
-        if len(args) == 2:
-            if not all(re.fullmatch(r"[+-]?[0-9]+", a) for a in args):
-                raise BadValue(usage)
-            first, last = (int(a) for a in args)
-            if min(first, last) < 0:
-                raise BadValue(f"KV-cache policy {spec!r}: a protected count cannot be negative; write "
-                               "protect(first,last) with whole numbers >= 0, e.g. protect(4,9)")
-            return cls(first, last)
-        a = args[0] if len(args) == 1 else ""
-        try:
-            fraction = float(a[:-1]) / 100 if a.endswith("%") else float(a)
-        except ValueError:
-            raise BadValue(usage) from None
-        return cls(fraction=fraction)
 
 
 @dataclass(frozen=True)
@@ -419,15 +262,6 @@ class SubsetPolicy(Policy):
     def theory_bytes(self, *, d_head, length, dtype_bytes):
         per_entry = 2 * d_head * dtype_bytes + 4 + 4 * len(self.entry_names)  # keys, values, slot, extras
         return min(self.budget, length) * per_entry / length
-
-
-def protect_boundaries(prio: Tensor, view: Candidates, first: int, last: int) -> Tensor:
-    """`prio` [b, g, m] with the held entries at slots < `first` and the last `last` slots of the call raised
-    to +inf, and the policy's own +inf lowered to the largest finite float: protected entries are kept before
-    anything the policy itself always keeps (H2O's recent window), so `keep_top` never drops one."""
-    guard = view.valid & ((view.slots < first) | view.recent(last))
-    prio = torch.where(prio == _INF, torch.finfo(prio.dtype).max, prio)
-    return torch.where(guard, _INF, prio)
 
 
 @dataclass(frozen=True)
