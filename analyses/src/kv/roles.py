@@ -25,8 +25,8 @@ Per KV head (GQA): the max over the query heads that share it (`<score>` columns
 
 Selections (`selection_runs`): for each ranking and each fraction f of the KV heads, the top
 k = round(f x KV heads) kept `full` and the rest `streaming(sinks, window)`; "random": k heads drawn
-per seed. `equal_bytes_runs`: SnapKV (or H2O) on every head with the per-head token budget that holds
-the same bytes per token as such a selection at a given prompt length.
+per seed. `equal_bytes_runs`: one budget policy (SnapKV, H2O, TOVA, ..., protected or not) on every head with
+the per-head token budget that holds the same bytes per token as such a selection at a given prompt length.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from another seed than the evaluation's, the static score from the weights alone
 (`static_scores`: no forward pass; NaN without RoPE), RazorAttention's echo and induction, the
 streaming loss of each KV head, DuoAttention's gates); build the selections (top-k KV heads full,
 the rest streaming(sinks, window), k at each fraction of the KV heads, against random draws and
-SnapKV at the same bytes); measure every selection's passkey accuracy, perplexity and bytes per
+one policy on every head at the same bytes: `--equal-bytes`, SnapKV by default); measure every selection's passkey accuracy, perplexity and bytes per
 token (`policies`). Writes kv_policies.parquet, kv_head_roles.parquet (one row per query head, the
 KV head's scores beside it; static, low_freq_share and effective_rank from the weights),
 kv_passkey_answers.parquet, kv_gates_curve.parquet (when gates are trained), settings.json,
@@ -183,8 +183,8 @@ class RolesSettings(RetrievalSettings):
     """selections: rankings from `roles.RANKINGS` (and "random"); fractions: of the KV heads kept full;
     selection_seeds: random draws per fraction; the rest of the heads streaming(sinks, window); n_scoring:
     prompts that score retrieval heads (keys from another seed); DuoAttention's gates trained for
-    `gate_steps` (capped at `gate_seconds` when given); `equal_bytes`: SnapKV (or H2O) on every head at
-    each selection's bytes (None: not compared)."""
+    `gate_steps` (capped at `gate_seconds` when given); `equal_bytes`: a budget policy (snapkv, h2o, tova,
+    ..., with any '+' setting: "tova+protect(10%)") on every head at each selection's bytes (None: not compared)."""
 
     selections: tuple[str, ...] = ("retrieval", "razor", "loss", "gates", "random")
     fractions: tuple[float, ...] = (0.1, 0.25, 0.5)
@@ -241,13 +241,13 @@ class RolesStudy(Study):
         if "loss" in s.selections:
             check_int("--loss-tokens", s.loss_tokens, minimum=s.sinks + s.window + 2,
                       hint=f"the loss ranking scores the tokens past sinks + window = {s.sinks + s.window}")
-        if s.equal_bytes:  # SnapKV at the selections' bytes: its budget must fit the perplexity text too
+        if s.equal_bytes:  # the policy at the selections' bytes: its budget must fit the perplexity text too
             need = max(equal_bytes_budget(f, n, s.sinks, s.window) for f in s.fractions for n in s.lengths)
             low = min(equal_bytes_budget(f, n, s.sinks, s.window) for f in s.fractions for n in s.lengths)
             for budget in {low, need}:  # the method's name and its protect setting, at the budgets it runs at
                 parse_policy(equal_bytes_name(s.equal_bytes, budget))
             if need > s.data.length:
-                raise ValueError(f"--select compares SnapKV at the selections' bytes, {need} tokens per head at the "
+                raise ValueError(f"--equal-bytes compares {s.equal_bytes} at the selections' bytes, {need} tokens per head at the "
                                  f"longest length and largest fraction, more than the {s.data.length}-token perplexity "
                                  f"text holds: pass --seq-len {need} or more, or shorter --lengths or smaller "
                                  "--fractions")
@@ -288,7 +288,8 @@ class RolesStudy(Study):
     def sections(self, s: RolesSettings, m: RolesMeasured, record) -> list[Section]:
         cells, summary = m["kv_policies"], m.summary
         sections = roles_sections(s.model, cells, summary, m.query, m.roles, m.get("kv_gates_curve"), s.sinks,
-                                  s.window, gate_steps=s.gate_steps, gate_seconds=s.gate_seconds)
+                                  s.window, gate_steps=s.gate_steps, gate_seconds=s.gate_seconds,
+                                  equal_bytes=s.equal_bytes)
         if (n := record.get("loss_tokens")) is not None:
             sections[2].add(f"The streaming-loss ranking reads the perplexity text's first {n} tokens (the loss of the "
                             f"{n - s.sinks - s.window - 1} tokens predicted past sinks + window): a ranking that decides "
@@ -314,8 +315,9 @@ def selection_table(cells: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def roles_headline(name, cells, roles, query, sinks, window) -> list[str]:
+def roles_headline(name, cells, roles, query, sinks, window, equal_bytes: str | None = None) -> list[str]:
     table = selection_table(cells)
+    same = table[table["selection"] == equal_bytes] if equal_bytes else table.iloc[:0]
     full = table[table["selection"] == "full"]
     lines = []
     for length in sorted(table["length"].unique()):
@@ -332,7 +334,10 @@ def roles_headline(name, cells, roles, query, sinks, window) -> list[str]:
             n = int(at["n_per_run"].max())
             rnd = here[(here["selection"] == "random") & (here["full_fraction"] == share)]
             rnd_text = (f"; random {int(rnd['worst_run'].iloc[0])}-{int(rnd['best_run'].iloc[0])}") if len(rnd) else ""
-            parts.append(f"{share:.0%}: {best} {accuracy_label(top, n)}{rnd_text}")
+            eq = same[(same["full_fraction"] == share) & (same["length"] == length)]
+            eq_text = (f"; {equal_bytes} on every head at the same bytes "
+                       f"{accuracy_label(int(eq['correct'].iloc[0]), int(eq['n'].iloc[0]))}") if len(eq) else ""
+            parts.append(f"{share:.0%}: {best} {accuracy_label(top, n)}{rnd_text}{eq_text}")
             if enough is None and fk and top >= 0.8 * fk * n / fn:
                 enough = (share, best, top, n)
         lines.append(f"At {length} tokens the full cache finds {accuracy_label(fk, fn)} keys and every head "
@@ -391,17 +396,19 @@ def static_sentence(query: pd.DataFrame, roles: pd.DataFrame) -> str | None:
 
 
 def roles_sections(name, cells, summary, query, roles, curve, sinks, window, *, gate_steps=None,
-                   gate_seconds=None) -> list[Section]:
+                   gate_seconds=None, equal_bytes: str | None = "snapkv") -> list[Section]:
     cut = gate_cut(curve, gate_steps, gate_seconds)
     static = static_sentence(query, roles)
-    s = Section("summary", "Summary").add(*roles_headline(name, cells, roles, query, sinks, window), static, cut)
+    s = Section("summary", "Summary").add(*roles_headline(name, cells, roles, query, sinks, window, equal_bytes),
+                                         static, cut)
     sel = selection_table(cells)
     sel = sel.assign(passkey=[accuracy_label(c, n) for c, n in zip(sel["correct"], sel["n"])],
                      bytes_per_token=sel["bytes_per_token"].round(0).astype(int))
     table = Section("selections", "Selections at equal shares of KV heads kept full").add(
         f"Top-k KV heads by each ranking kept full, the rest streaming({sinks},{window}); random: k heads per seed "
-        "(passkey summed over seeds; best_run / worst_run are single seeds); SnapKV on every head with the per-head "
-        "budget of the same bytes per token. Accuracy as k of n.",
+        "(passkey summed over seeds; best_run / worst_run are single seeds)"
+        + (f"; {equal_bytes} on every head with the per-head budget of the same bytes per token" if equal_bytes
+           else "") + ". Accuracy as k of n.",
         sel[["selection", "full_fraction", "length", "passkey", "best_run", "worst_run", "n_per_run", "bytes_per_token"]],
         png(plots.selection_curves(sel), "kv_selections.png"))
     cols = [c for c in ("retrieval", "echo", "induction", "razor", "sink", "static") if c in query.columns]

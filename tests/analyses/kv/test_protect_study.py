@@ -78,3 +78,25 @@ def test_bad_protection_is_one_line_before_the_model_loads(tmp_path, capsys, mon
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert message in err, err
     assert not out.exists()
+
+
+def test_the_roles_report_names_the_policy_it_compares_at_the_same_bytes():
+    """`kv select --equal-bytes 'tova+protect(10%)'`: the summary and the selections' table name TOVA, protected, and
+    its count beside the rankings at each share (it said "SnapKV" whatever was compared)."""
+    from interp.analyses.kv.roles_study import roles_headline, roles_sections
+
+    def cell(policy, selection, share, correct):
+        return dict(policy=policy, selection=selection, full_fraction=share, length=1024, correct=correct, n=4,
+                    bytes_per_token=100.0)
+
+    cells = pd.DataFrame([cell("full", "full", 1.0, 4), cell("streaming(4,128)", "streaming", 0.0, 0),
+                          cell("razor 9/90", "razor", 0.1, 1), cell("random#0 9/90", "random", 0.1, 0),
+                          cell("tova(529)+protect(10%) ~0.1@1024", "tova+protect(10%)", 0.1, 3)])
+    query = pd.DataFrame(dict(layer=[0, 0, 1], head=[0, 1, 0], kv_head=[0, 0, 0], retrieval=[0.5, 0.0, 0.2],
+                              induction=[0.1, 0.9, 0.3]))
+    lines = roles_headline("m", cells, query, query, 4, 128, "tova+protect(10%)")
+    assert "10%: razor 1 of 4; random 0-0; tova+protect(10%) on every head at the same bytes 3 of 4" in lines[0]
+    assert "same bytes" not in roles_headline("m", cells, query, query, 4, 128, None)[0]
+    summary, table = roles_sections("m", cells, None, query, query, None, 4, 128, equal_bytes="tova+protect(10%)")[:2]
+    text = " ".join(b for b in table.blocks if isinstance(b, str))
+    assert "tova+protect(10%) on every head" in text and "SnapKV" not in text
