@@ -28,7 +28,8 @@ from .features import FeatureNodes, check_saes, feature_nodes, fired
 from .graph import FRACTIONS, Graph, Task, select
 from .layered import layered_attribution
 from .passes import Corrupted, LeanDifferences, Stacked, _Pass, _Patching, graph_mode
-from .qk import parse_head, qk_attribution
+from .head_names import parse_head
+from .qk import qk_attribution
 
 
 # bytes of the whole graph's receiver gradients past which attribution goes block by block: at 1,021 tokens on

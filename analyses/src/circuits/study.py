@@ -33,7 +33,8 @@ from .._common import spearman
 from .graph import IG_ON, METHODS, SELECTIONS, Graph, Task, areas, curve_fractions, select
 from .positions import check_mode as check_positions, measure as measure_positions, positions_for
 from .positions import record as position_record
-from .qk import check_model, parse_head, parse_heads
+from .head_names import parse_head, parse_heads
+from .qk import check_model
 from .cost import PATTERN_MAX, duration, estimate, machine_flops
 from .features import check_saes, sae_config
 from .runner import IG_POINTS, LAYERED_ABOVE, Runner, faithfulness_curve, steps_refused

@@ -14,7 +14,8 @@ import torch
 
 import interp
 from interp.analyses.circuits import Runner
-from interp.analyses.circuits.qk import parse_heads, qk_attribution
+from interp.analyses.circuits.head_names import parse_heads
+from interp.analyses.circuits.qk import qk_attribution
 from interp.analyses.circuits.tasks import file_task, induction_task, read_task_file, tensor_task
 from interp.cli import main as cli
 

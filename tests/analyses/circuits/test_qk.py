@@ -13,7 +13,8 @@ import torch
 
 import interp
 from interp.analyses.circuits import Runner
-from interp.analyses.circuits.qk import qk_attribution, parse_heads
+from interp.analyses.circuits.head_names import parse_heads
+from interp.analyses.circuits.qk import qk_attribution
 from interp.analyses.store import read_table
 from interp.cli import main as cli
 
