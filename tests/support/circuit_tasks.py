@@ -59,8 +59,7 @@ def run_hooked(model, tokens: torch.Tensor, fwd_hooks=(), split_qkv: bool = Fals
 
 def by_hand_metric(model, task: Task, fwd_hooks=(), split_qkv: bool = False) -> float:
     """The task's metric from a whole forward of the clean prompts, with `fwd_hooks` (`run_hooked`)."""
-    logits = run_hooked(model, task.clean, fwd_hooks, split_qkv)
-    return float(task.metric(logits[task.rows, task.positions], torch.arange(task.n_answers)).double().mean())
+    return metric_of(task, run_hooked(model, task.clean, fwd_hooks, split_qkv))
 
 
 # ---- SAE features in the graph (test_circuit_features, test_circuit_resid_features) --------------------------

@@ -63,31 +63,32 @@ class Graph:
         kv_name = (lambda l, g: f"L{l}H{g}") if KV == H else (lambda l, g: f"L{l}KV{g}")
         receivers, r_input, r_reads, r_layer = [], [], [], []
 
-        def place_cut(names: list[str]) -> list[str]:
-            """The cut's receivers (`names`; none once placed) join here; returns what is left to place: none."""
-            if names:
-                receivers.extend(names)
-                r_input.extend(["-"] * len(names))
-                r_reads.extend([self.cut.stage] * len(names))
-                r_layer.extend([self.cut.layer] * len(names))
-            return []
+        def place_cut(names: list[str]) -> None:
+            """The cut's receivers (`names`) join here."""
+            receivers.extend(names)
+            r_input.extend(["-"] * len(names))
+            r_reads.extend([self.cut.stage] * len(names))
+            r_layer.extend([self.cut.layer] * len(names))
 
         for l in range(L):
             if cut and self.cut.stage < 2 * l + 1:  # the cut's receivers, where they read
-                cut = place_cut(cut)
+                place_cut(cut)
+                cut = []
             for kind, n, name in (("q", H, lambda l, h: f"L{l}H{h}"), ("k", KV, kv_name), ("v", KV, kv_name)):
                 receivers += [name(l, i) for i in range(n)]
                 r_input += [kind] * n
                 r_reads += [2 * l + 1] * n
                 r_layer += [l] * n
             if cut and self.cut.stage < 2 * l + 2 and not parallel:  # hook_resid_mid
-                cut = place_cut(cut)
+                place_cut(cut)
+                cut = []
             if self.has_mlp:
                 receivers.append(f"MLP{l}")
                 r_input.append("-")
                 r_reads.append(2 * l + 1 if parallel else 2 * l + 2)
                 r_layer.append(l)
-        place_cut(cut)  # the last block's hook_resid_post, if not placed yet
+        if cut:  # the last block's hook_resid_post
+            place_cut(cut)
         receivers.append("logits")
         r_input.append("-")
         r_reads.append(2 * L + 1)

@@ -125,7 +125,7 @@ def protected_counts(runs: Sequence[PolicyRun]) -> dict[str, list[int]]:
 
 def protect_sentence(labels: Sequence[str]) -> str | None:
     """The report's line on boundary protection: which policies hold their first and last tokens, how many."""
-    parts = []
+    parts, protecting = [], False
     for label in dict.fromkeys(labels):
         try:
             p = parse_policy(label)
@@ -134,9 +134,10 @@ def protect_sentence(labels: Sequence[str]) -> str | None:
         if isinstance(p, SubsetPolicy) and p.protect is not None:
             first, last = p.protected
             parts.append(f"{label} never evicts its first {first} and last {last} tokens (inside its {p.budget})")
+            protecting = True
         elif isinstance(p, SubsetPolicy) and p.protectable:
             parts.append(f"{label} protects nothing")
-    if not any("never evicts" in x for x in parts):
+    if not protecting:
         return None
     return "Boundary protection (arXiv 2605.18053): " + "; ".join(parts) + "."
 

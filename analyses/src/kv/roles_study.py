@@ -6,8 +6,8 @@ from another seed than the evaluation's, the static score from the weights alone
 (`static_scores`: no forward pass; NaN without RoPE), RazorAttention's echo and induction, the
 streaming loss of each KV head, DuoAttention's gates); build the selections (top-k KV heads full,
 the rest streaming(sinks, window), k at each fraction of the KV heads, against random draws and
-one policy on every head at the same bytes: `--equal-bytes`, SnapKV by default); measure every selection's passkey accuracy, perplexity and bytes per
-token (`policies`). Writes kv_policies.parquet, kv_head_roles.parquet (one row per query head, the
+one policy on every head at the same bytes: `--equal-bytes`, SnapKV by default); measure every
+selection's passkey accuracy, perplexity and bytes per token (`policies`). Writes kv_policies.parquet, kv_head_roles.parquet (one row per query head, the
 KV head's scores beside it; static, low_freq_share and effective_rank from the weights),
 kv_passkey_answers.parquet, kv_gates_curve.parquet (when gates are trained), settings.json,
 report.html / report.md and figures/.
@@ -242,15 +242,15 @@ class RolesStudy(Study):
             check_int("--loss-tokens", s.loss_tokens, minimum=s.sinks + s.window + 2,
                       hint=f"the loss ranking scores the tokens past sinks + window = {s.sinks + s.window}")
         if s.equal_bytes:  # the policy at the selections' bytes: its budget must fit the perplexity text too
-            need = max(equal_bytes_budget(f, n, s.sinks, s.window) for f in s.fractions for n in s.lengths)
-            low = min(equal_bytes_budget(f, n, s.sinks, s.window) for f in s.fractions for n in s.lengths)
-            for budget in {low, need}:  # the method's name and its protect setting, at the budgets it runs at
+            budgets = {equal_bytes_budget(f, n, s.sinks, s.window) for f in s.fractions for n in s.lengths}
+            need = max(budgets)
+            for budget in {min(budgets), need}:  # the method's name and its protect setting, at the budgets it runs at
                 parse_policy(equal_bytes_name(s.equal_bytes, budget))
             if need > s.data.length:
-                raise ValueError(f"--equal-bytes compares {s.equal_bytes} at the selections' bytes, {need} tokens per head at the "
-                                 f"longest length and largest fraction, more than the {s.data.length}-token perplexity "
-                                 f"text holds: pass --seq-len {need} or more, or shorter --lengths or smaller "
-                                 "--fractions")
+                raise ValueError(f"--equal-bytes compares {s.equal_bytes} at the selections' bytes, {need} tokens per "
+                                 f"head at the longest length and largest fraction, more than the {s.data.length}-token "
+                                 f"perplexity text holds: pass --seq-len {need} or more, or shorter --lengths or "
+                                 "smaller --fractions")
         return s, notes
 
     def measure(self, model, s: RolesSettings, stage):

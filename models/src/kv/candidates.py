@@ -95,8 +95,6 @@ class Candidates:
         return total
 
 
-
-
 def keep_top(priority: Tensor, cap: int) -> Selection:
     """The shared keep/evict step: per head, the `cap` entries of highest priority, in slot order; an entry of
     priority -inf is never kept (where fewer than `cap` are eligible, the rest of the places are padding)."""

@@ -108,14 +108,13 @@ class _CacheLayer:
 
     contiguous = True  # holds every slot in order, so the model's own mask applies
 
-    def __init__(self, policy: Policy, heads: list[int], n_rep: int, n_kv: int, batch: int, max_len: int,
+    def __init__(self, policy: Policy, layer: int, heads: list[int], n_rep: int, n_kv: int, batch: int, max_len: int,
                  d_head: int, dtype: torch.dtype, device) -> None:
-        self.policy, self.heads, self.n_rep = policy, heads, n_rep
+        self.policy, self.layer, self.heads, self.n_rep = policy, layer, heads, n_rep  # layer: a seeded policy's draw
         self.all_heads = heads == list(range(n_kv))
         self.index = torch.tensor(heads, device=device)
         self.q_index = torch.tensor([h * n_rep + r for h in heads for r in range(n_rep)], device=device)
         self.batch, self.max_len, self.d_head, self.dtype, self.device = batch, max_len, d_head, dtype, device
-        self.layer = 0  # set by PolicyKVCache: the layer these heads belong to (a seeded policy's per-head draw)
 
     def mine(self, x: Tensor) -> Tensor:
         """This group's heads of a [batch, kv_head, ...] tensor."""
@@ -362,10 +361,8 @@ class PolicyKVCache(KVCache):
             by_policy: dict[Policy, list[int]] = {}
             for head, p in enumerate(row):
                 by_policy.setdefault(p, []).append(head)
-            self.groups.append([_STORES[p.layout](p, heads, n_rep, kv, batch, max_len, d_head, dtype, device)
+            self.groups.append([_STORES[p.layout](p, layer, heads, n_rep, kv, batch, max_len, d_head, dtype, device)
                                 for p, heads in by_policy.items()])
-            for g in self.groups[-1]:
-                g.layer = layer
 
     # ---- attention ------------------------------------------------------------------------------
     def append(self, layer, k, v, q=None):
